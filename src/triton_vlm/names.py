@@ -1,0 +1,161 @@
+"""Every Triton tensor name of the model repository, declared once.
+
+The ensemble interface follows NVIDIA TensorRT-LLM's ensemble (`text_input`, `max_tokens`, ...), so existing
+Triton LLM clients work unchanged; `images` is our addition. Internal tensors connect the ensemble steps
+(preprocess -> vision -> llm). `tests/test_names.py` checks every `config.pbtxt` and the client against this
+module, so a name or type changes here or nowhere.
+
+Dims exclude the batch dimension (every model has `max_batch_size` > 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Triton data types as the client names them; `config.pbtxt` uses "TYPE_" + these, except BYTES -> TYPE_STRING.
+BYTES, BOOL, INT32, UINT64, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP32"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+    default: object = None
+    doc: str = ""
+
+    @property
+    def pbtxt_type(self) -> str:
+        return "TYPE_STRING" if self.dtype == BYTES else f"TYPE_{self.dtype}"
+
+
+def _in(name, dtype, dims=(1,), default=None, doc="", optional=True):
+    return TensorSpec(name, dtype, tuple(dims), optional, default, doc)
+
+
+# --- names (use these constants in code, never string literals) -----------------------------------------
+TEXT_INPUT = "text_input"
+MAX_TOKENS = "max_tokens"
+IMAGES = "images"
+BEAM_WIDTH = "beam_width"
+NUM_RETURN_SEQUENCES = "num_return_sequences"
+LENGTH_PENALTY = "length_penalty"
+EARLY_STOPPING = "early_stopping"
+MIN_TOKENS = "min_tokens"
+MIN_LENGTH = "min_length"  # older TensorRT-LLM name of min_tokens
+REPETITION_PENALTY = "repetition_penalty"
+NO_REPEAT_NGRAM_SIZE = "no_repeat_ngram_size"
+BAD_WORDS = "bad_words"
+STOP_WORDS = "stop_words"
+END_ID = "end_id"
+PAD_ID = "pad_id"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+SEED = "seed"
+RANDOM_SEED = "random_seed"  # older TensorRT-LLM name of seed
+RETURN_LOG_PROBS = "return_log_probs"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+STREAM = "stream"
+
+TEXT_OUTPUT = "text_output"
+OUTPUT_IDS = "output_ids"
+SEQUENCE_LENGTH = "sequence_length"
+CUM_LOG_PROBS = "cum_log_probs"
+OUTPUT_LOG_PROBS = "output_log_probs"
+BATCH_INDEX = "batch_index"
+SEQUENCE_INDEX = "sequence_index"
+DROPPED_IMAGES = "dropped_images"
+
+# internal tensors between ensemble steps
+INPUT_IDS = "input_ids"
+PIXEL_VALUES = "pixel_values"
+IMAGE_EMBEDS = "image_embeds"
+BAD_WORDS_IDS = "bad_words_ids"
+STOP_WORDS_IDS = "stop_words_ids"
+
+# early_stopping on the wire (HF's True / False / "never")
+EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, EARLY_STOPPING_NEVER = 0, 1, 2
+
+# --- the generation parameters, passed unchanged from the ensemble to the llm model ---------------------------
+GENERATION_INPUTS: tuple[TensorSpec, ...] = (
+    _in(MAX_TOKENS, INT32, optional=False, doc="maximum number of new tokens (required)"),
+    _in(BEAM_WIDTH, INT32, default=1, doc="number of beams; 1 = greedy or sampling"),
+    _in(NUM_RETURN_SEQUENCES, INT32, default=1, doc="sequences returned, best first; <= beam_width when beam_width > 1"),
+    _in(LENGTH_PENALTY, FP32, default=1.0, doc="beam score = sum logprobs / generated_len ** length_penalty"),
+    _in(EARLY_STOPPING, INT32, default=EARLY_STOPPING_FALSE,
+        doc="beam search stop rule: 0 = False (heuristic), 1 = True, 2 = \"never\""),
+    _in(MIN_TOKENS, INT32, default=0, doc="EOS / end_id forbidden before this many new tokens"),
+    _in(MIN_LENGTH, INT32, default=0, doc="older name of min_tokens"),
+    _in(REPETITION_PENALTY, FP32, default=1.0, doc="CTRL repetition penalty (1.0 = off); sees prompt ids too"),
+    _in(NO_REPEAT_NGRAM_SIZE, INT32, default=0, doc="forbid repeating n-grams of this size (0 = off)"),
+    _in(END_ID, INT32, default=None, doc="end-of-sequence id (default: the checkpoint's eos ids)"),
+    _in(PAD_ID, INT32, default=-1, doc="fills output_ids after each sequence's end"),
+    _in(TEMPERATURE, FP32, default=1.0, doc="sampling temperature; 0 = greedy"),
+    _in(TOP_K, INT32, default=0, doc="sampling: keep the k most likely tokens (0 = off)"),
+    _in(TOP_P, FP32, default=1.0, doc="sampling: nucleus probability mass (1.0 = off)"),
+    _in(SEED, UINT64, default=None, doc="sampling seed (sampling is on when temperature/top_k/top_p are set)"),
+    _in(RANDOM_SEED, UINT64, default=None, doc="older name of seed"),
+    _in(RETURN_LOG_PROBS, BOOL, default=False, doc="fill cum_log_probs and output_log_probs"),
+    _in(EXCLUDE_INPUT_IN_OUTPUT, BOOL, default=False, doc="text_output/output_ids hold only new tokens"),
+    _in(STREAM, BOOL, default=False, doc="send tokens as they are generated (decoupled responses)"),
+)
+
+ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
+    _in(TEXT_INPUT, BYTES, optional=False,
+        doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
+    _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
+    _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
+    _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
+) + GENERATION_INPUTS
+
+ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(TEXT_OUTPUT, BYTES, (-1,), doc="one string per returned sequence (the new piece when streaming)"),
+    TensorSpec(OUTPUT_IDS, INT32, (-1, -1), doc="[sequences, max_len] token ids, padded with pad_id"),
+    TensorSpec(SEQUENCE_LENGTH, INT32, (-1,), doc="[sequences] valid length of each row of output_ids"),
+    TensorSpec(CUM_LOG_PROBS, FP32, (-1,), doc="[sequences] sum of token log probs (beam: the ranking score)"),
+    TensorSpec(OUTPUT_LOG_PROBS, FP32, (-1, -1), doc="[sequences, new_tokens] log prob of each new token"),
+    TensorSpec(BATCH_INDEX, INT32, (1,), doc="always 0 (one prompt per request)"),
+    TensorSpec(SEQUENCE_INDEX, INT32, (1,), doc="which sequence a streamed piece belongs to"),
+    TensorSpec(DROPPED_IMAGES, INT32, (1,), doc="images removed by truncation"),
+)
+
+# --- per model ------------------------------------------------------------------------------------------
+PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (
+    _in(TEXT_INPUT, BYTES, optional=False),
+    _in(IMAGES, BYTES, (-1,)),
+    _in(MAX_TOKENS, INT32, optional=False),
+    _in(BAD_WORDS, BYTES, (-1,)),
+    _in(STOP_WORDS, BYTES, (-1,)),
+)
+PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(INPUT_IDS, INT32, (-1,)),  # prompt ids with N placeholder ids per image
+    TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),  # [images, 3, H, W], processor-normalised
+    TensorSpec(BAD_WORDS_IDS, INT32, (-1,)),  # length-prefixed id lists, see params.words_to_flat
+    TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
+    TensorSpec(DROPPED_IMAGES, INT32, (1,)),
+)
+VISION_INPUTS: tuple[TensorSpec, ...] = (TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),)
+VISION_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),)  # [images, T, hidden]
+LLM_INPUTS: tuple[TensorSpec, ...] = (
+    _in(INPUT_IDS, INT32, (-1,), optional=False),
+    _in(IMAGE_EMBEDS, FP32, (-1, -1, -1)),
+    _in(BAD_WORDS_IDS, INT32, (-1,)),
+    _in(STOP_WORDS_IDS, INT32, (-1,)),
+    _in(DROPPED_IMAGES, INT32),
+) + GENERATION_INPUTS
+LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
+
+MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {
+    "ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS),
+    "preprocess": (PREPROCESS_INPUTS, PREPROCESS_OUTPUTS),
+    "vision": (VISION_INPUTS, VISION_OUTPUTS),
+    "llm": (LLM_INPUTS, LLM_OUTPUTS),
+}
+
+
+def spec(name: str, specs: tuple[TensorSpec, ...] = ENSEMBLE_INPUTS + ENSEMBLE_OUTPUTS) -> TensorSpec:
+    for s in specs:
+        if s.name == name:
+            return s
+    raise KeyError(name)

@@ -1,0 +1,174 @@
+"""Generation parameters and the request/result dataclasses shared by every generation backend.
+
+`GenerationParams.from_inputs` turns the optional scalar inputs of a request (already unwrapped to Python
+values, missing ones absent) into validated parameters; every problem raises `InvalidArgument` naming the
+input, the value sent and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from . import names as N
+from .errors import InvalidArgument
+
+MAX_BEAM_WIDTH = 16
+EARLY_STOPPING_WIRE = {N.EARLY_STOPPING_FALSE: False, N.EARLY_STOPPING_TRUE: True, N.EARLY_STOPPING_NEVER: "never"}
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int
+    beam_width: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True / False / "never", as in transformers
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    end_ids: tuple[int, ...] = ()  # empty = the checkpoint's eos ids
+    pad_id: int = -1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    do_sample: bool = False
+    return_log_probs: bool = False
+    exclude_input_in_output: bool = False
+    stream: bool = False
+
+    @classmethod
+    def from_inputs(cls, values: Mapping[str, Any], max_context: int | None = None) -> "GenerationParams":
+        """`values`: input name -> Python scalar for the inputs the request carried."""
+
+        def get(name, default=None):
+            v = values.get(name)
+            return default if v is None else v
+
+        def integer(name, default, lo, hi=None):
+            v = get(name, default)
+            if v is None:
+                return None
+            if isinstance(v, float) and not v.is_integer():
+                raise InvalidArgument(f"{name} must be an integer, got {v}")
+            v = int(v)
+            if v < lo or (hi is not None and v > hi):
+                allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise InvalidArgument(f"{name} must be {allowed}, got {v}")
+            return v
+
+        def real(name, default, lo, hi=None, lo_open=False):
+            v = float(get(name, default))
+            bad = not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi)
+            if bad:
+                lo_s = f"> {lo}" if lo_open else f">= {lo}"
+                allowed = lo_s if hi is None else f"{lo_s} and <= {hi}"
+                raise InvalidArgument(f"{name} must be a finite number {allowed}, got {v}")
+            return v
+
+        if values.get(N.MAX_TOKENS) is None:
+            raise InvalidArgument(f"{N.MAX_TOKENS} is required")
+        max_tokens = integer(N.MAX_TOKENS, None, 1, max_context)
+        beam_width = integer(N.BEAM_WIDTH, 1, 1, MAX_BEAM_WIDTH)
+        nrs = integer(N.NUM_RETURN_SEQUENCES, 1, 1, MAX_BEAM_WIDTH)
+        if beam_width > 1 and nrs > beam_width:
+            raise InvalidArgument(
+                f"{N.NUM_RETURN_SEQUENCES} ({nrs}) must be <= {N.BEAM_WIDTH} ({beam_width}) in beam search")
+        es_raw = integer(N.EARLY_STOPPING, N.EARLY_STOPPING_FALSE, -(2**31), 2**31)
+        if es_raw not in EARLY_STOPPING_WIRE:
+            raise InvalidArgument(
+                f"{N.EARLY_STOPPING} must be 0 (False), 1 (True) or 2 (\"never\"), got {es_raw}")
+        min_tokens = max(integer(N.MIN_TOKENS, 0, 0) or 0, integer(N.MIN_LENGTH, 0, 0) or 0)
+        end_id = integer(N.END_ID, None, 0)
+        seed = get(N.SEED, get(N.RANDOM_SEED))
+        temperature = real(N.TEMPERATURE, 1.0, 0.0)
+        top_k = integer(N.TOP_K, 0, 0)
+        top_p = real(N.TOP_P, 1.0, 0.0, 1.0, lo_open=True)
+        sampling_asked = any(values.get(k) is not None for k in (N.TEMPERATURE, N.TOP_K, N.TOP_P))
+        # sampling when asked for (any of temperature / top_k / top_p sent) with beam_width 1;
+        # temperature 0 or top_k 1 mean greedy.
+        do_sample = beam_width == 1 and sampling_asked and temperature > 0 and top_k != 1
+        if beam_width == 1 and nrs > 1 and not do_sample:
+            raise InvalidArgument(
+                f"{N.NUM_RETURN_SEQUENCES} > 1 needs beam_width > 1 or sampling (temperature > 0, top_k or top_p)")
+        return cls(
+            max_tokens=max_tokens,
+            beam_width=beam_width,
+            num_return_sequences=nrs,
+            length_penalty=real(N.LENGTH_PENALTY, 1.0, -1e6, 1e6),
+            early_stopping=EARLY_STOPPING_WIRE[es_raw],
+            min_tokens=min_tokens,
+            repetition_penalty=real(N.REPETITION_PENALTY, 1.0, 0.0, lo_open=True),
+            no_repeat_ngram_size=integer(N.NO_REPEAT_NGRAM_SIZE, 0, 0),
+            end_ids=() if end_id is None else (end_id,),
+            pad_id=integer(N.PAD_ID, -1, -1),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=None if seed is None else int(seed),
+            do_sample=do_sample,
+            return_log_probs=bool(get(N.RETURN_LOG_PROBS, False)),
+            exclude_input_in_output=bool(get(N.EXCLUDE_INPUT_IN_OUTPUT, False)),
+            stream=bool(get(N.STREAM, False)),
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return self.num_return_sequences
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to generate from; built by the llm adapter from the tensors preprocess + vision produced."""
+
+    request_id: str
+    input_ids: list[int]  # prompt ids, N placeholder ids per image
+    params: GenerationParams
+    image_embeds: Any = None  # torch.Tensor [images, T, hidden] or None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    stop_words_ids: list[list[int]] = field(default_factory=list)
+    dropped_images: int = 0
+
+
+@dataclass
+class Sequence_:
+    """One returned sequence."""
+
+    token_ids: list[int]  # new tokens only
+    text: str  # detokenized new tokens
+    cum_log_prob: float = 0.0  # beam search: the ranking (length-penalised) score
+    log_probs: list[float] = field(default_factory=list)  # per new token
+
+
+@dataclass
+class GenerationResult:
+    """Either a streamed piece (final=False) or the last response of a request (final=True)."""
+
+    request_id: str
+    sequences: list[Sequence_]  # streamed piece: new ids/text of `sequence_index` only
+    final: bool
+    sequence_index: int = 0
+    error: Optional[Exception] = None
+
+
+def words_from_flat(flat: Sequence[int]) -> list[list[int]]:
+    """Decode the length-prefixed word lists used between preprocess and llm: [n, id_1..id_n, m, ...]."""
+    out, i = [], 0
+    flat = list(flat)
+    while i < len(flat):
+        n = int(flat[i])
+        if n <= 0 or i + 1 + n > len(flat):
+            raise InvalidArgument(f"malformed word list at position {i}: length {n}")
+        out.append([int(t) for t in flat[i + 1:i + 1 + n]])
+        i += 1 + n
+    return out
+
+
+def words_to_flat(words: Sequence[Sequence[int]]) -> list[int]:
+    flat: list[int] = []
+    for w in words:
+        if w:
+            flat.append(len(w))
+            flat.extend(int(t) for t in w)
+    return flat
