@@ -1,0 +1,44 @@
+"""llm (decoupled): merges image embeddings and generates with the configured backend.
+
+`backend` parameter: "engine" (triton_vlm.engine: in-flight batching) or "hf" (transformers generate()).
+execute() hands requests over and returns; responses are sent from the backend's thread.
+"""
+from triton_vlm.triton import config
+from triton_vlm.triton.llm import LLMService
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config.setup_logging()
+        p = config.model_parameters(args)
+        model_dir = config.resolve_model_path(p.get("model_path", ""))
+        device = p.get("device") or "cpu"
+        dtype = p.get("dtype") or "float32"
+        kind = p.get("backend") or "engine"
+        if kind == "hf":
+            from triton_vlm.hf_generate import HFGenerator
+
+            backend = HFGenerator(model_dir, device=device, dtype=dtype)
+            tokenizer, image_token_id = backend.tokenizer, backend.image_token_id
+            context = backend.model.config.text_config.max_position_embeddings
+        elif kind == "engine":
+            from triton_vlm.engine import Engine, EngineConfig
+
+            cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64))
+            kv = config.parse_int(p, "kv_cache_tokens", 0)
+            if kv:
+                cfg.kv_cache_tokens = kv
+            backend = Engine(model_dir, cfg)
+            tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.context_length
+        else:
+            raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
+        context = config.parse_int(p, "context_length", 0) or context
+        self.service = LLMService(backend, tokenizer, image_token_id, context)
+        self.service.start()
+
+    def execute(self, requests):
+        self.service.execute(requests)
+        return None
+
+    def finalize(self):
+        self.service.shutdown()

@@ -1,0 +1,51 @@
+"""preprocess: prompt + images -> input ids with image placeholders, pixel values, word lists.
+
+Thin adapter: the logic is `triton_vlm.preprocess.Preprocessor`.
+"""
+import numpy as np
+
+from triton_vlm import names as N
+from triton_vlm.params import words_to_flat
+from triton_vlm.triton import config, tensors
+from triton_vlm.triton.errors import error_response
+
+_OUT = {s.name: s for s in N.PREPROCESS_OUTPUTS}
+_IN = {s.name: s for s in N.PREPROCESS_INPUTS}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from triton_vlm.preprocess import Preprocessor
+
+        config.setup_logging()
+        p = config.model_parameters(args)
+        self.pre = Preprocessor(
+            config.resolve_model_path(p.get("model_path", "")),
+            max_images=config.parse_int(p, "max_images", 8),
+            max_pixels=config.parse_int(p, "max_image_pixels", 4096 * 4096),
+            context_length=config.parse_int(p, "context_length", 0) or None,
+            image_start=p.get("image_start", ""),
+            image_end=p.get("image_end", ""),
+        )
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        try:
+            res = self.pre(
+                tensors.scalar(request, _IN[N.TEXT_INPUT]),
+                tensors.blobs(request, N.IMAGES),
+                tensors.scalar(request, _IN[N.MAX_TOKENS]),
+                tensors.strings(request, N.BAD_WORDS),
+                tensors.strings(request, N.STOP_WORDS),
+            )
+            return tensors.response({
+                N.INPUT_IDS: (_OUT[N.INPUT_IDS], np.asarray(res.input_ids, np.int32)),
+                N.PIXEL_VALUES: (_OUT[N.PIXEL_VALUES], res.pixel_values),  # [images, 3, H, W]
+                N.BAD_WORDS_IDS: (_OUT[N.BAD_WORDS_IDS], np.asarray(words_to_flat(res.bad_words_ids), np.int32)),
+                N.STOP_WORDS_IDS: (_OUT[N.STOP_WORDS_IDS], np.asarray(words_to_flat(res.stop_words_ids), np.int32)),
+                N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [res.dropped_images]),
+            })
+        except Exception as e:  # noqa: BLE001 - each request gets its own error; the others are unaffected
+            return error_response(e)

@@ -1,0 +1,289 @@
+"""What the serving code needs to know about a Hugging Face LLaVA checkpoint, read without loading weights.
+
+`ModelInfo.load(model_dir)` reads `config.json`, `generation_config.json` and the processor / tokenizer files
+and returns plain values: the image placeholder id and how many placeholders one image takes, the image size
+the processor produces, bos / eos / pad ids, the context length, image start/end marker strings (seed 000),
+vocab and hidden sizes, and the pipeline name.
+
+Pipelines (seed 000): a registry maps a pipeline name ("llava") to the checkpoint family it serves; a
+pipeline is chosen from the config (`architectures`, then `model_type`) or by name (`get_pipeline`).
+Checkpoint problems raise `CheckpointError` (a deployment error, not a request error) saying what was found
+and what is supported.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
+VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
+FEATURE_STRATEGIES = ("default", "full")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be served (missing files, unsupported model, inconsistent configs)."""
+
+
+@dataclass
+class HFComponents:
+    """The checkpoint's tokenizer and image processor, loaded once and shared by ModelInfo and Preprocessor."""
+
+    tokenizer: Any
+    image_processor: Any
+    processor: Any = None  # the LlavaProcessor when the checkpoint saved one
+    processor_config: dict = field(default_factory=dict)  # raw processor_config.json (may be empty)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def load_components(model_dir: str | Path) -> HFComponents:
+    """AutoProcessor, falling back to AutoTokenizer + AutoImageProcessor for checkpoints without a processor."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    d = Path(model_dir)
+    proc_cfg = _read_json(d / "processor_config.json")
+    try:
+        processor = AutoProcessor.from_pretrained(str(d))
+    except Exception as e:  # no processor files, or a processor class we do not know
+        log.info("AutoProcessor failed for %s (%s); loading tokenizer and image processor separately", d, e)
+        processor = None
+    tokenizer = getattr(processor, "tokenizer", None)
+    image_processor = getattr(processor, "image_processor", None)
+    try:
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(d))
+        if image_processor is None:
+            image_processor = AutoImageProcessor.from_pretrained(str(d))
+    except Exception as e:
+        raise CheckpointError(f"{d}: cannot load the tokenizer / image processor ({type(e).__name__}: {e}); a "
+                              "LLaVA checkpoint needs tokenizer files and a (pre)processor config") from None
+    return HFComponents(tokenizer, image_processor, processor, proc_cfg)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: str
+    pipeline: str  # registry name, e.g. "llava"
+    model_class: str  # transformers class holding the weights, e.g. "LlavaForConditionalGeneration"
+    image_token: str  # placeholder string, e.g. "<image>"
+    image_token_id: int  # placeholder id; the llm replaces these positions with image features
+    num_image_tokens: int  # placeholders per image
+    image_size: tuple[int, int]  # (H, W) of the processor's pixel_values
+    patch_size: int
+    vision_feature_select_strategy: str  # "default" (drop CLS) or "full"
+    bos_token_id: Optional[int]
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: Optional[int]
+    add_bos: bool  # the tokenizer prepends bos_token_id to an encoded prompt
+    context_length: int  # prompt + new tokens
+    image_start: str = ""  # text added before each image (seed 000 markers)
+    image_end: str = ""  # text added after each image
+    vocab_size: int = 0  # rows of the language model's embedding
+    hidden_size: int = 0  # language model hidden size (= projector output)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        pipeline: str | None = None,
+        context_length: int | None = None,
+        image_start: str | None = None,
+        image_end: str | None = None,
+        components: HFComponents | None = None,
+    ) -> "ModelInfo":
+        """Read the checkpoint in `model_dir` (no weights). Pass `components` to reuse a loaded processor."""
+        d = Path(model_dir)
+        if not (d / "config.json").is_file():
+            raise CheckpointError(f"{d} is not a Hugging Face checkpoint: no config.json")
+        raw = _read_json(d / "config.json")
+        pipe = get_pipeline(pipeline) if pipeline else pipeline_for_config(raw)
+        if pipe is None:
+            raise CheckpointError(
+                f"{d}: unsupported checkpoint: model_type {raw.get('model_type')!r}, architectures "
+                f"{raw.get('architectures')}; supported: {describe_pipelines()}")
+        if not pipe.matches(raw):
+            raise CheckpointError(
+                f"{d}: pipeline {pipe.name!r} serves model_type {pipe.model_type!r} "
+                f"({', '.join(pipe.architectures)}) but the checkpoint has model_type {raw.get('model_type')!r}, "
+                f"architectures {raw.get('architectures')}")
+        comps = components if components is not None else load_components(d)
+        return pipe.describe(d, comps, context_length=context_length, image_start=image_start or "",
+                             image_end=image_end or "")
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (3, *self.image_size)
+
+
+# --- pipelines -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    model_type: str  # config.json model_type
+    architectures: tuple[str, ...]  # config.json architectures served
+    model_class: str  # transformers class to load the weights with
+    describe: Callable[..., ModelInfo]  # (model_dir, components, *, context_length, image_start, image_end)
+
+    def matches(self, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return config.get("model_type") == self.model_type or any(a in self.architectures for a in archs)
+
+
+def _processor_output_size(image_processor: Any) -> tuple[int, int]:
+    """(H, W) of pixel_values, measured on two dummy images of opposite aspect ratios; must not vary."""
+    from PIL import Image
+
+    shapes = set()
+    for size in ((48, 20), (20, 48)):
+        out = image_processor([Image.new("RGB", size, (128, 64, 32))], return_tensors="np")
+        pv = np.asarray(out["pixel_values"])
+        if pv.ndim != 4 or pv.shape[1] != 3:
+            raise CheckpointError(f"image processor {type(image_processor).__name__} returned pixel_values of "
+                                  f"shape {pv.shape}; expected [n, 3, H, W] (tiling processors are unsupported)")
+        shapes.add(tuple(int(x) for x in pv.shape[-2:]))
+    if len(shapes) != 1:
+        raise CheckpointError(f"image processor output size depends on the input image ({sorted(shapes)}); "
+                              "a fixed size is required (e.g. center crop or a fixed height/width)")
+    return shapes.pop()
+
+
+def _eos_ids(model_dir: Path, text_cfg: Any, tokenizer: Any) -> tuple[int, ...]:
+    gen = _read_json(model_dir / "generation_config.json")
+    for v in (gen.get("eos_token_id"), getattr(text_cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        if v is None:
+            continue
+        ids = [v] if isinstance(v, int) else list(v)
+        if ids:
+            return tuple(dict.fromkeys(int(i) for i in ids))
+    return ()
+
+
+def _describe_llava(model_dir: Path, comps: HFComponents, *, context_length: int | None, image_start: str,
+                    image_end: str) -> ModelInfo:
+    from transformers import AutoConfig, LlavaConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise CheckpointError(f"{model_dir}: cannot parse config.json ({type(e).__name__}: {e})") from None
+    if not isinstance(config, LlavaConfig):
+        raise CheckpointError(f"{model_dir}: expected a LlavaConfig, got {type(config).__name__}")
+    tok, vision, text = comps.tokenizer, config.vision_config, config.text_config
+
+    strategy = config.vision_feature_select_strategy
+    if strategy not in FEATURE_STRATEGIES:
+        raise CheckpointError(f"vision_feature_select_strategy {strategy!r} is unsupported; use one of "
+                              f"{FEATURE_STRATEGIES}")
+    image_size = _processor_output_size(comps.image_processor)
+    vision_size = getattr(vision, "image_size", None)
+    if vision_size is not None and image_size != (int(vision_size), int(vision_size)):
+        raise CheckpointError(f"the image processor produces {image_size[0]}x{image_size[1]} images but the "
+                              f"vision tower expects {vision_size}x{vision_size}")
+    patch = int(vision.patch_size)
+    if "num_additional_image_tokens" in comps.processor_config:
+        extra = int(comps.processor_config["num_additional_image_tokens"])
+    elif vision.model_type in VISION_TOWERS_WITHOUT_CLS:
+        extra = 0
+    elif vision.model_type in VISION_TOWERS_WITH_CLS:
+        extra = 1
+    else:
+        raise CheckpointError(f"vision tower {vision.model_type!r}: unknown number of extra (CLS) tokens; set "
+                              "num_additional_image_tokens in processor_config.json")
+    n_image = (image_size[0] // patch) * (image_size[1] // patch) + extra - (1 if strategy == "default" else 0)
+    if n_image <= 0:
+        raise CheckpointError(f"computed {n_image} image tokens per image (image {image_size}, patch {patch})")
+    proc = comps.processor
+    proc_patch = getattr(proc, "patch_size", None)
+    if proc is not None and proc_patch and int(proc_patch) != patch:
+        raise CheckpointError(f"processor patch_size {proc_patch} differs from the vision tower's {patch}")
+
+    image_token = getattr(proc, "image_token", None) or getattr(tok, "image_token", None) or "<image>"
+    image_token_id = int(config.image_token_id)
+    tok_id = tok.convert_tokens_to_ids(image_token)
+    if tok_id != image_token_id:
+        raise CheckpointError(f"config image_token_id {image_token_id} but the tokenizer maps {image_token!r} "
+                              f"to {tok_id}")
+
+    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(text, "bos_token_id", None)
+    with_special = tok("x", add_special_tokens=True)["input_ids"]
+    add_bos = bos is not None and bool(with_special) and with_special[0] == bos
+    pad = tok.pad_token_id
+    if pad is None:
+        pad = _read_json(model_dir / "generation_config.json").get("pad_token_id", getattr(text, "pad_token_id", None))
+    max_pos = int(getattr(text, "max_position_embeddings", 0) or 0)
+    ctx = int(context_length) if context_length is not None else max_pos
+    if ctx <= 0:
+        raise CheckpointError(f"context length must be positive, got {ctx} (text_config.max_position_embeddings "
+                              f"{max_pos}); pass context_length")
+    vocab = int(text.vocab_size)
+    if not 0 <= image_token_id < vocab:
+        raise CheckpointError(f"image_token_id {image_token_id} is outside the vocabulary (size {vocab})")
+    return ModelInfo(
+        model_dir=str(model_dir),
+        pipeline="llava",
+        model_class="LlavaForConditionalGeneration",
+        image_token=image_token,
+        image_token_id=image_token_id,
+        num_image_tokens=n_image,
+        image_size=image_size,
+        patch_size=patch,
+        vision_feature_select_strategy=strategy,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=_eos_ids(model_dir, text, tok),
+        pad_token_id=None if pad is None else int(pad),
+        add_bos=add_bos,
+        context_length=ctx,
+        image_start=image_start,
+        image_end=image_end,
+        vocab_size=vocab,
+        hidden_size=int(text.hidden_size),
+    )
+
+
+PIPELINES: dict[str, Pipeline] = {
+    "llava": Pipeline("llava", "llava", ("LlavaForConditionalGeneration",), "LlavaForConditionalGeneration",
+                      _describe_llava),
+}
+
+
+def available_pipelines() -> list[str]:
+    return sorted(PIPELINES)
+
+
+def describe_pipelines() -> str:
+    return "; ".join(f"{p.name} (model_type {p.model_type!r}: {', '.join(p.architectures)})"
+                     for p in PIPELINES.values())
+
+
+def get_pipeline(name: str) -> Pipeline:
+    try:
+        return PIPELINES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown pipeline {name!r}; available: {', '.join(available_pipelines())}") from None
+
+
+def pipeline_for_config(config: dict) -> Pipeline | None:
+    """The pipeline serving a raw config.json dict: by architectures first, then model_type; None if none."""
+    archs = config.get("architectures") or []
+    for p in PIPELINES.values():
+        if any(a in p.architectures for a in archs):
+            return p
+    for p in PIPELINES.values():
+        if config.get("model_type") == p.model_type:
+            return p
+    return None

@@ -1,0 +1,131 @@
+"""Per-request decoding state: beam search, greedy or sampling. Knows nothing of KV caches or batching.
+
+The scheduler calls `step(logits)` with one row of logits per row it computed (`num_rows` of them: 1 for the first
+step, the prompt's last position). The answer says, for every row of the next step, which of those rows' KV cache
+it continues (`parents`) and which token it appends (`tokens`). Rows may repeat (beam search forks a beam) and
+disappear (a sampled sequence finished). `finalize()` returns the sequences once `done`.
+
+Scores follow Hugging Face:
+- beam search: `cum_log_prob` = HF `sequences_scores` (sum of processed log-probs / new_len ** length_penalty);
+  `log_probs` = the processed log-prob of each chosen token, i.e. `compute_transition_scores(sequences, scores,
+  beam_indices)`, whose sum is the unpenalised score.
+- greedy / sampling: `log_probs` = log_softmax of the RAW logits at each chosen token, i.e.
+  `compute_transition_scores(sequences, logits, normalize_logits=True)` with `output_logits=True`
+  (the model's own distribution, independent of temperature / top-k / top-p / penalties); `cum_log_prob` = sum.
+Sampled sequences are returned in HF's row order (sampling order), not re-ranked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidArgument
+from ..params import GenerationParams, Sequence_
+from .beam import BeamSearch
+from .logits import LogitsPipeline, StopCriteria, _check_ids
+from .sampling import Sampler, resolve_seed
+
+
+@dataclass
+class StepResult:
+    parents: list[int]  # for each row of the NEXT step: the row (of the logits just given) whose KV cache it continues
+    tokens: list[int]  # the token appended to each next-step row (same length as parents)
+    done: bool  # request finished: no rows for the next step (parents == [])
+
+
+class Decoder:
+    """Per-request decoding state (beam search, greedy or sampling). Knows nothing of KV caches or batching."""
+
+    def __init__(self, params: GenerationParams, prompt_ids: list[int], *, eos_ids: Sequence[int], vocab_size: int,
+                 bad_words_ids: Sequence[Sequence[int]] = (), stop_words_ids: Sequence[Sequence[int]] = ()):
+        prompt_ids = [int(i) for i in prompt_ids]
+        eos_ids = [int(e) for e in eos_ids]
+        if not prompt_ids:
+            raise InvalidArgument("the prompt is empty; at least one input token is needed")
+        if params.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {params.max_tokens}")
+        _check_ids("end ids", eos_ids, vocab_size)
+        if params.early_stopping not in (True, False, "never"):
+            raise InvalidArgument(f"early_stopping must be True, False or \"never\", got {params.early_stopping!r}")
+        self.params = params
+        self.vocab_size = vocab_size
+        beam = params.beam_width > 1
+        if params.beam_width < 1:
+            raise InvalidArgument(f"beam_width must be >= 1, got {params.beam_width}")
+        if beam and not 1 <= params.num_return_sequences <= params.beam_width:
+            raise InvalidArgument(f"num_return_sequences ({params.num_return_sequences}) must be in "
+                                  f"[1, beam_width ({params.beam_width})] in beam search")
+        if not beam and params.num_return_sequences > 1 and not params.do_sample:
+            raise InvalidArgument("num_return_sequences > 1 needs beam_width > 1 or sampling")
+        sampling = bool(params.do_sample)
+        # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
+        min_keep = (len(eos_ids) + 1 if eos_ids else 2) if beam else 1
+        pipeline = LogitsPipeline(
+            prompt_len=len(prompt_ids), eos_ids=eos_ids, vocab_size=vocab_size,
+            repetition_penalty=params.repetition_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
+            min_new_tokens=params.min_tokens, bad_words_ids=bad_words_ids, sampling=sampling,
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep)
+        stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
+                            vocab_size=vocab_size)
+        self._beam: BeamSearch | None = None
+        self._sampler: Sampler | None = None
+        if beam:
+            K = max(2, 1 + len(eos_ids)) * params.beam_width
+            if K > params.beam_width * vocab_size:
+                raise InvalidArgument(f"beam_width {params.beam_width} is too large for a vocabulary of {vocab_size}")
+            seed = resolve_seed(params.seed) if sampling else None
+            self._beam = BeamSearch(
+                prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
+                length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
+                pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling)
+        else:
+            self._sampler = Sampler(
+                prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
+                max_new_tokens=params.max_tokens, do_sample=sampling, pipeline=pipeline, stop=stop, seed=params.seed)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed actually used when sampling (a random one when params.seed is None)."""
+        if self._sampler is not None:
+            return self._sampler.seed if self._sampler.do_sample else None
+        return self._beam.seed
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the scheduler must compute logits for at the next step (1 before the first step, 0 when done)."""
+        return (self._beam or self._sampler).num_rows
+
+    @property
+    def done(self) -> bool:
+        return (self._beam or self._sampler).done
+
+    @property
+    def num_new_tokens(self) -> int:
+        return (self._beam or self._sampler).t
+
+    def step(self, logits: torch.Tensor) -> StepResult:
+        """logits [num_rows, vocab] at each row's last position, any float dtype, any device."""
+        impl = self._beam or self._sampler
+        if impl.done:
+            raise InvalidArgument("step() called on a finished request")
+        if logits.dim() != 2 or logits.shape[0] != impl.num_rows:
+            raise InvalidArgument(f"expected logits [{impl.num_rows}, vocab], got {tuple(logits.shape)}")
+        if logits.shape[1] != self.vocab_size:
+            raise InvalidArgument(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
+        parents, tokens, done = impl.step(logits)
+        return StepResult(parents, tokens, done)
+
+    def best_so_far(self) -> list[int]:
+        """New token ids of the current best hypothesis (beam: best of running beam 0 and the best finished one)."""
+        return (self._beam or self._sampler).best_so_far()
+
+    def finalize(self) -> list[Sequence_]:
+        """Ranked best first (beam search) or in sampling order; params.num_return_sequences of them."""
+        n = self.params.num_return_sequences
+        if self._beam is not None:
+            return [Sequence_(token_ids=h.token_ids, text="", cum_log_prob=h.score, log_probs=h.log_probs)
+                    for h in self._beam.finalize(n)]
+        return [Sequence_(token_ids=s.token_ids, text="", cum_log_prob=s.cum_log_prob, log_probs=s.log_probs)
+                for s in self._sampler.finalize()[:n]]

@@ -1,0 +1,247 @@
+"""The generation engine: one Llama-family model, many concurrent requests, in-flight batching.
+
+Threads: `submit()` and `cancel()` are thread-safe and return at once (Triton's python backend calls them from
+`execute()`); requests land in an inbox. `start()` runs a background thread that calls `step()` whenever
+there is work and otherwise sleeps on a condition variable (no busy spin); callbacks run on that thread, so
+they must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
+What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`.
+
+Validation at `submit()` (raises `InvalidArgument` synchronously): non-empty prompt of in-vocabulary ids,
+prompt + max_tokens <= the context length, rows <= max_rows, worst-case KV blocks <= the whole cache,
+everything the `Decoder` checks (end ids, bad/stop words, beam width vs vocabulary), a request id not in use.
+A full queue (`max_queue`) or a shut-down engine raises `Unavailable`. Image placeholder/feature count
+mismatches surface at prefill as a final result with `error=InvalidArgument`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..errors import InvalidArgument, Unavailable
+from ..params import GenerationParams, GenerationRequest, GenerationResult
+from .kv_cache import blocks_needed
+from .model import DTYPES, LlamaModel
+from .scheduler import Active, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | float16 | bfloat16
+    max_rows: int = 64  # rows (beams / samples) decoded per step
+    kv_cache_tokens: int = 16384  # KV budget in tokens (all layers); num_blocks = kv_cache_tokens // block_size
+    block_size: int = 16
+    prefill_chunk: int = 512  # max prompt tokens prefilled per step
+    max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens < self.block_size:
+            raise InvalidArgument(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block of {self.block_size}")
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: Optional[EngineConfig] = None, *, tokenizer=None,
+                 decoder_factory: Optional[Callable[..., Any]] = None,
+                 detokenizer_factory: Optional[Callable[[], Any]] = None):
+        """`decoder_factory(params, prompt_ids, eos_ids=, vocab_size=, bad_words_ids=, stop_words_ids=)` and
+        `detokenizer_factory()` default to `engine.decoder.Decoder` and `engine.detok.IncrementalDetokenizer`."""
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.model = LlamaModel.from_pretrained(model_dir, config.dtype, config.device)
+        self.model_config = mc = self.model.config
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.tokenizer = tokenizer
+        self.image_token_id = mc.image_token_id
+        self.eos_ids = mc.eos_token_ids
+        self.max_context = mc.max_position_embeddings
+        if decoder_factory is None:
+            from .decoder import Decoder as decoder_factory
+        self._make_decoder = decoder_factory
+        self._make_detok = detokenizer_factory or self._default_detokenizer
+        self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
+        self.scheduler = Scheduler(self.model, self.cache, max_rows=config.max_rows,
+                                   prefill_chunk=config.prefill_chunk, decode_text=self._decode_text)
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._inbox: list[Active] = []
+        self._cancels: set[str] = set()
+        self._ids: set[str] = set()  # submitted and not yet finished
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def _default_detokenizer(self):
+        from .detok import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer)
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- requests -----------------------------------------------------------------------------------------
+    def rows_for(self, params: GenerationParams) -> int:
+        return max(params.beam_width, params.num_return_sequences)
+
+    def validate(self, req: GenerationRequest) -> int:
+        """Raise InvalidArgument for a request this engine can never serve; return its KV block reservation."""
+        ids, p = req.input_ids, req.params
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        if not isinstance(p, GenerationParams):
+            raise InvalidArgument(f"params must be a GenerationParams, got {type(p).__name__}")
+        if len(ids) == 0:
+            raise InvalidArgument("input_ids is empty; at least one prompt token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise InvalidArgument(f"input_ids holds ids outside [0, {vocab}): {bad[:5]}")
+        if p.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if len(ids) + p.max_tokens > self.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = {len(ids) + p.max_tokens} exceeds "
+                f"the context length {self.max_context}; max_tokens can be at most {self.max_context - len(ids)}")
+        rows = self.rows_for(p)
+        if rows > self.config.max_rows:
+            raise InvalidArgument(
+                f"the request needs {rows} rows (beam_width / num_return_sequences), max_rows is {self.config.max_rows}")
+        need = blocks_needed(len(ids), p.max_tokens, rows, self.config.block_size)
+        if need > self.cache.num_blocks:
+            raise InvalidArgument(
+                f"the request needs up to {need} KV blocks of {self.config.block_size} tokens, the cache holds "
+                f"{self.cache.num_blocks}; lower max_tokens, beam_width or the prompt length")
+        return need
+
+    def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
+        need = self.validate(req)
+        p = req.params
+        decoder = self._make_decoder(
+            p, list(req.input_ids), eos_ids=list(p.end_ids or self.eos_ids), vocab_size=self.model_config.vocab_size,
+            bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
+        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), reserved=need,
+                        detok=self._make_detok() if p.stream else None)
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the engine is shut down")
+            if req.request_id in self._ids:
+                raise InvalidArgument(f"request_id {req.request_id!r} is already in use")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_queue:
+                raise Unavailable(f"the request queue is full ({self.config.max_queue} waiting); retry later")
+            self._ids.add(req.request_id)
+            self._inbox.append(active)
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """The request frees its rows and cache at the next step and gets a final result with errors.Cancelled."""
+        with self._cond:
+            if request_id in self._ids:
+                self._cancels.add(request_id)
+                self._cond.notify_all()
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def _has_work_locked(self) -> bool:
+        return bool(self._inbox or self._cancels) or self.scheduler.has_work()
+
+    def step(self) -> bool:
+        """One scheduler iteration; True if work remains."""
+        with self._step_lock:
+            with self._cond:
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, set()
+            for a in inbox:
+                self.scheduler.add(a)
+            outputs = self.scheduler.step(cancels)
+            self._deliver(outputs)
+            with self._cond:
+                return self._has_work_locked()
+
+    def _deliver(self, outputs) -> None:
+        with self._cond:
+            for _, res in outputs:
+                if res.final:
+                    self._ids.discard(res.request_id)
+        for callback, res in outputs:
+            try:
+                callback(res)
+            except Exception:  # noqa: BLE001 - a client's callback must not kill the loop
+                log.exception("result callback of request %s failed", res.request_id)
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._closed = False
+            self._thread = threading.Thread(target=self._loop, name="triton-vlm-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._has_work_locked():
+                    self._cond.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001
+                log.exception("engine step failed")
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop; requests still queued or running get a final result with errors.Unavailable."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("engine loop did not stop within %.1f s", timeout)
+                return
+        with self._step_lock:
+            with self._cond:
+                inbox, self._inbox = self._inbox, []
+                self._cancels.clear()
+            for a in inbox:
+                self.scheduler.add(a)
+            self._deliver(self.scheduler.fail_all(Unavailable("the engine was shut down")))
+
+    # --- convenience -----------------------------------------------------------------------------------------
+    def generate(self, reqs: list[GenerationRequest]) -> dict[str, list[GenerationResult]]:
+        """Submit `reqs` and wait for all of them; request_id -> every result sent (streamed pieces, final)."""
+        results: dict[str, list[GenerationResult]] = {r.request_id: [] for r in reqs}
+        remaining = set(results)
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def on_result(res: GenerationResult) -> None:
+            with lock:
+                results[res.request_id].append(res)
+                if res.final:
+                    remaining.discard(res.request_id)
+                    if not remaining:
+                        done.set()
+
+        if not reqs:
+            return results
+        for r in reqs:
+            self.submit(r, on_result)
+        if self._thread is not None:
+            done.wait()
+        else:
+            while not done.is_set():
+                if not self.step() and not done.is_set():
+                    raise RuntimeError("engine idle with requests unfinished")  # a bug, never expected
+        return results

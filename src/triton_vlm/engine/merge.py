@@ -1,0 +1,48 @@
+"""Merge image embeddings into a prompt's token embeddings at the image placeholder positions.
+
+As Hugging Face LLaVA: every position whose id is the image token id takes the next image feature row, in
+order (`masked_scatter`). The counts must match in both directions (more placeholders than features, or more
+features than placeholders, are both errors), and the message states both counts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import InvalidArgument
+
+
+def count_mismatch(tokens: int, features: int) -> InvalidArgument:
+    return InvalidArgument(f"Image features and image tokens do not match: tokens: {tokens}, features: {features}")
+
+
+def merge_image_embeds(input_ids: torch.Tensor, text_embeds: torch.Tensor, image_embeds: Optional[torch.Tensor],
+                       image_token_id: Optional[int]) -> torch.Tensor:
+    """input_ids [P], text_embeds [P, hidden], image_embeds [images, T, hidden] (or [N, hidden]) or None.
+
+    Returns [P, hidden]: text_embeds with the placeholder rows replaced by the image features.
+    """
+    is_image = (input_ids == image_token_id) if image_token_id is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+    tokens = int(is_image.sum())
+    if image_embeds is None:
+        if tokens:
+            raise count_mismatch(tokens, 0)
+        return text_embeds
+    feats = torch.as_tensor(image_embeds)
+    if feats.dim() == 3:
+        feats = feats.reshape(-1, feats.shape[-1])  # [images * T, hidden]
+    if feats.dim() != 2:
+        raise InvalidArgument(f"image_embeds must be [images, tokens, hidden], got shape {tuple(image_embeds.shape)}")
+    hidden = text_embeds.shape[-1]
+    if feats.shape[0] and feats.shape[-1] != hidden:
+        raise InvalidArgument(f"image_embeds hidden size {feats.shape[-1]} != the language model's {hidden}")
+    if tokens != feats.shape[0]:
+        raise count_mismatch(tokens, feats.shape[0])
+    if not tokens:
+        return text_embeds
+    if not torch.isfinite(feats).all():
+        raise InvalidArgument("image_embeds contain NaN or infinite values")
+    out = text_embeds.clone()
+    out[is_image.to(out.device)] = feats.to(device=out.device, dtype=out.dtype)
+    return out

@@ -1,0 +1,155 @@
+"""The Llama-family decoder forward (Llama / Vicuna / Mistral layout), reading and writing the paged KV cache.
+
+One forward call takes `rows` rows that each get `q_len` new tokens (a prefill chunk of one prompt, or one
+decode token for every running row) as embeddings `[rows, q_len, hidden]` plus an `AttentionBatch` from
+`KVCache.plan`, and returns fp32 logits. Pieces, as in transformers' Llama: RMSNorm computed in fp32, rotary
+embeddings looked up per row from each token's own position (rope_theta; "linear" and Llama-3 "llama3"
+scaling), grouped-query attention with `scaled_dot_product_attention` over each row's gathered keys, masked
+to its own causal length, a SiLU-gated MLP and the lm_head.
+
+Every projection (q/k/v/o, gate/up/down, lm_head) is a `Linear`: the one place where a per-row adapter
+delta (LoRA, next issue) is added. An `AdapterBatch` knows which adapter each row of the call uses and
+returns `delta(x, layer, module)` of shape `[rows, q_len, out]` (or None when no row adapts that module).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import AttentionBatch, KVCache
+from .weights import MODULES, ModelConfig, load_config, load_weights
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LM_HEAD = "lm_head"  # module name of the output projection (layer -1)
+
+
+class AdapterBatch(Protocol):
+    """Per-row adapters of one forward call (LoRA plugs in here)."""
+
+    def delta(self, x: torch.Tensor, layer: int, module: str) -> Optional[torch.Tensor]:
+        """x [rows, q_len, in] -> delta [rows, q_len, out] added to the base projection, or None."""
+
+
+class Linear:
+    """y = x @ W^T (+ b) (+ the adapter batch's per-row delta for this layer/module)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, layer: int, module: str):
+        self.weight, self.bias = weight, bias  # [out, in], [out]
+        self.layer, self.module = layer, module
+
+    def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [rows, q_len, out]
+        if adapters is not None:
+            delta = adapters.delta(x, self.layer, self.module)
+            if delta is not None:
+                y = y + delta
+        return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] for rope_type default / linear / llama3 (as transformers)."""
+    base = float(rope.get("rope_theta", 10000.0))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_ctx = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Layer:
+    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float):
+        self.input_norm, self.post_norm, self.eps = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"], eps
+        for m in MODULES:
+            setattr(self, m, Linear(w[f"layers.{i}.{m}"], w.get(f"layers.{i}.{m}.bias"), layer=i, module=m))
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config = c = config
+        self.embed_tokens = weights["embed"]  # [vocab, hidden]
+        self.norm = weights["norm"]
+        self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD)
+        self.layers = [Layer(weights, i, c.rms_norm_eps) for i in range(c.num_layers)]
+        self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
+        inv = rope_inv_freq(c.rope, c.head_dim)  # [head_dim / 2]
+        freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.cos = emb.cos().to(self.device, self.dtype)
+        self.sin = emb.sin().to(self.device, self.dtype)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+                        device: str = "cpu") -> "LlamaModel":
+        config = load_config(model_dir)
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        return cls(config, load_weights(model_dir, config, dtype, device))
+
+    def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        c = self.config
+        return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                       num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.to(self.device), self.embed_tokens)  # [..., hidden]
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+                adapters: Optional[AdapterBatch] = None, all_logits: bool = False) -> torch.Tensor:
+        """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
+        ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
+        rows, q_len, _ = x.shape
+        cos = self.cos[batch.positions][:, None]  # [rows, 1, q_len, head_dim]
+        sin = self.sin[batch.positions][:, None]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, layer.eps)
+            x = x + self._attention(layer, i, h, cos, sin, batch, cache, adapters)
+            h = rms_norm(x, layer.post_norm, layer.eps)
+            x = x + layer.down_proj(F.silu(layer.gate_proj(h, adapters)) * layer.up_proj(h, adapters), adapters)
+        if not all_logits:
+            x = x[:, -1:]
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head(x, adapters).float()  # [rows, q_len or 1, vocab]
+        return logits if all_logits else logits[:, 0]
+
+    def _attention(self, layer: Layer, i: int, h, cos, sin, batch: AttentionBatch, cache: KVCache, adapters):
+        c = self.config
+        rows, q_len, _ = h.shape
+        q = layer.q_proj(h, adapters).view(rows, q_len, c.num_heads, c.head_dim).transpose(1, 2)
+        k = layer.k_proj(h, adapters).view(rows, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = layer.v_proj(h, adapters).view(rows, q_len, c.num_kv_heads, c.head_dim)
+        q = q * cos + rotate_half(q) * sin  # [rows, heads, q_len, head_dim]
+        k = k * cos + rotate_half(k) * sin  # [rows, kv_heads, q_len, head_dim]
+        kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim]
+        kc.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(-1, c.num_kv_heads, c.head_dim))
+        vc.index_copy_(0, batch.write_slots, v.reshape(-1, c.num_kv_heads, c.head_dim))
+        keys = kc[batch.read_slots].transpose(1, 2)  # [rows, kv_heads, T, head_dim]
+        values = vc[batch.read_slots].transpose(1, 2)
+        if c.kv_groups > 1:
+            keys = keys.repeat_interleave(c.kv_groups, dim=1)  # [rows, heads, T, head_dim]
+            values = values.repeat_interleave(c.kv_groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask)  # [rows, heads, q_len, hd]
+        return layer.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1), adapters)

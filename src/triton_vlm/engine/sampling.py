@@ -1,0 +1,116 @@
+"""Greedy search and multinomial sampling for one request, as transformers 5.x `GenerationMixin._sample`.
+
+Sampling with `num_return_sequences` n runs n rows like HF (the prompt expanded n times). HF draws every step with
+ONE `torch.multinomial(probs [n, V], 1)` over all n rows, finished rows included; the random stream consumed per
+call depends only on the shape, so finished rows (the scheduler no longer computes them) are filled with uniform
+probabilities and the surviving rows draw exactly the tokens HF draws from `torch.manual_seed(seed)`.
+Processors run on raw fp32 logits (HF does not log-softmax before processing outside beam search).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .logits import LogitsPipeline, StopCriteria
+
+
+def resolve_seed(seed: int | None) -> int:
+    """params.seed, or a fresh random seed when None."""
+    return random.getrandbits(63) if seed is None else int(seed)
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    log_probs: list[float]  # log_softmax of the raw logits at each chosen token
+
+    @property
+    def cum_log_prob(self) -> float:
+        return float(sum(self.log_probs))
+
+
+class Sampler:
+    def __init__(self, *, prompt_ids: list[int], num_rows: int, max_new_tokens: int, do_sample: bool,
+                 pipeline: LogitsPipeline, stop: StopCriteria, seed: int | None = None):
+        self.prompt = torch.tensor(prompt_ids, dtype=torch.long)  # [Lp]
+        self.Lp = len(prompt_ids)
+        self.n = num_rows
+        self.max_new = max_new_tokens
+        self.do_sample = do_sample
+        self.pipeline = pipeline
+        self.stop = stop
+        self.seed = resolve_seed(seed)
+        self.generator: torch.Generator | None = None
+        self.t = 0
+        self.alive: list[int] = list(range(num_rows))  # rows (of n) still generating, in logits order
+        self.lengths = [0] * num_rows
+        self.done = False
+        self._init = False
+
+    def _setup(self, device: torch.device) -> None:
+        self.pipeline.to(device)
+        self.stop.to(device)
+        self.seqs = torch.zeros((self.n, self.Lp + self.max_new), dtype=torch.long, device=device)  # [n, Lmax]
+        self.seqs[:, :self.Lp] = self.prompt.to(device)
+        self.tok_lp = torch.zeros((self.n, self.max_new), dtype=torch.float, device=device)  # [n, max_new]
+        if self.do_sample:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.seed)
+        self._init = True
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.done else (1 if self.t == 0 else len(self.alive))
+
+    def step(self, logits: torch.Tensor) -> tuple[list[int], list[int], bool]:
+        first = self.t == 0
+        if not self._init:
+            self._setup(logits.device)
+        t, L = self.t, self.Lp + self.t
+        raw = logits.to(torch.float32)  # [rows, V]
+        if first:
+            raw = raw.expand(self.n, -1)
+        alive = torch.tensor(self.alive, dtype=torch.long, device=raw.device)  # [rows]
+        scores = self.pipeline(self.seqs[alive, :L], raw)  # [rows, V]
+        if self.do_sample:
+            if len(self.alive) < self.n:
+                full = raw.new_zeros((self.n, raw.shape[-1]))  # finished rows: uniform, never read
+                full[alive] = scores
+            else:
+                full = scores
+            probs = nn.functional.softmax(full, dim=-1)  # [n, V]
+            next_all = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)  # [n]
+            tokens = next_all[alive]
+        else:
+            tokens = torch.argmax(scores, dim=-1)  # [rows]
+        chosen_lp = nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]
+        self.seqs[alive, L] = tokens
+        self.tok_lp[alive, t] = chosen_lp
+        hits = self.stop(self.seqs[alive, :L + 1], t + 1).tolist()
+        self.t = t + 1
+        for r in self.alive:
+            self.lengths[r] = self.t
+        keep = [i for i, h in enumerate(hits) if not h]
+        tok_list = tokens.tolist()
+        self.alive = [self.alive[i] for i in keep]
+        self.done = not self.alive
+        if self.done:
+            return [], [], True
+        parents = [0] * len(keep) if first else keep
+        return parents, [tok_list[i] for i in keep], False
+
+    def best_so_far(self) -> list[int]:
+        """Row 0's tokens (HF returns rows in sampling order)."""
+        if not self._init:
+            return []
+        return self.seqs[0, self.Lp:self.Lp + self.lengths[0]].tolist()
+
+    def finalize(self) -> list[Sample]:
+        if not self._init:
+            return [Sample([], []) for _ in range(self.n)]
+        gen = self.seqs[:, self.Lp:].tolist()
+        lps = self.tok_lp.tolist()
+        return [Sample(gen[r][:self.lengths[r]], lps[r][:self.lengths[r]]) for r in range(self.n)]

@@ -1,0 +1,187 @@
+"""The baseline generation backend: `transformers` `generate()`, one request at a time.
+
+This is what a plain `transformers` python-backend model does. It stays selectable (`llm` parameter
+`backend: hf`) as the reference and the benchmark's baseline; the default backend is our engine.
+It exposes the same submit / cancel / start / shutdown interface as `triton_vlm.engine.Engine`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import InvalidArgument, VLMError
+from .params import GenerationRequest, GenerationResult, Sequence_
+
+log = logging.getLogger("triton_vlm")
+OnResult = Callable[[GenerationResult], None]
+
+
+def merge_image_embeds(input_ids: torch.Tensor, embeds: torch.Tensor, image_embeds: torch.Tensor | None,
+                       image_token_id: int) -> torch.Tensor:
+    """input_ids [T], embeds [T, hidden], image_embeds [images, tokens, hidden] -> embeds with images merged."""
+    mask = input_ids == image_token_id  # [T]
+    n_tokens = int(mask.sum())
+    n_features = 0 if image_embeds is None else image_embeds.shape[0] * image_embeds.shape[1]
+    if n_tokens != n_features:
+        raise InvalidArgument(
+            f"Image features and image tokens do not match: tokens: {n_tokens}, features: {n_features}")
+    if n_tokens:
+        embeds = embeds.clone()
+        embeds[mask] = image_embeds.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
+    return embeds
+
+
+class _StopWords:
+    """Stops a row when its tokens end with one of the stop sequences (and everything on cancel)."""
+
+    def __init__(self, stop_words: list[list[int]], cancelled: threading.Event):
+        self.stop_words = [torch.tensor(w) for w in stop_words if w]
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.cancelled.is_set():
+            return ~done
+        for w in self.stop_words:
+            if input_ids.shape[1] >= len(w):
+                done |= (input_ids[:, -len(w):] == w.to(input_ids.device)).all(dim=1)
+        return done
+
+
+class HFGenerator:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
+        from transformers import AutoTokenizer, LlavaForConditionalGeneration  # noqa: PLC0415
+
+        self.device = torch.device(device)
+        self.model = LlavaForConditionalGeneration.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        cfg = self.model.config
+        self.image_token_id = int(cfg.image_token_id)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        self.pad_id = self.model.generation_config.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self._queue: queue.Queue = queue.Queue()
+        self._cancelled: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # --- the backend interface ---------------------------------------------------------------------------
+    def submit(self, req: GenerationRequest, on_result: OnResult) -> None:
+        with self._lock:
+            self._cancelled[req.request_id] = threading.Event()
+        self._queue.put((req, on_result))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            ev = self._cancelled.get(request_id)
+        if ev is not None:
+            ev.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hf-generate", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            req, on_result = item
+            try:
+                self.run(req, on_result)
+            except Exception as e:  # noqa: BLE001 - reported to the request, the loop goes on
+                if not isinstance(e, VLMError):
+                    log.exception("generation failed")
+                on_result(GenerationResult(req.request_id, [], True, error=e))
+            finally:
+                with self._lock:
+                    self._cancelled.pop(req.request_id, None)
+
+    # --- one request -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, req: GenerationRequest, on_result: OnResult) -> None:
+        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+
+        p = req.params
+        ids = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)  # [T]
+        embeds = self.model.get_input_embeddings()(ids)  # [T, hidden]
+        img = None if req.image_embeds is None else torch.as_tensor(req.image_embeds)
+        embeds = merge_image_embeds(ids, embeds, img, self.image_token_id)
+        eos_ids = list(p.end_ids) or self.eos_ids
+        cancelled = self._cancelled.get(req.request_id) or threading.Event()
+        from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+        streamer = None
+        if p.stream and p.beam_width == 1 and p.num_return_sequences == 1:
+            from .engine.detok import IncrementalDetokenizer  # noqa: PLC0415
+
+            detok = IncrementalDetokenizer(self.tokenizer)
+            rid = req.request_id
+
+            class _Streamer(BaseStreamer):
+                first = True
+
+                def put(self, value):
+                    if self.first:  # the prompt
+                        self.first = False
+                        return
+                    toks = [int(t) for t in value.reshape(-1)]
+                    text = detok.push(toks)
+                    on_result(GenerationResult(rid, [Sequence_(toks, text)], False))
+
+                def end(self):
+                    pass
+
+            streamer = _Streamer()
+        sample = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) if p.do_sample \
+            else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if p.do_sample:
+            torch.manual_seed(p.seed if p.seed is not None else torch.seed())
+        out = self.model.generate(
+            input_ids=ids[None], inputs_embeds=embeds[None], attention_mask=torch.ones_like(ids)[None],
+            max_new_tokens=p.max_tokens, min_new_tokens=p.min_tokens or None, num_beams=p.beam_width,
+            num_return_sequences=p.num_return_sequences, length_penalty=p.length_penalty,
+            early_stopping=p.early_stopping, repetition_penalty=p.repetition_penalty,
+            no_repeat_ngram_size=p.no_repeat_ngram_size or None, bad_words_ids=req.bad_words_ids or None,
+            eos_token_id=eos_ids, pad_token_id=self.pad_id, output_scores=True, output_logits=True,
+            return_dict_in_generate=True, streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_StopWords(req.stop_words_ids, cancelled)]), **sample)
+        if cancelled.is_set():
+            return
+        new = out.sequences[:, len(req.input_ids):]  # [n, new]
+        if p.beam_width > 1:
+            step_lp = self.model.compute_transition_scores(out.sequences, out.scores, out.beam_indices,
+                                                           normalize_logits=False)
+            cums = out.sequences_scores.tolist()
+        else:
+            logits = torch.stack(out.logits, dim=1).float()  # [n, new, vocab]
+            step_lp = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
+            cums = None
+        seqs = []
+        for i in range(new.shape[0]):
+            toks = new[i].tolist()
+            n = len(toks)
+            for j, t in enumerate(toks):  # a row ends at EOS or a stop word; HF pads after it
+                if t in eos_ids or any(w and toks[max(0, j + 1 - len(w)):j + 1] == w for w in req.stop_words_ids):
+                    n = j + 1
+                    break
+            toks = toks[:n]
+            lps = step_lp[i, :n].tolist()
+            cum = cums[i] if cums is not None else float(sum(lps))
+            seqs.append(Sequence_(toks, self.tokenizer.decode(toks, skip_special_tokens=True), cum, lps))
+        on_result(GenerationResult(req.request_id, seqs, True))

@@ -1,0 +1,197 @@
+"""Request -> model inputs: prompt ids with image placeholders, pixel_values, bad/stop word ids, truncation.
+
+Steps of `Preprocessor.__call__`:
+
+1. split the prompt into text / image parts (`prompt.split_prompt`: inline `<img src="data:image/...">` tags
+   and `<image>` markers paired with `images`; image start/end markers added around each image);
+2. decode and validate EVERY image (`images.decode_image`), also those truncation will drop: a broken,
+   oversized or non-image payload is an error whatever `max_tokens` is, so a request's validity never
+   depends on the token budget;
+3. tokenize the whole prompt once, each image written as ONE placeholder token, with the tokenizer's special
+   tokens (BOS first, as the tokenizer adds it), then expand each placeholder to `num_image_tokens` copies.
+   Tokenizing in context (not part by part) is what the checkpoint's own `LlavaProcessor` does, so the ids
+   equal `LlavaProcessor(text=..., images=...)` exactly for any tokenizer (sentencepiece prefix spaces,
+   merges across part boundaries);
+4. truncate when the prompt is longer than `context_length - max_tokens`: keep the LAST tokens, dropping
+   whole parts from the left; an image is never split (dropped whole, with its pixels); a text part may be
+   cut. The BOS token (when the tokenizer adds one) is kept in front of a truncated prompt and counts
+   against the budget. If the last part alone cannot fit, InvalidArgument states the sizes;
+5. run the checkpoint's image processor on the kept images only;
+6. tokenize bad / stop words one by one without special tokens (empty words ignored).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+
+from .checkpoint import ModelInfo, load_components
+from .errors import InvalidArgument
+from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image
+from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
+
+Text = Union[str, bytes]
+
+
+@dataclass
+class PreprocessResult:
+    input_ids: list[int]  # [T] prompt ids; each kept image is num_image_tokens copies of image_token_id
+    pixel_values: np.ndarray  # [n_kept, 3, H, W] float32, kept images in prompt order
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    stop_words_ids: list[list[int]] = field(default_factory=list)
+    dropped_images: int = 0  # images removed by truncation
+
+    @property
+    def num_images(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+@dataclass
+class _Segment:
+    ids: list[int]
+    image: int = -1  # index into the prompt's images, -1 for text
+
+
+def _as_str(value: Text, name: str) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"{name} is not valid UTF-8 ({e})") from None
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be text, got {type(value).__name__}")
+    return value
+
+
+class Preprocessor:
+    """Loads the checkpoint's tokenizer and image processor once; `__call__` serves one request."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_images: int = DEFAULT_MAX_IMAGES,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        context_length: int | None = None,
+        image_start: str = "",
+        image_end: str = "",
+        pipeline: str | None = None,
+        marker: str = IMAGE_MARKER,
+    ):
+        if max_images < 0 or max_pixels <= 0:
+            raise ValueError(f"max_images must be >= 0 and max_pixels > 0, got {max_images}, {max_pixels}")
+        comps = load_components(model_dir)
+        self.info = ModelInfo.load(model_dir, pipeline=pipeline, context_length=context_length,
+                                   image_start=image_start, image_end=image_end, components=comps)
+        self.tokenizer = comps.tokenizer
+        self.image_processor = ImageProcessor(comps.image_processor, self.info.image_size)
+        self.max_images = max_images
+        self.max_pixels = max_pixels
+        self.marker = marker
+
+    # --- words -------------------------------------------------------------------------------------------
+    def encode_words(self, words: Sequence[Text] | None, name: str = "words") -> list[list[int]]:
+        """Each non-empty word -> its ids without special tokens."""
+        out = []
+        for i, w in enumerate(words or ()):
+            w = _as_str(w, f"{name}[{i}]")
+            if not w:
+                continue
+            ids = self.tokenizer(w, add_special_tokens=False)["input_ids"]
+            if ids:
+                out.append([int(t) for t in ids])
+        return out
+
+    # --- prompt ------------------------------------------------------------------------------------------
+    def _tokenize(self, parts) -> list[_Segment]:
+        """Parts -> [text ids | image placeholders] segments, tokenized in context (see module doc)."""
+        info = self.info
+        joined = "".join(p.text if isinstance(p, TextPart) else info.image_token for p in parts)
+        ids = [int(t) for t in self.tokenizer(joined, add_special_tokens=True)["input_ids"]]
+        n_images = sum(isinstance(p, ImagePart) for p in parts)
+        n_found = ids.count(info.image_token_id)
+        if n_found != n_images:
+            raise InvalidArgument(
+                f"text_input contains the model's image placeholder token {info.image_token!r} outside an image "
+                f"({n_found} placeholders for {n_images} images); put images in with {self.marker} markers or "
+                "<img src=\"data:image/...;base64,...\"> tags")
+        segments, current, k = [], [], 0
+        for t in ids:
+            if t == info.image_token_id:
+                if current:
+                    segments.append(_Segment(current))
+                segments.append(_Segment([t] * info.num_image_tokens, image=k))
+                current, k = [], k + 1
+            else:
+                current.append(t)
+        if current:
+            segments.append(_Segment(current))
+        return segments
+
+    def _truncate(self, segments: list[_Segment], budget: int, max_tokens: int) -> list[_Segment]:
+        total = sum(len(s.ids) for s in segments)
+        if total <= budget:
+            return segments
+        info = self.info
+        prefix: list[int] = []
+        if info.add_bos and segments and segments[0].image < 0 and segments[0].ids[:1] == [info.bos_token_id]:
+            prefix = segments[0].ids[:1]
+            segments = [_Segment(segments[0].ids[1:])] + segments[1:]
+            segments = [s for s in segments if s.ids]
+        room = budget - len(prefix)
+        kept: list[_Segment] = []
+        for seg in reversed(segments):
+            if len(seg.ids) <= room:
+                kept.append(seg)
+                room -= len(seg.ids)
+                continue
+            if seg.image < 0 and room > 0:
+                kept.append(_Segment(seg.ids[len(seg.ids) - room:]))
+            break
+        if not kept:
+            last = segments[-1] if segments else None
+            what = (f"the last image alone takes {len(last.ids)} tokens and images are never split"
+                    if last is not None and last.image >= 0 else "no prompt token fits")
+            raise InvalidArgument(
+                f"prompt of {total} tokens cannot be truncated to fit: context length {info.context_length} - "
+                f"max_tokens {max_tokens} leaves {budget} prompt tokens"
+                f"{' (1 taken by BOS)' if prefix else ''}, and {what}; lower max_tokens")
+        kept.reverse()
+        return ([_Segment(prefix)] if prefix else []) + kept
+
+    def __call__(
+        self,
+        text: Text,
+        images: Sequence[Union[bytes, str]] | None = None,
+        max_tokens: int = 16,
+        bad_words: Sequence[Text] | None = None,
+        stop_words: Sequence[Text] | None = None,
+    ) -> PreprocessResult:
+        info = self.info
+        text = _as_str(text, "text_input")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+            raise InvalidArgument(f"max_tokens must be an integer, got {max_tokens!r}")
+        max_tokens = int(max_tokens)
+        if not 1 <= max_tokens <= info.context_length:
+            raise InvalidArgument(
+                f"max_tokens must be in [1, {info.context_length}] (the context length), got {max_tokens}")
+        budget = info.context_length - max_tokens
+
+        parts = split_prompt(text, list(images or ()), image_start=info.image_start, image_end=info.image_end,
+                             marker=self.marker, max_images=self.max_images)
+        # every image is decoded and validated, including those truncation drops below
+        decoded = [decode_image(p.payload, p.what, self.max_pixels) for p in parts if isinstance(p, ImagePart)]
+
+        segments = self._truncate(self._tokenize(parts), budget, max_tokens)
+        kept_images = [s.image for s in segments if s.image >= 0]
+        input_ids = [t for s in segments for t in s.ids]
+        pixel_values = self.image_processor([decoded[i] for i in kept_images])  # [n_kept, 3, H, W]
+        return PreprocessResult(
+            input_ids=input_ids,
+            pixel_values=pixel_values,
+            bad_words_ids=self.encode_words(bad_words, "bad_words"),
+            stop_words_ids=self.encode_words(stop_words, "stop_words"),
+            dropped_images=len(decoded) - len(kept_images),
+        )

@@ -1,0 +1,112 @@
+"""Split a prompt into text parts and image parts (text-generation-webui's multimodal scheme, seed 000).
+
+Two ways to put an image in a prompt, freely mixed in one prompt:
+
+* inline: `<img src="data:image/<subtype>;base64,<base64>">` carries its own data. Any `data:image/...` label
+  is accepted and ignored: the bytes are decoded by content (webui stores PNG bytes under the jpeg label).
+* marker: `<image>` in the text, paired in order with the request's `images` list (the i-th marker takes
+  `images[i]`). The number of markers must equal `len(images)` exactly; inline images are not counted.
+
+Image start/end marker strings (e.g. `<Img>` / `</Img>`) are added to the text around each image, so
+`text1<image>text2` becomes `['text1<Img>', <image>, '</Img>text2']`. Empty text parts are left out.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from .errors import InvalidArgument
+
+IMAGE_MARKER = "<image>"
+# webui's regex is `<img src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)">`; we accept any image subtype
+INLINE_IMAGE = re.compile(r'<img src="data:image/[A-Za-z0-9.+-]*;base64,(?P<b64>[A-Za-z0-9+/=]+)">')
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    payload: Union[bytes, str]  # encoded image file, base64 text or data URL; decoded later by content
+    index: int  # position among the prompt's images, in prompt order (0-based)
+    what: str  # how error messages name this image, e.g. "images[1]" or "inline image 0 of text_input"
+
+
+Part = Union[TextPart, ImagePart]
+
+
+def _pattern(marker: str) -> re.Pattern:
+    alts = [f"(?P<inline>{INLINE_IMAGE.pattern})"]
+    if marker:
+        alts.append(f"(?P<marker>{re.escape(marker)})")
+    return re.compile("|".join(alts))
+
+
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def count_markers(text: str, marker: str = IMAGE_MARKER) -> int:
+    """Number of `marker` occurrences outside inline `<img>` tags."""
+    pat = _PATTERNS.setdefault(marker, _pattern(marker))
+    return sum(1 for m in pat.finditer(text) if m.group("inline") is None)
+
+
+def split_prompt(
+    text: str,
+    images: Sequence[Union[bytes, str]] = (),
+    *,
+    image_start: str = "",
+    image_end: str = "",
+    marker: str = IMAGE_MARKER,
+    max_images: int | None = None,
+) -> list[Part]:
+    """text (+ images for the markers) -> [TextPart | ImagePart, ...] in prompt order, markers added.
+
+    Raises InvalidArgument when the marker count differs from `len(images)` (stating both counts) or when
+    the prompt holds more than `max_images` images in total.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    images = list(images or ())
+    pat = _PATTERNS.setdefault(marker, _pattern(marker))
+    matches = list(pat.finditer(text))
+    n_markers = sum(1 for m in matches if m.group("inline") is None)
+    n_inline = len(matches) - n_markers
+    if n_markers != len(images):
+        inline_note = f" (plus {n_inline} inline <img> images, which carry their own data)" if n_inline else ""
+        raise InvalidArgument(
+            f"text_input has {n_markers} {marker} markers{inline_note} but {len(images)} images were sent in "
+            f"`images`; send exactly one image per {marker} marker, in order")
+    if max_images is not None and len(matches) > max_images:
+        raise InvalidArgument(
+            f"too many images: {len(matches)} in the request ({n_markers} {marker} markers, {n_inline} inline), "
+            f"at most {max_images} are allowed")
+
+    parts: list[Part] = []
+    pending = ""  # text waiting to become a TextPart
+    pos = 0
+    next_listed = 0
+    n_seen_inline = 0
+    for idx, m in enumerate(matches):
+        pending += text[pos:m.start()] + image_start
+        if pending:
+            parts.append(TextPart(pending))
+        if m.group("inline") is not None:
+            parts.append(ImagePart(m.group("b64"), idx, f"inline image {n_seen_inline} of text_input"))
+            n_seen_inline += 1
+        else:
+            parts.append(ImagePart(images[next_listed], idx, f"images[{next_listed}]"))
+            next_listed += 1
+        pending = image_end
+        pos = m.end()
+    pending += text[pos:]
+    if pending:
+        parts.append(TextPart(pending))
+    return parts
+
+
+def image_parts(parts: Sequence[Part]) -> list[ImagePart]:
+    return [p for p in parts if isinstance(p, ImagePart)]

@@ -1,0 +1,297 @@
+"""Start a real Triton Inference Server on our model repository.
+
+`python -m triton_vlm.serve` (console script `triton-vlm-serve`):
+1. locates the `tritonserver` shipped in the `nvidia-pytriton` wheel and copies its tree (server binary, python
+   backend, the python-backend stub for the running Python) into a project-owned folder;
+2. copies `model_repository/` into a run folder, filling each model's parameters (model path, device, limits);
+3. starts the server with the environment the python stub needs (venv `bin` first on PATH, pyenv's shared
+   libpython and pytriton's bundled libs on LD_LIBRARY_PATH);
+4. waits for readiness, prints where it listens, forwards SIGINT/SIGTERM and shuts down cleanly.
+
+`TritonServer` is the same thing as a context manager, used by the tests and the benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_VLM_CACHE", Path.home() / ".cache" / "triton_vlm"))
+
+
+def pytriton_server_dir() -> Path:
+    try:
+        import pytriton  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - install problem
+        raise SystemExit("nvidia-pytriton is not installed: `pip install nvidia-pytriton` ships tritonserver") from e
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def prepare_server_tree(dest: Path | None = None) -> Path:
+    """Copy pytriton's server tree into `dest` once and install the stub for this Python. Returns the tree."""
+    src = pytriton_server_dir()
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = src / "python_backend_stubs" / pyver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise SystemExit(f"no python backend stub for Python {pyver} in {src}")
+    import pytriton  # noqa: PLC0415
+
+    version = getattr(pytriton, "__version__", "0")
+    dest = dest or cache_dir() / f"tritonserver-{version}-py{pyver}"
+    marker = dest / ".complete"
+    if marker.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tritonserver-", dir=dest.parent))
+    shutil.rmtree(tmp)
+    shutil.copytree(src / "bin", tmp / "bin")
+    shutil.copytree(src / "backends", tmp / "backends", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(stub, tmp / "backends" / "python" / "triton_python_backend_stub")
+    (tmp / "caches").mkdir()
+    marker_tmp = tmp / ".complete"
+    marker_tmp.write_text(str(src))
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+def server_env(tree: Path) -> dict[str, str]:
+    """The environment the server and its python stubs need."""
+    env = dict(os.environ)
+    libs = Path(pytriton_server_dir()).parent.parent / "nvidia_pytriton.libs"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    ld = [str(libs), libdir] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in ld if p)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() or 1)))
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TRITON_VLM_REPO_ROOT"] = str(REPO_ROOT)
+    return env
+
+
+_PARAM_RE = r'(key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*)"[^"]*"'
+
+
+def fill_parameters(config_text: str, values: dict[str, str]) -> str:
+    """Set `parameters { key: K value: { string_value: "..." } }` entries that exist in a config.pbtxt."""
+    for key, value in values.items():
+        config_text = re.sub(_PARAM_RE.format(key=re.escape(key)), lambda m: f'{m.group(1)}{json.dumps(str(value))}',
+                             config_text)
+    return config_text
+
+
+def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src: Path = DEFAULT_MODEL_REPOSITORY,
+                             models: tuple[str, ...] | None = None) -> Path:
+    """Copy the model repository to `dest`, filling parameters per model (`params[model][key] = value`;
+    `params["*"]` applies to every model that declares the key)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for cfg in dest.glob("*/config.pbtxt"):
+        model = cfg.parent.name
+        if models is not None and model not in models:
+            shutil.rmtree(cfg.parent)
+            continue
+        values = {**params.get("*", {}), **params.get(model, {})}
+        cfg.write_text(fill_parameters(cfg.read_text(), values))
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process on a filled copy of the model repository."""
+
+    model_path: str
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    params: dict[str, dict[str, str]] = field(default_factory=dict)
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    models: tuple[str, ...] | None = None
+    run_dir: Path | None = None
+    log_file: Path | None = None
+    log_verbose: int = 0
+    exit_timeout: int = 15
+    proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def start(self) -> "TritonServer":
+        tree = prepare_server_tree()
+        self.run_dir = Path(self.run_dir or tempfile.mkdtemp(prefix="triton-vlm-run-"))
+        params = {k: dict(v) for k, v in self.params.items()}
+        params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
+        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        cmd = [
+            str(tree / "bin" / "tritonserver"),
+            f"--model-repository={repo}",
+            f"--backend-directory={tree / 'backends'}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--log-verbose={self.log_verbose}",
+            "--allow-cpu-metrics=true",
+        ]
+        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, env=server_env(tree), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True)
+        return self
+
+    def is_ready(self) -> bool:
+        """The server and every model of the repository report ready (the health endpoint alone can answer
+        200 while python models are still loading)."""
+        urls = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in self._model_names()]
+        try:
+            for u in urls:
+                with urllib.request.urlopen(f"http://{self.http_url}{u}", timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            return True
+        except OSError:
+            return False
+
+    def _model_names(self) -> list[str]:
+        repo = (self.run_dir or Path()) / "model_repository"
+        return sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before becoming ready"
+                                   + (f"; log: {self.log_file}" if self.log_file else ""))
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s" + (f"; log: {self.log_file}"
+                                                                              if self.log_file else ""))
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout or self.exit_timeout + 15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _parse_set(items: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects MODEL.KEY=VALUE or KEY=VALUE, got {item!r}")
+        model, dot, key = key.rpartition(".")
+        out.setdefault(model if dot else "*", {})[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=os.environ.get("MODEL") or None,
+                    help="Hugging Face LLaVA checkpoint dir (default: the built-in demo model, built if missing)")
+    ap.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    ap.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    ap.add_argument("--device", default=os.environ.get("DEVICE"), help="cpu or cuda (every model)")
+    ap.add_argument("--set", action="append", default=[], metavar="[MODEL.]KEY=VALUE",
+                    help="set a model parameter, e.g. llm.backend=hf or vision.vision_bits=16")
+    ap.add_argument("--log-verbose", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    args = ap.parse_args(argv)
+
+    if args.model:
+        model = Path(args.model).expanduser().resolve()
+        if not (model / "config.json").exists():
+            raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
+    else:
+        from .demo import ensure_demo_model  # noqa: PLC0415
+
+        model = ensure_demo_model()
+    params = _parse_set(args.set)
+    if args.device:
+        params.setdefault("*", {})["device"] = args.device
+    server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params,
+                          log_verbose=args.log_verbose)
+    stopping = False
+
+    def forward(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if server.proc and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    server.start()
+    try:
+        server.wait_ready(args.timeout)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"triton-vlm: {e}", file=sys.stderr)
+        server.stop()
+        return 1
+    print(f"triton-vlm: serving {model}\n"
+          f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
+          f"  gRPC    localhost:{args.grpc_port}\n"
+          f"  metrics http://localhost:{args.metrics_port}/metrics\n"
+          f"  try:    python -m triton_vlm_client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
+          f"the shape? ASSISTANT:\" --image some.png", flush=True)
+    while server.proc.poll() is None:
+        try:
+            server.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            continue
+    code = server.proc.returncode
+    return 0 if stopping else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Model parameters from `config.pbtxt` (`parameters { key: ... value: { string_value: ... } }`)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("triton_vlm")
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    cfg = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+
+
+def model_config(args: dict) -> dict[str, Any]:
+    return json.loads(args["model_config"])
+
+
+def resolve_model_path(value: str) -> Path:
+    """`model_path` parameter: a checkpoint dir; empty = $TRITON_VLM_MODEL, else the built-in demo model."""
+    value = value or os.environ.get("TRITON_VLM_MODEL", "")
+    if value:
+        path = Path(value).expanduser()
+        if not (path / "config.json").exists():
+            raise ValueError(f"model_path {path} is not a Hugging Face checkpoint directory (no config.json)")
+        return path
+    from ..demo import ensure_demo_model  # noqa: PLC0415
+
+    return ensure_demo_model()
+
+
+def setup_logging() -> None:
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("triton_vlm %(levelname)s %(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+
+
+def parse_int(params: dict[str, str], key: str, default: int) -> int:
+    v = params.get(key, "")
+    return int(v) if v.strip() else default
+
+
+def parse_float(params: dict[str, str], key: str, default: float) -> float:
+    v = params.get(key, "")
+    return float(v) if v.strip() else default

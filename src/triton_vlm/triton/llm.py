@@ -1,0 +1,220 @@
+"""The decoupled llm model's Triton side: requests -> `GenerationRequest`, results -> responses.
+
+`execute()` parses each request, hands it to the backend (our engine or the `transformers` baseline) and
+returns at once; the backend's thread calls `_on_result`, which sends responses through the request's
+response sender. A watcher thread polls `is_cancelled()` and tells the backend to drop cancelled requests.
+
+Streaming protocol (`stream` true): non-final responses carry one piece of one sequence (`text_output` [1],
+`sequence_index`); the final response carries, for every returned sequence j, the text still missing from what
+was streamed for j (`text_output` [n], index j), so that per sequence the concatenation of everything received
+equals the non-streamed text. `output_ids` etc. in the final response are complete.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover
+    pb_utils = None
+
+from .. import names as N
+from ..errors import InvalidArgument
+from ..params import GenerationParams, GenerationRequest, GenerationResult, words_from_flat
+from . import tensors
+from .errors import error_response
+
+log = logging.getLogger("triton_vlm")
+FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_OUT = {s.name: s for s in N.LLM_OUTPUTS}
+
+
+@dataclass
+class _Live:
+    request: object
+    sender: object
+    gen: GenerationRequest
+    streamed: dict[int, str] = field(default_factory=dict)  # sequence index -> text sent so far
+
+
+class LLMService:
+    def __init__(self, backend, tokenizer, image_token_id: int, context_length: int):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.context_length = context_length
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_cancellation, name="llm-cancel-watch", daemon=True)
+
+    def start(self) -> None:
+        self.backend.start()
+        self._watcher.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.backend.shutdown()
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def execute(self, requests) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                gen = self.parse(request)
+            except Exception as e:  # noqa: BLE001 - one bad request never affects the others
+                sender.send(error_response(e), flags=FINAL)
+                continue
+            with self._lock:
+                self._live[gen.request_id] = _Live(request, sender, gen)
+            try:
+                self.backend.submit(gen, self._on_result)
+            except Exception as e:  # noqa: BLE001
+                with self._lock:
+                    self._live.pop(gen.request_id, None)
+                sender.send(error_response(e), flags=FINAL)
+
+    def parse(self, request) -> GenerationRequest:
+        ids = tensors.input_array(request, N.INPUT_IDS)
+        if ids is None or ids.size == 0:
+            raise InvalidArgument("the prompt is empty: send a non-empty text_input")
+        values = tensors.scalars(request, N.GENERATION_INPUTS)
+        params = GenerationParams.from_inputs(values)
+        prompt_len = int(ids.size)
+        if prompt_len + params.max_tokens > self.context_length:
+            raise InvalidArgument(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
+                f"({self.context_length}); lower max_tokens to at most {max(0, self.context_length - prompt_len)}")
+        emb = tensors.input_array(request, N.IMAGE_EMBEDS)  # [images, T, hidden]
+        bad = tensors.input_array(request, N.BAD_WORDS_IDS)
+        stop = tensors.input_array(request, N.STOP_WORDS_IDS)
+        dropped = tensors.input_array(request, N.DROPPED_IMAGES)
+        return GenerationRequest(
+            request_id=f"r{next(self._ids)}",
+            input_ids=[int(t) for t in ids.reshape(-1)],
+            params=params,
+            image_embeds=None if emb is None or emb.size == 0 else np.ascontiguousarray(emb),
+            bad_words_ids=[] if bad is None else words_from_flat(bad.reshape(-1)),
+            stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
+            dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
+        )
+
+    # --- results -----------------------------------------------------------------------------------------
+    def _on_result(self, result: GenerationResult) -> None:
+        with self._lock:
+            live = self._live.get(result.request_id)
+            if live is None:
+                return
+            if result.final:
+                self._live.pop(result.request_id, None)
+        try:
+            if result.error is not None:
+                live.sender.send(error_response(result.error), flags=FINAL)
+            elif not result.final:
+                live.sender.send(self._piece(live, result))
+            else:
+                live.sender.send(self._final(live, result), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
+            log.info("request %s: cannot send (%s); cancelling", result.request_id, e)
+            with self._lock:
+                self._live.pop(result.request_id, None)
+            self.backend.cancel(result.request_id)
+
+    def _piece(self, live: _Live, result: GenerationResult):
+        seq = result.sequences[0]
+        j = result.sequence_index
+        live.streamed[j] = live.streamed.get(j, "") + seq.text
+        return tensors.response({
+            N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], [seq.text]),
+            N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], np.array([seq.token_ids], dtype=np.int32).reshape(1, -1)),
+            N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(seq.token_ids)]),
+            N.CUM_LOG_PROBS: (_OUT[N.CUM_LOG_PROBS], [seq.cum_log_prob]),
+            N.OUTPUT_LOG_PROBS: (_OUT[N.OUTPUT_LOG_PROBS],
+                                 np.array([seq.log_probs or [0.0] * len(seq.token_ids)], np.float32).reshape(1, -1)),
+            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [0]),
+            N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [j]),
+            N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [live.gen.dropped_images]),
+        })
+
+    def _final(self, live: _Live, result: GenerationResult):
+        p, gen = live.gen.params, live.gen
+        prompt_ids = [] if p.exclude_input_in_output else gen.input_ids
+        # streamed text never repeats the prompt (as in TensorRT-LLM); output_ids still follow the flag
+        prompt_text = "" if p.exclude_input_in_output or p.stream else self.prompt_text(gen.input_ids)
+        texts, rows, lps = [], [], []
+        for j, s in enumerate(result.sequences):
+            full = prompt_text + s.text
+            if p.stream:
+                sent = live.streamed.get(j, "")
+                full = full[len(sent):] if full.startswith(sent) else full
+            texts.append(full)
+            rows.append(prompt_ids + list(s.token_ids))
+            lps.append(list(s.log_probs))
+        width = max((len(r) for r in rows), default=0)
+        out_ids = np.full((len(rows), width), p.pad_id, dtype=np.int32)  # [sequences, max_len]
+        for i, r in enumerate(rows):
+            out_ids[i, :len(r)] = r
+        lp_width = max((len(x) for x in lps), default=0)
+        out_lp = np.zeros((len(lps), lp_width), dtype=np.float32)  # [sequences, new_tokens]
+        for i, x in enumerate(lps):
+            out_lp[i, :len(x)] = x
+        if not p.return_log_probs:
+            out_lp = np.zeros((len(lps), 0), dtype=np.float32)
+        return tensors.response({
+            N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], texts),
+            N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], out_ids),
+            N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(r) for r in rows]),
+            N.CUM_LOG_PROBS: (_OUT[N.CUM_LOG_PROBS], [s.cum_log_prob for s in result.sequences]),
+            N.OUTPUT_LOG_PROBS: (_OUT[N.OUTPUT_LOG_PROBS], out_lp),
+            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [0]),
+            N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [0]),
+            N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
+        })
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """The prompt as text, each image's run of placeholder ids shown as one `<image>`."""
+        parts, cur, prev_img = [], [], False
+        for t in ids:
+            is_img = t == self.image_token_id
+            if is_img and not prev_img:
+                parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
+                parts.append("<image>")
+                cur = []
+            elif not is_img:
+                cur.append(t)
+            prev_img = is_img
+        parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
+        return "".join(parts)
+
+    # --- cancellation ------------------------------------------------------------------------------------
+    def _watch_cancellation(self) -> None:
+        while not self._stop.wait(0.05):
+            with self._lock:
+                live = list(self._live.items())
+            for rid, lv in live:
+                try:
+                    cancelled = lv.request.is_cancelled()
+                except Exception:  # noqa: BLE001
+                    cancelled = False
+                if cancelled:
+                    with self._lock:
+                        self._live.pop(rid, None)
+                    self.backend.cancel(rid)
+                    try:
+                        lv.sender.send(error_response(_cancelled()), flags=FINAL)
+                    except Exception:  # noqa: BLE001
+                        pass
+            time.sleep(0)
+
+
+def _cancelled():
+    from ..errors import Cancelled  # noqa: PLC0415
+
+    return Cancelled("request cancelled")

@@ -1,0 +1,136 @@
+"""The vision tower + projector of a LLaVA checkpoint, loaded without the language model.
+
+`VisionEncoder(model_dir, VisionSettings(...))(pixel_values [n, 3, H, W]) -> [n, T, hidden]` equals
+`LlavaForConditionalGeneration.get_image_features(...)` on the same weights. The settings are seed 000's
+pipeline parameters: `vision_device` / `vision_bits` for the tower, `projector_device` / `projector_bits` for the
+projector, and a pipeline (feature layer + select strategy) taken from the checkpoint's config or chosen by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import InvalidArgument
+
+_DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class VisionPipeline:
+    """How image features are taken from the vision tower (seed 000: pipelines chosen by name)."""
+
+    name: str
+    feature_layer: int | tuple[int, ...] | None = None  # None: the checkpoint's vision_feature_layer
+    select_strategy: str | None = None  # "default" drops CLS, "full" keeps it; None: the checkpoint's
+
+
+PIPELINES: dict[str, VisionPipeline] = {
+    "auto": VisionPipeline("auto"),
+    "llava": VisionPipeline("llava"),
+    "llava-1.5": VisionPipeline("llava-1.5", -2, "default"),
+    "llava-full": VisionPipeline("llava-full", None, "full"),
+}
+
+
+def get_pipeline(name: str) -> VisionPipeline:
+    try:
+        return PIPELINES[name or "auto"]
+    except KeyError:
+        raise InvalidArgument(f"unknown vision pipeline {name!r}; available: {', '.join(PIPELINES)}") from None
+
+
+def parse_bits(value: str | int | None) -> torch.dtype:
+    v = str(value or "32").strip().lower()
+    key = "bf16" if v in ("bf16", "bfloat16") else int(v) if v.isdigit() else v
+    if key not in _DTYPES:
+        raise ValueError(f"bits must be 32, 16 or bf16, got {value!r}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class VisionSettings:
+    vision_device: str = "cpu"
+    vision_bits: str | int = 32
+    projector_device: str = "cpu"
+    projector_bits: str | int = 32
+    pipeline: str = "auto"
+
+
+def _state_dict(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose key starts with one of `prefixes`, prefix stripped; reads only the shards that hold them."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
+    elif (model_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    out = {}
+    for fname in files:
+        with safe_open(str(model_dir / fname), framework="pt") as f:
+            for k in f.keys():
+                for p in prefixes:
+                    if k.startswith(p):
+                        out[k[len(p):]] = f.get_tensor(k)
+    return out
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, model_dir: str | Path, settings: VisionSettings = VisionSettings()):
+        super().__init__()
+        from transformers import AutoConfig, AutoModel  # noqa: PLC0415
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector  # noqa: PLC0415
+
+        model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        if not hasattr(config, "vision_config"):
+            raise ValueError(f"{model_dir} is not a LLaVA-style checkpoint (no vision_config)")
+        pipe = get_pipeline(settings.pipeline)
+        self.feature_layer = pipe.feature_layer if pipe.feature_layer is not None else config.vision_feature_layer
+        self.select_strategy = pipe.select_strategy or config.vision_feature_select_strategy
+        if self.select_strategy not in ("default", "full"):
+            raise ValueError(f"unsupported vision_feature_select_strategy {self.select_strategy!r}")
+        self.tower_device = torch.device(settings.vision_device)
+        self.proj_device = torch.device(settings.projector_device)
+        self.tower_dtype = parse_bits(settings.vision_bits)
+        self.proj_dtype = parse_bits(settings.projector_bits)
+
+        self.tower = AutoModel.from_config(config.vision_config)
+        self.projector = LlavaMultiModalProjector(config)
+        for module, names in ((self.tower, ("model.vision_tower.", "vision_tower.")),
+                              (self.projector, ("model.multi_modal_projector.", "multi_modal_projector."))):
+            sd = _state_dict(model_dir, names)
+            missing, unexpected = module.load_state_dict(sd, strict=False)
+            missing = [m for m in missing if "position_ids" not in m]
+            if missing:
+                raise ValueError(f"{model_dir}: weights missing for {names[1]}: {missing[:5]}")
+        self.tower.to(self.tower_device, self.tower_dtype).eval()
+        self.projector.to(self.proj_device, self.proj_dtype).eval()
+        vc = config.vision_config
+        self.image_size = int(vc.image_size)
+        n = (vc.image_size // vc.patch_size) ** 2
+        self.tokens_per_image = n + (1 if self.select_strategy == "full" else 0)
+        self.hidden_size = int(config.text_config.hidden_size)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [n, 3, H, W] -> image embeddings [n, T, hidden] (float32, on the CPU)."""
+        n = pixel_values.shape[0]
+        if n == 0:
+            return torch.zeros(0, self.tokens_per_image, self.hidden_size)
+        out = self.tower(pixel_values.to(self.tower_device, self.tower_dtype), output_hidden_states=True,
+                         return_dict=True)
+        layers = self.feature_layer if isinstance(self.feature_layer, (list, tuple)) else [self.feature_layer]
+        feats = [out.hidden_states[i] for i in layers]  # each [n, 1 + patches, vision_hidden]
+        if self.select_strategy == "default":
+            feats = [f[:, 1:] for f in feats]
+        x = torch.cat(feats, dim=-1)  # [n, T, vision_hidden * len(layers)]
+        x = self.projector(x.to(self.proj_device, self.proj_dtype))  # [n, T, hidden]
+        return x.float().cpu()

@@ -1,0 +1,287 @@
+"""The engine's Decoder against transformers `generate()` on a tiny random Llama (fp32 CPU, exact).
+
+A reference driver follows each `StepResult` (parents/tokens) and computes every row's logits with a full forward
+over prompt + generated ids (no cache); tokens must equal HF's, scores must agree within 1e-4.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+from triton_vlm.engine.decoder import Decoder, StepResult
+from triton_vlm.errors import InvalidArgument
+from triton_vlm.params import GenerationParams
+
+V = 199
+EOS = 2
+EOS2 = 7
+PAD = 0
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(12.0)  # spread the logits: ties become vanishingly rare
+        m.lm_head.weight[EOS] *= 1.6  # EOS / second EOS plausible enough to end some beams early
+        m.lm_head.weight[EOS2] *= 1.4
+    return m
+
+
+def prompt_for(seed: int, n: int = 9) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(10, V, (n - 1,), generator=g).tolist()
+
+
+def drive(model, dec: Decoder, prompt: list[int], max_steps: int = 1000):
+    """Reference scheduler: full forward per row, rows re-formed from parents/tokens."""
+    rows = [list(prompt)]
+    steps = 0
+    while True:
+        assert dec.num_rows == len(rows)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(rows)).logits[:, -1]  # [rows, V]
+        res = dec.step(logits)
+        assert isinstance(res, StepResult) and len(res.parents) == len(res.tokens)
+        steps += 1
+        if res.done:
+            assert res.parents == [] and dec.num_rows == 0
+            return dec.finalize()
+        assert all(0 <= p < len(rows) for p in res.parents)
+        rows = [rows[p] + [t] for p, t in zip(res.parents, res.tokens)]
+        assert steps < max_steps
+
+
+class StopWords(StoppingCriteria):
+    """Token-level stop words over generated ids (the engine's semantics), for HF."""
+
+    def __init__(self, words, prompt_len):
+        self.words, self.prompt_len = words, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        gen = input_ids[:, self.prompt_len:]
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        for w in self.words:
+            if gen.shape[1] >= len(w):
+                done |= (gen[:, -len(w):] == torch.tensor(w)).all(-1)
+        return done
+
+
+def hf_generate(model, prompt, p: GenerationParams, eos, bad=(), stop=()):
+    kw = dict(max_new_tokens=p.max_tokens, num_beams=p.beam_width, num_return_sequences=p.num_return_sequences,
+              eos_token_id=list(eos), pad_token_id=PAD, do_sample=p.do_sample, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, repetition_penalty=p.repetition_penalty,
+              no_repeat_ngram_size=p.no_repeat_ngram_size, min_new_tokens=p.min_tokens)
+    if p.beam_width > 1:
+        kw.update(length_penalty=p.length_penalty, early_stopping=p.early_stopping)
+    if p.do_sample:
+        kw.update(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+    if bad:
+        kw["bad_words_ids"] = [list(w) for w in bad]
+    if stop:
+        kw["stopping_criteria"] = StoppingCriteriaList([StopWords(stop, len(prompt))])
+    if p.do_sample:
+        torch.manual_seed(p.seed)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             **kw)
+    Lp = len(prompt)
+    seqs = []
+    if p.beam_width > 1:
+        trans = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
+        for i in range(out.sequences.shape[0]):
+            n = int((out.beam_indices[i] >= 0).sum())
+            seqs.append((out.sequences[i, Lp:Lp + n].tolist(), float(out.sequences_scores[i]), trans[i, :n].tolist()))
+    else:
+        trans = model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)
+        for i in range(out.sequences.shape[0]):
+            gen = out.sequences[i, Lp:].tolist()
+            n = len(gen)
+            for j in range(len(gen)):
+                if gen[j] in eos or any(len(w) <= j + 1 and gen[j + 1 - len(w):j + 1] == list(w) for w in stop):
+                    n = j + 1
+                    break
+            lp = trans[i, :n].tolist()
+            seqs.append((gen[:n], sum(lp), lp))
+    return seqs
+
+
+def check(model, prompt, p: GenerationParams, eos=(EOS,), bad=(), stop=()):
+    ref = hf_generate(model, prompt, p, eos, bad, stop)
+    dec = Decoder(p, prompt, eos_ids=eos, vocab_size=V, bad_words_ids=bad, stop_words_ids=stop)
+    got = drive(model, dec, prompt)
+    assert len(got) == len(ref) == p.num_return_sequences
+    for g, (toks, score, lps) in zip(got, ref):
+        assert g.token_ids == toks
+        assert g.text == ""
+        assert abs(g.cum_log_prob - score) < TOL, (g.cum_log_prob, score)
+        assert len(g.log_probs) == len(lps)
+        assert max((abs(a - b) for a, b in zip(g.log_probs, lps)), default=0.0) < TOL
+    return got
+
+
+BEAM_CASES = [  # beam_width, length_penalty, early_stopping, num_return_sequences, max_tokens
+    (2, 1.0, False, 1, 12),
+    (3, 0.0, True, 2, 10),
+    (4, -1.0, "never", 4, 12),
+    (5, 2.0, False, 3, 14),
+    (6, 2.0, "never", 2, 10),
+    (7, -1.0, False, 5, 9),
+    (8, 1.0, "never", 8, 12),
+    (8, 0.0, True, 3, 11),
+    (4, 1.0, True, 1, 16),
+]
+
+
+@pytest.mark.parametrize("nb,lp,es,nrs,mt", BEAM_CASES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_beam_search_matches_hf(model, nb, lp, es, nrs, mt, seed):
+    p = GenerationParams(max_tokens=mt, beam_width=nb, num_return_sequences=nrs, length_penalty=lp,
+                         early_stopping=es)
+    check(model, prompt_for(seed), p)
+
+
+FEATURES = {
+    "min_tokens": dict(min_tokens=6),
+    "repetition_penalty": dict(repetition_penalty=1.3),
+    "repetition_reward": dict(repetition_penalty=0.8),
+    "no_repeat_ngram": dict(no_repeat_ngram_size=2),
+    "no_repeat_unigram": dict(no_repeat_ngram_size=1),
+    "everything": dict(min_tokens=3, repetition_penalty=1.2, no_repeat_ngram_size=3),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("nb", [1, 3, 6])
+def test_processors_match_hf(model, feature, nb):
+    p = GenerationParams(max_tokens=12, beam_width=nb, num_return_sequences=min(nb, 2), length_penalty=1.0,
+                         early_stopping=False, **FEATURES[feature])
+    # the prompt repeats some ids so penalties / n-gram bans bite from the first step
+    prompt = prompt_for(nb + 10) + [40, 41, 40, 41]
+    check(model, prompt, p)
+
+
+@pytest.mark.parametrize("nb", [1, 2, 5])
+def test_multiple_eos_and_bad_words_match_hf(model, nb):
+    prompt = prompt_for(30 + nb)
+    base = GenerationParams(max_tokens=14, beam_width=nb, num_return_sequences=min(nb, 2), length_penalty=1.0)
+    free = check(model, prompt, base, eos=(EOS, EOS2))
+    # ban the first token and a bigram the free run produced, plus an EOS id alone (HF keeps EOS allowed)
+    toks = free[0].token_ids
+    bad = [[toks[0]], toks[1:3] if len(toks) >= 3 else [150, 151], [11, 12, 13], [EOS]]
+    got = check(model, prompt, base, eos=(EOS, EOS2), bad=bad)
+    assert got[0].token_ids[:1] != toks[:1]
+
+
+@pytest.mark.parametrize("nb,es", [(1, False), (3, False), (4, True), (6, "never")])
+def test_stop_words_match_hf(model, nb, es):
+    prompt = prompt_for(40 + nb)
+    base = GenerationParams(max_tokens=14, beam_width=nb, num_return_sequences=min(nb, 3), early_stopping=es)
+    free = check(model, prompt, base)
+    toks = free[0].token_ids
+    assert len(toks) >= 6
+    stop = [toks[3:5], [toks[-1] if len(free) == 1 else free[-1].token_ids[2]], [150, 151, 152]]
+    got = check(model, prompt, base, stop=stop)
+    assert got[0].token_ids != toks  # the stop words changed the outcome
+    for g in got:  # a stop word can only sit at the very end of a sequence, where it is kept
+        ids = g.token_ids
+        assert not any(ids[:j + 1][-len(w):] == w for j in range(len(ids) - 1) for w in stop if len(w) <= j + 1)
+    if nb <= 4:
+        assert any(g.token_ids[-len(w):] == w for g in got for w in stop)
+
+
+SAMPLING_CASES = [  # temperature, top_k, top_p, num_return_sequences, seed, extra
+    (1.0, 0, 1.0, 1, 0, {}),
+    (0.7, 20, 1.0, 3, 1, {}),
+    (1.3, 0, 0.9, 4, 2, {}),
+    (0.9, 50, 0.8, 2, 3, dict(repetition_penalty=1.2, min_tokens=2)),
+    (1.5, 0, 1.0, 6, 4, dict(no_repeat_ngram_size=2)),
+    (2.0, 5, 0.95, 5, 5, {}),
+]
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,nrs,seed,extra", SAMPLING_CASES)
+def test_sampling_matches_hf(model, temp, top_k, top_p, nrs, seed, extra):
+    p = GenerationParams(max_tokens=16, num_return_sequences=nrs, temperature=temp, top_k=top_k, top_p=top_p,
+                         seed=1000 + seed, do_sample=True, **extra)
+    check(model, prompt_for(50 + seed), p, eos=(EOS, EOS2))
+
+
+def test_sampling_with_rows_finishing_early_matches_hf(model):
+    """Rows that finished are not given to the decoder any more, yet the others keep HF's random stream."""
+    p = GenerationParams(max_tokens=24, num_return_sequences=8, temperature=1.6, seed=77, do_sample=True)
+    got = check(model, prompt_for(60), p, eos=(EOS, EOS2), stop=[[150]])
+    lengths = {len(g.token_ids) for g in got}
+    assert len(lengths) > 1 and min(lengths) < 24
+
+
+def test_greedy_matches_hf_and_ignores_sampling_knobs(model):
+    p = GenerationParams(max_tokens=20, temperature=0.5, top_k=3, top_p=0.5)  # do_sample False: greedy
+    got = check(model, prompt_for(70), p)
+    assert len(got) == 1 and len(got[0].token_ids) >= 1
+
+
+def test_from_inputs_params_drive_the_decoder(model):
+    p = GenerationParams.from_inputs({"max_tokens": 10, "beam_width": 3, "num_return_sequences": 2,
+                                      "length_penalty": 2.0, "early_stopping": 2})
+    assert p.early_stopping == "never"
+    check(model, prompt_for(80), p)
+    p = GenerationParams.from_inputs({"max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 5,
+                                      "num_return_sequences": 2})
+    assert p.do_sample
+    check(model, prompt_for(81), p)
+
+
+def test_beam_sampling_is_reproducible_and_matches_hf(model):
+    p = GenerationParams(max_tokens=10, beam_width=3, num_return_sequences=2, temperature=0.9, top_k=30, seed=9,
+                         do_sample=True)
+    a = check(model, prompt_for(90), p)
+    b = drive(model, Decoder(p, prompt_for(90), eos_ids=(EOS,), vocab_size=V), prompt_for(90))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+
+
+def test_step_contract_and_best_so_far(model):
+    prompt = prompt_for(100)
+    p = GenerationParams(max_tokens=6, beam_width=4, num_return_sequences=2)
+    dec = Decoder(p, prompt, eos_ids=(EOS,), vocab_size=V)
+    assert dec.num_rows == 1 and dec.best_so_far() == []
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[:, -1]
+    res = dec.step(logits.to(torch.bfloat16))  # any float dtype
+    assert res.parents == [0, 0, 0, 0] and len(set(res.tokens)) == 4 and not res.done
+    assert dec.num_rows == 4 and dec.best_so_far() == [res.tokens[0]]
+    with pytest.raises(InvalidArgument):
+        dec.step(logits)  # 1 row given, 4 expected
+    seqs = dec.finalize()  # early finalize (cancel): running beams become hypotheses
+    assert len(seqs) == 2 and all(len(s.token_ids) == 1 for s in seqs)
+
+
+def test_invalid_arguments():
+    p = GenerationParams(max_tokens=4)
+    with pytest.raises(InvalidArgument):
+        Decoder(p, [], eos_ids=(EOS,), vocab_size=V)
+    with pytest.raises(InvalidArgument):
+        Decoder(p, [1, 2], eos_ids=(V,), vocab_size=V)
+    with pytest.raises(InvalidArgument):
+        Decoder(p, [1, 2], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[V + 3]])
+    with pytest.raises(InvalidArgument):
+        Decoder(p, [1, 2], eos_ids=(EOS,), vocab_size=V, stop_words_ids=[[-1]])
+    with pytest.raises(InvalidArgument):
+        Decoder(dataclasses.replace(p, beam_width=2, num_return_sequences=3), [1], eos_ids=(EOS,), vocab_size=V)
+    with pytest.raises(InvalidArgument):
+        Decoder(dataclasses.replace(p, num_return_sequences=2), [1], eos_ids=(EOS,), vocab_size=V)
+    with pytest.raises(InvalidArgument):
+        Decoder(dataclasses.replace(p, do_sample=True, temperature=0.0), [1], eos_ids=(EOS,), vocab_size=V)
+    dec = Decoder(dataclasses.replace(p, max_tokens=1), [1], eos_ids=(EOS,), vocab_size=V)
+    assert dec.step(torch.randn(1, V)).done
+    with pytest.raises(InvalidArgument):
+        dec.step(torch.randn(1, V))
