@@ -138,6 +138,7 @@ class TritonServer:
     log_file: Path | None = None
     log_verbose: int = 0
     exit_timeout: int = 15
+    tritonserver: str | None = None  # a system tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver)
     proc: subprocess.Popen | None = None
 
     @property
@@ -149,13 +150,20 @@ class TritonServer:
         return f"localhost:{self.grpc_port}"
 
     def start(self) -> "TritonServer":
-        tree = prepare_server_tree()
+        if self.tritonserver:  # e.g. NVIDIA's tritonserver container: its own binary, backends and stub
+            binary = Path(self.tritonserver)
+            tree = binary.parent.parent
+            env = dict(os.environ, TRITON_VLM_REPO_ROOT=str(REPO_ROOT))
+        else:
+            tree = prepare_server_tree()
+            binary = tree / "bin" / "tritonserver"
+            env = server_env(tree)
         self.run_dir = Path(self.run_dir or tempfile.mkdtemp(prefix="triton-vlm-run-"))
         params = {k: dict(v) for k, v in self.params.items()}
         params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
         repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
         cmd = [
-            str(tree / "bin" / "tritonserver"),
+            str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={tree / 'backends'}",
             f"--http-port={self.http_port}",
@@ -167,7 +175,7 @@ class TritonServer:
             "--allow-cpu-metrics=true",
         ]
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=server_env(tree), stdout=out, stderr=subprocess.STDOUT if out else None,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                      start_new_session=True)
         return self
 
@@ -223,6 +231,27 @@ class TritonServer:
         self.stop()
 
 
+def smoke_request(grpc_url: str, demo: bool) -> str:
+    """Answer one request through the running server (proves the whole path works) and describe it."""
+    from triton_vlm_client import VLMClient  # noqa: PLC0415
+
+    with VLMClient(grpc_url, protocol="grpc", timeout=120) as client:
+        if demo:
+            import io  # noqa: PLC0415
+            import random  # noqa: PLC0415
+
+            from .demo.shapes import draw  # noqa: PLC0415
+
+            buf = io.BytesIO()
+            draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
+            prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
+            res = client.generate(prompt, [buf.getvalue()], max_tokens=8)
+            return f"{prompt!r} + a blue triangle -> {res.texts[0]!r}"
+        prompt = "USER: Hello! ASSISTANT:"
+        res = client.generate(prompt, max_tokens=16)
+        return f"{prompt!r} -> {res.texts[0]!r}"
+
+
 def _parse_set(items: list[str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for item in items:
@@ -244,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=os.environ.get("DEVICE"), help="cpu or cuda (every model)")
     ap.add_argument("--set", action="append", default=[], metavar="[MODEL.]KEY=VALUE",
                     help="set a model parameter, e.g. llm.backend=hf or vision.vision_bits=16")
+    ap.add_argument("--tritonserver", default=os.environ.get("TRITONSERVER"),
+                    help="use this tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's\n"
+                         "container) instead of the one in nvidia-pytriton")
     ap.add_argument("--log-verbose", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     args = ap.parse_args(argv)
@@ -260,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         params.setdefault("*", {})["device"] = args.device
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params,
-                          log_verbose=args.log_verbose)
+                          log_verbose=args.log_verbose, tritonserver=args.tritonserver)
     stopping = False
 
     def forward(signum, _frame):
@@ -278,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"triton-vlm: {e}", file=sys.stderr)
         server.stop()
         return 1
+    try:
+        answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model)
+    except Exception as e:  # noqa: BLE001 - report, keep serving
+        answer = f"FAILED: {e}"
     print(f"triton-vlm: serving {model}\n"
+          f"  request {answer}\n"
           f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"

@@ -3,7 +3,9 @@
 `VisionEncoder(model_dir, VisionSettings(...))(pixel_values [n, 3, H, W]) -> [n, T, hidden]` equals
 `LlavaForConditionalGeneration.get_image_features(...)` on the same weights. The settings are seed 000's
 pipeline parameters: `vision_device` / `vision_bits` for the tower, `projector_device` / `projector_bits` for the
-projector, and a pipeline (feature layer + select strategy) taken from the checkpoint's config or chosen by name.
+projector, and a pipeline chosen from the checkpoint's config ("auto") or by name (`triton_vlm.checkpoint.PIPELINES`).
+The feature layer and select strategy always come from the checkpoint's config, so the number of features per
+image is the number of placeholders preprocess inserts.
 """
 from __future__ import annotations
 
@@ -14,33 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import InvalidArgument
+from .checkpoint import CheckpointError, describe_pipelines, get_pipeline, pipeline_for_config
 
 _DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class VisionPipeline:
-    """How image features are taken from the vision tower (seed 000: pipelines chosen by name)."""
-
-    name: str
-    feature_layer: int | tuple[int, ...] | None = None  # None: the checkpoint's vision_feature_layer
-    select_strategy: str | None = None  # "default" drops CLS, "full" keeps it; None: the checkpoint's
-
-
-PIPELINES: dict[str, VisionPipeline] = {
-    "auto": VisionPipeline("auto"),
-    "llava": VisionPipeline("llava"),
-    "llava-1.5": VisionPipeline("llava-1.5", -2, "default"),
-    "llava-full": VisionPipeline("llava-full", None, "full"),
-}
-
-
-def get_pipeline(name: str) -> VisionPipeline:
-    try:
-        return PIPELINES[name or "auto"]
-    except KeyError:
-        raise InvalidArgument(f"unknown vision pipeline {name!r}; available: {', '.join(PIPELINES)}") from None
 
 
 def parse_bits(value: str | int | None) -> torch.dtype:
@@ -92,9 +70,14 @@ class VisionEncoder(nn.Module):
         config = AutoConfig.from_pretrained(model_dir)
         if not hasattr(config, "vision_config"):
             raise ValueError(f"{model_dir} is not a LLaVA-style checkpoint (no vision_config)")
-        pipe = get_pipeline(settings.pipeline)
-        self.feature_layer = pipe.feature_layer if pipe.feature_layer is not None else config.vision_feature_layer
-        self.select_strategy = pipe.select_strategy or config.vision_feature_select_strategy
+        raw = json.loads((model_dir / "config.json").read_text())
+        pipe = pipeline_for_config(raw) if settings.pipeline in ("", "auto") else get_pipeline(settings.pipeline)
+        if pipe is None or not pipe.matches(raw):
+            raise CheckpointError(f"{model_dir}: no vision pipeline for model_type {raw.get('model_type')!r}; "
+                                  f"available: {describe_pipelines()}")
+        self.pipeline = pipe.name
+        self.feature_layer = config.vision_feature_layer
+        self.select_strategy = config.vision_feature_select_strategy
         if self.select_strategy not in ("default", "full"):
             raise ValueError(f"unsupported vision_feature_select_strategy {self.select_strategy!r}")
         self.tower_device = torch.device(settings.vision_device)

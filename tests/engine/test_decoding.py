@@ -150,6 +150,19 @@ def test_beam_search_matches_hf(model, nb, lp, es, nrs, mt, seed):
     check(model, prompt_for(seed), p)
 
 
+EOS_HEAVY = (EOS, 45, 169, 103)  # frequent ids as extra EOS: hypotheses finish early, heuristics decide the stop
+
+
+@pytest.mark.parametrize("nb,lp,es", [(3, 1.0, "never"), (4, 2.0, "never"), (4, 1.0, False), (5, 2.0, False),
+                                      (4, 0.0, "never"), (6, -1.0, False), (3, 1.0, True), (8, 1.0, True),
+                                      (5, -1.0, "never")])
+def test_beam_search_with_early_endings_matches_hf(model, nb, lp, es):
+    p = GenerationParams(max_tokens=20, beam_width=nb, num_return_sequences=min(nb, 3), length_penalty=lp,
+                         early_stopping=es)
+    got = check(model, prompt_for(nb + 110), p, eos=EOS_HEAVY)
+    assert any(g.token_ids[-1] in EOS_HEAVY for g in got)
+
+
 FEATURES = {
     "min_tokens": dict(min_tokens=6),
     "repetition_penalty": dict(repetition_penalty=1.3),
@@ -177,8 +190,8 @@ def test_multiple_eos_and_bad_words_match_hf(model, nb):
     free = check(model, prompt, base, eos=(EOS, EOS2))
     # ban the first token and a bigram the free run produced, plus an EOS id alone (HF keeps EOS allowed)
     toks = free[0].token_ids
-    bad = [[toks[0]], toks[1:3] if len(toks) >= 3 else [150, 151], [11, 12, 13], [EOS]]
-    got = check(model, prompt, base, eos=(EOS, EOS2), bad=bad)
+    bad = [[toks[0]], toks[1:3] if len(toks) >= 3 else [150, 151], [11, 12, 13], [EOS], [45], [169]]
+    got = check(model, prompt, base, eos=(EOS, EOS2, 45), bad=bad)  # [EOS] and [45] stay allowed (EOS ids)
     assert got[0].token_ids[:1] != toks[:1]
 
 
@@ -189,7 +202,8 @@ def test_stop_words_match_hf(model, nb, es):
     free = check(model, prompt, base)
     toks = free[0].token_ids
     assert len(toks) >= 6
-    stop = [toks[3:5], [toks[-1] if len(free) == 1 else free[-1].token_ids[2]], [150, 151, 152]]
+    stop = [toks[3:5], [toks[-1] if len(free) == 1 else free[-1].token_ids[2]], [150, 151, 152],
+            [prompt[-1], toks[0]]]  # only generated ids complete a stop word: this one never fires
     got = check(model, prompt, base, stop=stop)
     assert got[0].token_ids != toks  # the stop words changed the outcome
     for g in got:  # a stop word can only sit at the very end of a sequence, where it is kept

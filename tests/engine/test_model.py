@@ -67,7 +67,8 @@ def test_chunked_prefill_matches_one_shot(llama):
     outs = []
     for s in range(0, len(ids), 7):
         chunk = ids[s:s + 7]
-        outs.append(m.forward(m.embed(torch.tensor([chunk])), cache.plan([row], len(chunk)), cache, all_logits=True)[0])
+        x = m.embed(torch.tensor([chunk]))
+        outs.append(m.forward(x, cache.plan([row], len(chunk)), cache, all_logits=True)[0])
     torch.testing.assert_close(torch.cat(outs), hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 

@@ -59,7 +59,7 @@ def answer(question: str, shape: str, color: str) -> str:
 
 def draw(shape: str, color: str, size: tuple[int, int] = (64, 64),
          rng: random.Random | int | None = None) -> Image.Image:
-    """One filled `shape` in `color` on white, random size (35-80% of the short side) and position.
+    """One filled `shape` in `color` on white, random size (40-85% of the short side) and position.
 
     `size` is (width, height), any size >= 8x8. `rng` is a `random.Random`, an int seed, or None (fresh).
     """
@@ -73,7 +73,7 @@ def draw(shape: str, color: str, size: tuple[int, int] = (64, 64),
     if not isinstance(rng, random.Random):
         rng = random.Random(rng)
     short = min(w, h)
-    s = max(4, round(short * rng.uniform(0.35, 0.8)))  # shape extent in pixels
+    s = max(4, round(short * rng.uniform(0.4, 0.85)))  # shape extent in pixels
     x0 = rng.randint(0, w - s)
     y0 = rng.randint(0, h - s)
     img = Image.new("RGB", (w, h), (255, 255, 255))
@@ -101,8 +101,8 @@ def random_example(rng: random.Random, size: tuple[int, int] | None = None) -> t
 
 
 def random_size(rng: random.Random) -> tuple[int, int]:
-    """A random (width, height) between 16 and 224 px with aspect ratio between 1:2.5 and 2.5:1."""
+    """A random (width, height) between 16 and 224 px with aspect ratio between 1:2.2 and 2.2:1."""
     short = rng.randint(16, 128)
-    ratio = math.exp(rng.uniform(-math.log(2.5), math.log(2.5)))
+    ratio = math.exp(rng.uniform(-math.log(2.2), math.log(2.2)))
     w, h = (round(short * ratio), short) if ratio >= 1 else (short, round(short / ratio))
     return max(8, min(w, 224)), max(8, min(h, 224))

@@ -107,7 +107,7 @@ class BeamSearch:
         cand_lp[:, t] = log_probs[beam, tok]
 
         # d. which candidates stop here
-        hits = self.stop(cand[:, :L + 1], t + 1).view(1, K)
+        hits = self.stop(cand[:, :L + 1], t + 1).view(1, K); hits[:, self.nb:] = False
 
         # e. running beams for the next step
         topk_running = topk_log_probs + hits.to(torch.float32) * -1.0e9
@@ -119,7 +119,7 @@ class BeamSearch:
         self.tok_lp = cand_lp[nxt[0]]
 
         # f. finished pool
-        did_finish = hits
+        did_finish = hits & self.top_mask[None, :]
         pen = topk_log_probs / ((t + 1) ** self.length_penalty)
         full = torch.all(self.is_fin, dim=-1, keepdim=True) & (self.early_stopping is True)
         pen += full.to(torch.float32) * -1.0e9

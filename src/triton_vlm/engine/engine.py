@@ -34,7 +34,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # float32 | float16 | bfloat16
     max_rows: int = 64  # rows (beams / samples) decoded per step
-    kv_cache_tokens: int = 16384  # KV budget in tokens (all layers); num_blocks = kv_cache_tokens // block_size
+    # KV budget in tokens (each holds K and V of every layer: 2 * layers * kv_heads * head_dim values, 0.5 MiB
+    # for a 7B Llama in fp16); num_blocks = kv_cache_tokens // block_size, preallocated at start
+    kv_cache_tokens: int = 4096
     block_size: int = 16
     prefill_chunk: int = 512  # max prompt tokens prefilled per step
     max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
@@ -117,7 +119,8 @@ class Engine:
         rows = self.rows_for(p)
         if rows > self.config.max_rows:
             raise InvalidArgument(
-                f"the request needs {rows} rows (beam_width / num_return_sequences), max_rows is {self.config.max_rows}")
+                f"the request needs {rows} rows (beam_width / num_return_sequences), "
+                f"max_rows is {self.config.max_rows}")
         need = blocks_needed(len(ids), p.max_tokens, rows, self.config.block_size)
         if need > self.cache.num_blocks:
             raise InvalidArgument(

@@ -23,7 +23,10 @@ def merge_image_embeds(input_ids: torch.Tensor, text_embeds: torch.Tensor, image
 
     Returns [P, hidden]: text_embeds with the placeholder rows replaced by the image features.
     """
-    is_image = (input_ids == image_token_id) if image_token_id is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+    if image_token_id is None:  # a plain Llama: no placeholders
+        is_image = torch.zeros_like(input_ids, dtype=torch.bool)
+    else:
+        is_image = input_ids == image_token_id  # [P]
     tokens = int(is_image.sum())
     if image_embeds is None:
         if tokens:

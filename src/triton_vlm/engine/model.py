@@ -7,6 +7,11 @@ embeddings looked up per row from each token's own position (rope_theta; "linear
 scaling), grouped-query attention with `scaled_dot_product_attention` over each row's gathered keys, masked
 to its own causal length, a SiLU-gated MLP and the lm_head.
 
+Batch invariance: a row only ever attends to its own keys (gathered from its own blocks); padding up to the
+longest row of the call is masked out, so it gets softmax weight exactly 0. What batching can still change
+is floating-point blocking inside the matmuls (a different number of rows per GEMM): ulp-level, far below
+the logit gaps that decide tokens (tests/engine/test_engine.py checks 16 mixed requests token for token).
+
 Every projection (q/k/v/o, gate/up/down, lm_head) is a `Linear`: the one place where a per-row adapter
 delta (LoRA, next issue) is added. An `AdapterBatch` knows which adapter each row of the call uses and
 returns `delta(x, layer, module)` of shape `[rows, q_len, out]` (or None when no row adapts that module).

@@ -47,7 +47,7 @@ Callback = Callable[[GenerationResult], None]
 Output = tuple[Callback, GenerationResult]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (requests hold tensors)
 class Active:
     """One request inside the engine."""
 

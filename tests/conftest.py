@@ -1,0 +1,71 @@
+"""Shared fixtures: the demo model (built once, cached) and a live tritonserver on it.
+
+The server is the real `tritonserver` from nvidia-pytriton started by `triton_vlm.serve.TritonServer` on free
+ports; tests talk to it with `tritonclient` over gRPC and HTTP. Its log goes to `<tmp>/server.log` and is
+printed when the server fails to start.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA exists (they are selected, never skipped, on a GPU machine)."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_gpu = False
+    if has_gpu:
+        return
+    keep = [i for i in items if "gpu" not in i.keywords]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if "gpu" in i.keywords])
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    from triton_vlm.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+def _start_server(tmp_path_factory, model: Path, params: dict, name: str):
+    from triton_vlm.serve import TritonServer, free_port
+
+    run_dir = tmp_path_factory.mktemp(name)
+    server = TritonServer(str(model), free_port(), free_port(), free_port(), params=params, run_dir=run_dir,
+                          log_file=run_dir / "server.log", exit_timeout=10)
+    server.start()
+    try:
+        server.wait_ready(300)
+    except BaseException:
+        server.stop()
+        log = (run_dir / "server.log").read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"tritonserver did not start; log tail:\n{log}") from None
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, demo_model):
+    """The model repository as shipped (our engine), serving the demo model."""
+    server = _start_server(tmp_path_factory, demo_model, {}, "server")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_server(tmp_path_factory, demo_model):
+    """The same repository with the `transformers` generate() backend (the baseline)."""
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"backend": "hf"}}, "hf-server")
+    yield server
+    server.stop()
