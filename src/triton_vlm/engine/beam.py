@@ -107,7 +107,7 @@ class BeamSearch:
         cand_lp[:, t] = log_probs[beam, tok]
 
         # d. which candidates stop here
-        hits = self.stop(cand[:, :L + 1], t + 1).view(1, K); hits[:, self.nb:] = False
+        hits = self.stop(cand[:, :L + 1], t + 1).view(1, K)
 
         # e. running beams for the next step
         topk_running = topk_log_probs + hits.to(torch.float32) * -1.0e9
