@@ -22,14 +22,16 @@ class TritonPythonModel:
             tokenizer, image_token_id = backend.tokenizer, backend.image_token_id
             context = backend.model.config.text_config.max_position_embeddings
         elif kind == "engine":
-            from triton_vlm.engine import Engine, EngineConfig
+            from triton_vlm.engine.engine import Engine, EngineConfig
 
-            cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64))
+            cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64),
+                               kv_cache_mb=config.parse_int(p, "kv_cache_mb", 1024),
+                               prefill_chunk=config.parse_int(p, "prefill_chunk", 512))
             kv = config.parse_int(p, "kv_cache_tokens", 0)
-            if kv:
-                cfg.kv_cache_tokens = kv
+            if kv:  # an explicit token budget wins over kv_cache_mb
+                cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0
             backend = Engine(model_dir, cfg)
-            tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.context_length
+            tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
         context = config.parse_int(p, "context_length", 0) or context

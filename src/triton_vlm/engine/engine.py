@@ -37,6 +37,7 @@ class EngineConfig:
     # KV budget in tokens (each holds K and V of every layer: 2 * layers * kv_heads * head_dim values, 0.5 MiB
     # for a 7B Llama in fp16); num_blocks = kv_cache_tokens // block_size, preallocated at start
     kv_cache_tokens: int = 4096
+    kv_cache_mb: int = 0  # if > 0: the budget in MiB instead, kv_cache_tokens = what fits (capped at 1M tokens)
     block_size: int = 16
     prefill_chunk: int = 512  # max prompt tokens prefilled per step
     max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
@@ -74,6 +75,9 @@ class Engine:
             from .decoder import Decoder as decoder_factory
         self._make_decoder = decoder_factory
         self._make_detok = detokenizer_factory or self._default_detokenizer
+        if config.kv_cache_mb > 0:
+            per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPES[config.dtype].itemsize
+            config.kv_cache_tokens = max(config.block_size, min(1 << 20, config.kv_cache_mb * 2**20 // per_token))
         self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
         self.scheduler = Scheduler(self.model, self.cache, max_rows=config.max_rows,
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text)
