@@ -299,3 +299,24 @@ def test_invalid_arguments():
     assert dec.step(torch.randn(1, V)).done
     with pytest.raises(InvalidArgument):
         dec.step(torch.randn(1, V))
+
+
+def test_beam_stream_prefix_is_never_retracted():
+    """Whatever stream_prefix() returned at any step is a prefix of every returned beam at the end."""
+    torch.manual_seed(3)
+    vocab = 50
+    params = GenerationParams(max_tokens=12, beam_width=4, num_return_sequences=4, length_penalty=1.0)
+    dec = Decoder(params, [1, 2, 3], eos_ids=[0], vocab_size=vocab)
+    seen = []
+    g = torch.Generator().manual_seed(0)
+    while not dec.done:
+        logits = torch.randn(dec.num_rows, vocab, generator=g) * 3
+        dec.step(logits)
+        seen.append(dec.stream_prefix())
+    final = dec.finalize()
+    assert any(seen), "something was streamable before the end"
+    for prefix in seen:
+        for s in final:
+            assert s.token_ids[:len(prefix)] == prefix
+    for a, b in zip(seen, seen[1:]):
+        assert b[:len(a)] == a, "the stable prefix only grows"

@@ -176,6 +176,22 @@ class BeamSearch:
             return self.fin_gen[0, :int(self.fin_len[0, 0])].tolist()
         return self.seqs[0, self.Lp:self.Lp + self.t].tolist()
 
+    def stable_prefix(self) -> list[int]:
+        """New tokens every possible final hypothesis starts with, safe to stream: the final ranking picks among
+        the kept finished hypotheses and extensions of the running beams, so their common prefix is final."""
+        if self.t == 0:
+            return []
+        cands = [row[self.Lp:self.Lp + self.t] for row in self.seqs.tolist()]
+        fin, lens = self.is_fin[0].tolist(), self.fin_len[0].tolist()
+        cands += [self.fin_gen[i, :lens[i]].tolist() for i in range(self.nb) if fin[i]]
+        prefix = cands[0]
+        for c in cands[1:]:
+            n = 0
+            while n < min(len(prefix), len(c)) and prefix[n] == c[n]:
+                n += 1
+            prefix = prefix[:n]
+        return prefix
+
     def finalize(self, n: int) -> list[Hypothesis]:
         if not self.done:
             self._force_finish()

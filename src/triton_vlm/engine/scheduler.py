@@ -19,11 +19,10 @@ Policy, per `step()`:
    freed).
 5. Results: a finished request frees everything and gets its final result (ranked `Decoder.finalize()`
    sequences, text = `tokenizer.decode(ids, skip_special_tokens=True)`). A request with `params.stream`
-   also gets, after each of its steps, a non-final result with the new tokens of `Decoder.best_so_far()`
-   (sequence_index 0) and their text from its `IncrementalDetokenizer`. Only a stable extension is sent:
-   when the best hypothesis (beam search) no longer starts with what was already sent, nothing is sent
-   until it does again; the final result is authoritative. For greedy and sampling the pieces concatenate
-   to the final sequence 0.
+   also gets, after each of its steps, a non-final result with the new tokens of `Decoder.stream_prefix()`
+   (sequence_index 0) and their text from its `IncrementalDetokenizer`. For beam search that prefix is the
+   part every hypothesis still in the running shares, so nothing streamed is ever retracted and the pieces
+   concatenate to the final best sequence, as they do for greedy and sampling.
 
 Any exception while handling one request ends that request with an error result; the others go on.
 """
@@ -176,7 +175,7 @@ class Scheduler:
         if res.done:
             self._finish(a, out)
         elif a.req.params.stream:
-            self._stream(a, a.decoder.best_so_far(), out)
+            self._stream(a, a.decoder.stream_prefix(), out)
 
     def _reorder(self, rows: list[RowKV], parents: list[int]) -> list[RowKV]:
         new, kept = [], set()
