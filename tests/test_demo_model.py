@@ -56,3 +56,101 @@ def test_random_llava_is_deterministic(random_ckpt, tmp_path):
     digest = lambda p: hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
     assert digest(again) == digest(random_ckpt)
     assert digest(other) != digest(random_ckpt)
+
+
+# ---------------------------------------------------------------- step 2: the trained demo model
+
+from triton_vlm.demo import shapes  # noqa: E402
+from triton_vlm.demo.build import (  # noqa: E402
+    DEMO_VERSION, MIN_COLOR, MIN_DESCRIBE, MIN_SHAPE, ensure_demo_model, file_sha256, read_info)
+from triton_vlm.demo.evaluate import ask, ask_text, evaluate  # noqa: E402
+from triton_vlm.demo.train import Recipe, train  # noqa: E402
+
+TEST_SIZES = [(24, 24), (64, 48), (200, 120), (32, 80), (100, 100), (48, 64)]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    path = ensure_demo_model()
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    return path, model, processor
+
+
+def test_demo_info_matches_files(demo):
+    path, model, _ = demo
+    info = read_info(path)
+    assert path.name == DEMO_VERSION == info["version"]
+    assert info["weights_sha256"] == file_sha256(path / "model.safetensors")
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    acc = info["held_out_accuracy"]
+    assert acc["color"] >= MIN_COLOR and acc["shape"] >= MIN_SHAPE and acc["describe"] >= MIN_DESCRIBE
+    assert info["build_seconds"] > 0 and info["size_bytes"] > 0
+    cfg = model.config.text_config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+
+
+def test_demo_held_out_accuracy(demo):
+    _, model, processor = demo
+    acc = evaluate(model, processor, n=60, seed=2024, sizes=TEST_SIZES)
+    assert acc.color >= 0.95, acc.failures
+    assert acc.shape >= 0.90, acc.failures
+    assert acc.describe >= 0.90, acc.failures
+
+
+def test_demo_same_answers_at_different_sizes(demo):
+    _, model, processor = demo
+    rng = __import__("random").Random(77)
+    base = [(shapes.draw(s, c, (120, 120), rng), s, c) for s in shapes.SHAPES for c in shapes.COLORS]
+    consistent = correct = 0
+    for q in shapes.QUESTIONS:
+        per_size = [ask(model, processor, q, [img.resize(size) for img, _, _ in base]) for size in TEST_SIZES]
+        for i, (_, s, c) in enumerate(base):
+            answers = {per_size[k][i] for k in range(len(TEST_SIZES))}
+            consistent += len(answers) == 1
+            correct += answers == {shapes.answer(q, s, c)}
+    total = len(base) * len(shapes.QUESTIONS)
+    assert consistent >= 0.9 * total, (consistent, total)
+    assert correct >= 0.9 * total, (correct, total)
+
+
+def test_demo_answers_then_stops(demo):
+    _, model, processor = demo
+    img = shapes.draw("triangle", "blue", (64, 48), 5)
+    enc = processor(text=shapes.prompt(shapes.QUESTION_DESCRIBE), images=img, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=10, do_sample=False)
+    new = out[0, enc.input_ids.shape[1]:].tolist()
+    assert new[-1] == processor.tokenizer.eos_token_id and len(new) < 10
+    assert processor.decode(new, skip_special_tokens=True) == " a blue triangle"
+
+
+def test_demo_text_only_and_two_images(demo):
+    _, model, processor = demo
+    assert ask_text(model, processor, "Say hello.").strip() == "hello"
+    assert ask_text(model, processor, "What shapes do you know?").strip() == "circle square triangle"
+    rng = __import__("random").Random(3)
+    ok = 0
+    pairs = [(("circle", "red"), ("square", "blue")), (("triangle", "yellow"), ("circle", "green")),
+             (("square", "green"), ("triangle", "red")), (("circle", "blue"), ("circle", "yellow"))]
+    for (s1, c1), (s2, c2) in pairs:
+        imgs = [shapes.draw(s1, c1, (64, 64), rng), shapes.draw(s2, c2, (48, 80), rng)]
+        for q, f in shapes.TWO_IMAGE_QUESTIONS.items():
+            enc = processor(text=shapes.prompt(q, 2), images=imgs, return_tensors="pt")
+            out = model.generate(**enc, max_new_tokens=6, do_sample=False)
+            ok += processor.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True) == f([s1, s2], [c1, c2])
+    assert ok >= 0.9 * len(pairs) * len(shapes.TWO_IMAGE_QUESTIONS), ok
+
+
+def test_training_is_deterministic():
+    """The full recipe is too slow to run twice here; a shortened one through the same code must repeat."""
+    recipe = Recipe(vision_steps=8, steps=8, batch_size=8, warmup=2)
+
+    def digest() -> str:
+        model, _ = train(recipe, progress=False)
+        h = hashlib.sha256()
+        for name, t in sorted(model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    assert digest() == digest()

@@ -1,8 +1,8 @@
 """Train the tiny demo LLaVA on the synthetic shapes task with plain torch (CLIP tower included).
 
-Data: a pool of images drawn at random sizes/aspect ratios and run through the real image processor (so
-training sees exactly what inference sees), mixed per step with single-image questions, two-image
-questions and text-only prompts. Loss only on the answer tokens and the EOS that follows them.
+Data: fresh images every step (never repeated: a fixed pool gets memorised instead of learnt), drawn at
+random sizes/aspect ratios and run through the real image processor (so training sees exactly what
+inference sees), mixed per step with single-image questions, two-image questions and text-only prompts. Loss only on the answer tokens and the EOS that follows them.
 """
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ class Recipe:
     vocab_size: int = 384
     max_position_embeddings: int = 512
     # data / optimisation
-    pool_images: int = 6000
-    steps: int = 1500
+    vision_steps: int = 1000  # stage 1: vision tower + throw-away linear head classify shape and colour
+    vision_lr: float = 3e-3
+    stage2_vision_lr_scale: float = 0.0  # 0 = vision tower frozen in stage 2
+    steps: int = 800  # stage 2: the whole LLaVA on the question/answer task
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -70,30 +72,21 @@ def vocab_texts() -> list[str]:
 class Example:
     input_ids: list[int]
     labels: list[int]
-    image_idx: list[int]  # indices into the image pool, in placeholder order
 
 
 class ShapesData:
-    """Image pool (processed pixel values) and tokenised prompt templates."""
+    """Fresh synthetic examples every batch (no image is ever repeated) and tokenised prompt templates."""
 
-    def __init__(self, processor: LlavaProcessor, n_tok: int, pool: int, rng: random.Random):
+    def __init__(self, processor: LlavaProcessor, n_tok: int, rng: random.Random):
+        self.processor = processor
         self.tok = processor.tokenizer
         self.n_tok = n_tok
         self.image_token = processor.image_token
         self.rng = rng
-        imgs, self.shapes, self.colors = [], [], []
-        for _ in tqdm(range(pool), desc="drawing images", leave=False):
-            img, s, c = shapes.random_example(rng)
-            imgs.append(img)
-            self.shapes.append(s)
-            self.colors.append(c)
-        pv = []
-        for i in range(0, pool, 500):
-            pv.append(processor.image_processor(imgs[i:i + 500], return_tensors="pt")["pixel_values"])
-        self.pixel_values = torch.cat(pv)  # [pool, 3, S, S]
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
 
     def prompt_ids(self, question: str, n_images: int) -> list[int]:
+        """Prompt ids exactly as LlavaProcessor makes them (`<image>` expanded to n_tok placeholders)."""
         key = (question, n_images)
         if key not in self._prompt_cache:
             text = shapes.prompt(question, n_images).replace(self.image_token, self.image_token * self.n_tok)
@@ -103,41 +96,94 @@ class ShapesData:
     def answer_ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
 
-    def _example(self, question: str, n_images: int, answer: str, image_idx: list[int]) -> Example:
+    def _example(self, question: str, n_images: int, answer: str) -> Example:
         p, a = self.prompt_ids(question, n_images), self.answer_ids(answer)
-        return Example(p + a, [-100] * len(p) + a, image_idx)
+        return Example(p + a, [-100] * len(p) + a)
 
-    def sample(self, p_two: float, p_text: float) -> Example:
+    def sample(self, p_two: float, p_text: float, images: list) -> Example:
+        """One example; its images are appended to `images`."""
         r = self.rng.random()
-        n = len(self.shapes)
         if r < p_text:
             q = self.rng.choice(list(shapes.TEXT_ONLY))
-            return self._example(q, 0, shapes.TEXT_ONLY[q], [])
+            return self._example(q, 0, shapes.TEXT_ONLY[q])
         if r < p_text + p_two:
-            i, j = self.rng.randrange(n), self.rng.randrange(n)
+            (i1, s1, c1), (i2, s2, c2) = shapes.random_example(self.rng), shapes.random_example(self.rng)
             q = self.rng.choice(list(shapes.TWO_IMAGE_QUESTIONS))
-            a = shapes.TWO_IMAGE_QUESTIONS[q]([self.shapes[i], self.shapes[j]], [self.colors[i], self.colors[j]])
-            return self._example(q, 2, a, [i, j])
-        i = self.rng.randrange(n)
+            images += [i1, i2]
+            return self._example(q, 2, shapes.TWO_IMAGE_QUESTIONS[q]([s1, s2], [c1, c2]))
+        img, s, c = shapes.random_example(self.rng)
         q = self.rng.choice(list(shapes.QUESTIONS))
-        return self._example(q, 1, shapes.answer(q, self.shapes[i], self.colors[i]), [i])
+        images.append(img)
+        return self._example(q, 1, shapes.answer(q, s, c))
 
-    def batch(self, size: int, p_two: float, p_text: float, pad_id: int) -> dict[str, torch.Tensor]:
-        exs = [self.sample(p_two, p_text) for _ in range(size)]
+    def vision_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pixel_values [B, 3, S, S], shape labels [B], colour labels [B]) for vision pre-training."""
+        exs = [shapes.random_example(self.rng) for _ in range(size)]
+        pv = self.processor.image_processor([e[0] for e in exs], return_tensors="pt")["pixel_values"]
+        shape_y = torch.tensor([shapes.SHAPES.index(e[1]) for e in exs])
+        color_y = torch.tensor([list(shapes.COLORS).index(e[2]) for e in exs])
+        return pv, shape_y, color_y
+
+    def batch(self, size: int, p_two: float, p_text: float) -> dict[str, torch.Tensor]:
+        images: list = []
+        exs = [self.sample(p_two, p_text, images) for _ in range(size)]
         L = max(len(e.input_ids) for e in exs)
-        ids = torch.full((size, L), pad_id, dtype=torch.long)  # [B, L], right padded
+        ids = torch.full((size, L), self.tok.pad_token_id, dtype=torch.long)  # [B, L], right padded
         labels = torch.full((size, L), -100, dtype=torch.long)  # [B, L]
         mask = torch.zeros((size, L), dtype=torch.long)  # [B, L]
-        idx: list[int] = []
         for b, e in enumerate(exs):
             ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids)
             labels[b, : len(e.labels)] = torch.tensor(e.labels)
             mask[b, : len(e.input_ids)] = 1
-            idx += e.image_idx
         out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-        if idx:
-            out["pixel_values"] = self.pixel_values[idx]  # [n_images, 3, S, S]
-        return out
+        if images:
+            out["pixel_values"] = self.processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        return out  # pixel_values: [n_images, 3, S, S]
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def pretrain_vision(model: LlavaForConditionalGeneration, data: ShapesData, recipe: Recipe,
+                    progress: bool) -> torch.nn.Linear | None:
+    """Stage 1: train the CLIP tower (features of `vision_feature_layer`, CLS dropped, mean-pooled) with a
+    throw-away linear head to classify shape and colour. End-to-end training from scratch learns colour
+    but never gets off the ground on shape; a tower that already separates shapes fixes that."""
+    if recipe.vision_steps <= 0:
+        return None
+    tower = model.model.vision_tower
+    layer = model.config.vision_feature_layer
+    hidden = model.config.vision_config.hidden_size
+    head = torch.nn.Linear(hidden, len(shapes.SHAPES) + len(shapes.COLORS))
+    params = list(tower.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=recipe.vision_lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(recipe.warmup, recipe.vision_steps))
+    tower.train()
+    n_shapes = len(shapes.SHAPES)
+    bar = tqdm(range(recipe.vision_steps), desc="stage 1/2: vision tower", disable=not progress)
+    ema = None
+    for step in bar:
+        pv, shape_y, color_y = data.vision_batch(recipe.batch_size)
+        feats = tower(pv, output_hidden_states=True).hidden_states[layer][:, 1:]  # [B, patches, hidden]
+        logits = head(feats.mean(1))  # [B, shapes + colours]
+        loss = (torch.nn.functional.cross_entropy(logits[:, :n_shapes], shape_y)
+                + torch.nn.functional.cross_entropy(logits[:, n_shapes:], color_y))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{ema:.4f}")
+    tower.eval()
+    return head  # [hidden -> shapes + colours]; only for diagnostics
 
 
 def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
@@ -152,34 +198,37 @@ def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGen
         vision_intermediate=recipe.vision_intermediate, max_position_embeddings=recipe.max_position_embeddings,
         seed=recipe.seed,
     )
-    data = ShapesData(processor, num_image_tokens(model.config), recipe.pool_images,
-                      random.Random(recipe.seed + 1))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+    data = ShapesData(processor, num_image_tokens(model.config), random.Random(recipe.seed + 1))
+    pretrain_vision(model, data, recipe, progress)
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for n, p in model.named_parameters():
+        is_vision = n.startswith("model.vision_tower.")
+        if is_vision and recipe.stage2_vision_lr_scale == 0:
+            p.requires_grad_(False)
+            continue
+        groups.setdefault((is_vision, p.ndim >= 2 and "embed" not in n), []).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": recipe.weight_decay if decay else 0.0,
+          "lr": recipe.lr * (recipe.stage2_vision_lr_scale if vis else 1.0)}
+         for (vis, decay), ps in sorted(groups.items())],
+        lr=recipe.lr, betas=(0.9, 0.98))
 
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup:
-            return (step + 1) / recipe.warmup
-        t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(recipe.warmup, recipe.steps))
     model.train()
-    pad = processor.tokenizer.pad_token_id
-    bar = tqdm(range(recipe.steps), desc="training demo model", disable=not progress)
+    bar = tqdm(range(recipe.steps), desc="stage 2/2: llava", disable=not progress)
     ema = None
     for step in bar:
-        batch = data.batch(recipe.batch_size, recipe.p_two_images, recipe.p_text_only, pad)
+        batch = data.batch(recipe.batch_size, recipe.p_two_images, recipe.p_text_only)
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for g in groups.values() for p in g], 1.0)
         opt.step()
         sched.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.4f}")
+    for p in model.parameters():
+        p.requires_grad_(True)
     model.eval()
     return model, processor

@@ -1,0 +1,146 @@
+"""Build, check and cache the trained demo model (`ensure_demo_model()`, `python -m triton_vlm.demo`).
+
+The model lives at `<cache>/<DEMO_VERSION>`, `<cache>` = `$TRITON_VLM_CACHE` or `~/.cache/triton_vlm`.
+It is built in a temporary sibling directory and renamed into place only after it passed its accuracy bar,
+so a killed build never leaves a half model; a file lock makes concurrent callers wait for one build.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import transformers
+
+from triton_vlm.demo.evaluate import evaluate
+from triton_vlm.demo.train import Recipe, train
+
+# Bump whenever anything that changes the weights changes (Recipe, shapes.py drawing, training code).
+DEMO_VERSION = "demo-v1"
+RECIPE = Recipe()
+# Torch CPU kernels may reduce in a different order with a different thread count; fix it for determinism.
+BUILD_THREADS = 2
+EVAL_N = 120
+EVAL_SEED = 12345  # training images come from Random(RECIPE.seed + 1); this is a different stream
+MIN_COLOR, MIN_SHAPE, MIN_DESCRIBE = 0.95, 0.90, 0.90
+INFO_FILE = "demo_info.json"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TRITON_VLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "triton_vlm"
+
+
+def demo_model_path() -> Path:
+    return cache_dir() / DEMO_VERSION
+
+
+def is_complete(path: Path) -> bool:
+    return (path / INFO_FILE).is_file() and (path / "model.safetensors").is_file()
+
+
+def ensure_demo_model(progress: bool = True) -> Path:
+    """Path of the cached demo model; builds it first (about a minute or two) if it is missing."""
+    path = demo_model_path()
+    if is_complete(path):
+        return path
+    with _lock(path):
+        if not is_complete(path):  # someone else may have built it while we waited
+            build_demo_model(path, force=True, progress=progress)
+    return path
+
+
+def read_info(path: Path | None = None) -> dict:
+    return json.loads(((path or demo_model_path()) / INFO_FILE).read_text())
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _num_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def build_demo_model(out: Path | str, *, force: bool = False, progress: bool = True,
+                     recipe: Recipe = RECIPE) -> Path:
+    """Train, evaluate and save the demo model to `out` atomically. Raises RuntimeError below the bar."""
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass force=True (--force) to rebuild it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _num_threads(BUILD_THREADS):
+        model, processor = train(recipe, progress=progress)
+        train_seconds = time.perf_counter() - t0
+        acc = evaluate(model, processor, n=EVAL_N, seed=EVAL_SEED)
+    if acc.color < MIN_COLOR or acc.shape < MIN_SHAPE or acc.describe < MIN_DESCRIBE:
+        raise RuntimeError(
+            f"demo model below its accuracy bar (colour >= {MIN_COLOR}, shape >= {MIN_SHAPE}, describe >= "
+            f"{MIN_DESCRIBE}): {acc.as_dict()}; first failures: {acc.failures[:5]}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        from triton_vlm.demo.checkpoint import save_checkpoint
+
+        save_checkpoint(model, processor, tmp)
+        info = {
+            "version": DEMO_VERSION,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "size_bytes": dir_size(tmp),
+            "weights_sha256": file_sha256(tmp / "model.safetensors"),
+            "held_out_accuracy": acc.as_dict(),
+            "held_out_seed": EVAL_SEED,
+            "train_seconds": round(train_seconds, 1),
+            "build_seconds": round(time.perf_counter() - t0, 1),
+            "threads": BUILD_THREADS,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "recipe": dataclasses.asdict(recipe),
+        }
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
