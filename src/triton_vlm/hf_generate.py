@@ -14,26 +14,12 @@ from typing import Callable
 
 import torch
 
-from .errors import InvalidArgument, VLMError
+from .engine.merge import merge_image_embeds
+from .errors import VLMError
 from .params import GenerationRequest, GenerationResult, Sequence_
 
 log = logging.getLogger("triton_vlm")
 OnResult = Callable[[GenerationResult], None]
-
-
-def merge_image_embeds(input_ids: torch.Tensor, embeds: torch.Tensor, image_embeds: torch.Tensor | None,
-                       image_token_id: int) -> torch.Tensor:
-    """input_ids [T], embeds [T, hidden], image_embeds [images, tokens, hidden] -> embeds with images merged."""
-    mask = input_ids == image_token_id  # [T]
-    n_tokens = int(mask.sum())
-    n_features = 0 if image_embeds is None else image_embeds.shape[0] * image_embeds.shape[1]
-    if n_tokens != n_features:
-        raise InvalidArgument(
-            f"Image features and image tokens do not match: tokens: {n_tokens}, features: {n_features}")
-    if n_tokens:
-        embeds = embeds.clone()
-        embeds[mask] = image_embeds.reshape(-1, embeds.shape[-1]).to(embeds.dtype)
-    return embeds
 
 
 class _StopWords:
