@@ -44,8 +44,7 @@ def test_webui_regex_format_matches_exactly():
 
 
 def test_img_tags_that_are_not_base64_data_stay_text():
-    for s in ('<img src="http://example.com/a.png">', '<img src="data:text/plain;base64,QUJD">',
-              "<img src='data:image/png;base64,QUJD'>"):
+    for s in ('<img src="http://example.com/a.png">', '<img src="data:text/plain;base64,QUJD">'):
         assert split_prompt(f"x {s} y") == [TextPart(f"x {s} y")]
 
 
@@ -103,3 +102,11 @@ def test_custom_marker_and_marker_inside_inline_tag_not_counted():
     assert parts == [TextPart("a "), ImagePart(b"1", 0, "images[0]"), TextPart(" b")]
     # with a custom marker, "<image>" is plain text
     assert split_prompt("<image>", [], marker="[IMG]") == [TextPart("<image>")]
+
+
+@pytest.mark.parametrize("tag", ['<img src="data:image/jpeg;base64,@@@notbase64@@@">',
+                                 "<img src='data:image/png;base64,AAAA'>",
+                                 '<img alt="x" src="data:image/png;base64,AAAA">'])
+def test_malformed_inline_tag_is_rejected(tag):
+    with pytest.raises(InvalidArgument, match="malformed inline image"):
+        split_prompt(f"USER: {tag} hi ASSISTANT:")

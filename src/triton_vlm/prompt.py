@@ -21,6 +21,8 @@ from .errors import InvalidArgument
 IMAGE_MARKER = "<image>"
 # webui's regex is `<img src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)">`; we accept any image subtype
 INLINE_IMAGE = re.compile(r'<img src="data:image/[A-Za-z0-9.+-]*;base64,(?P<b64>[A-Za-z0-9+/=]+)">')
+# an inline image tag that does not match INLINE_IMAGE: refused rather than fed to the model as text
+MALFORMED_INLINE = re.compile(r'<img\s[^>]*src\s*=\s*["\']?data:image/', re.I)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,13 @@ def split_prompt(
     pending += text[pos:]
     if pending:
         parts.append(TextPart(pending))
+    for p in parts:
+        bad = MALFORMED_INLINE.search(p.text) if isinstance(p, TextPart) else None
+        if bad:
+            snippet = p.text[bad.start():bad.start() + 60]
+            raise InvalidArgument(
+                f"malformed inline image in text_input near {snippet!r}: expected "
+                '<img src="data:image/<type>;base64,<base64 characters A-Z a-z 0-9 + / =>">')
     return parts
 
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_complete(out) and not args.force:
         print(f"demo model already built at {out} (use --force to rebuild)", file=sys.stderr)
     else:
-        build_demo_model(out, force=True, progress=not args.quiet)
+        build_demo_model(out, force=args.force, progress=not args.quiet)
     info = read_info(out)
     print(json.dumps({k: v for k, v in info.items() if k != "recipe"}, indent=2))
     print(out)

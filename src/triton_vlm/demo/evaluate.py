@@ -80,3 +80,28 @@ def evaluate(model: LlavaForConditionalGeneration, processor: LlavaProcessor, n:
         describe=scores[shapes.QUESTION_DESCRIBE] / n,
         failures=failures,
     )
+
+
+@torch.no_grad()
+def evaluate_two_images(model: LlavaForConditionalGeneration, processor: LlavaProcessor, n: int = 40,
+                        seed: int = 54321) -> float:
+    """Accuracy on two-image prompts (`TWO_IMAGE_QUESTIONS`), `n` fresh image pairs per question."""
+    rng = random.Random(seed)
+    ok = total = 0
+    for q, f in shapes.TWO_IMAGE_QUESTIONS.items():
+        pairs = [(shapes.random_example(rng), shapes.random_example(rng)) for _ in range(n)]
+        text = [shapes.prompt(q, 2)] * n
+        images = [img for pair in pairs for img in (pair[0][0], pair[1][0])]
+        enc = processor(text=text, images=images, return_tensors="pt", padding=True)
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False)
+        got = processor.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for ((_, s1, c1), (_, s2, c2)), g in zip(pairs, got):
+            ok += g.strip() == f([s1, s2], [c1, c2]).strip()
+            total += 1
+    return ok / total
+
+
+def evaluate_text_only(model: LlavaForConditionalGeneration, processor: LlavaProcessor) -> float:
+    """Fraction of the `TEXT_ONLY` prompts answered exactly."""
+    ok = sum(ask_text(model, processor, q).strip() == a.strip() for q, a in shapes.TEXT_ONLY.items())
+    return ok / len(shapes.TEXT_ONLY)

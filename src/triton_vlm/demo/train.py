@@ -38,15 +38,16 @@ class Recipe:
     vocab_size: int = 384
     max_position_embeddings: int = 512
     # data / optimisation
-    vision_steps: int = 1000  # stage 1: vision tower + throw-away linear head classify shape and colour
+    vision_steps: int = 2000  # stage 1: vision tower + throw-away linear head classify shape and colour
     vision_lr: float = 3e-3
-    stage2_vision_lr_scale: float = 0.0  # 0 = vision tower frozen in stage 2
-    steps: int = 800  # stage 2: the whole LLaVA on the question/answer task
+    stage2_vision_lr_scale: float = 1.0  # 0 = vision tower frozen in stage 2
+    stage2_aux_weight: float = 1.0  # keep the stage-1 classification loss in stage 2 (if the tower trains)
+    steps: int = 1000  # stage 2: the whole LLaVA on the question/answer task
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup: int = 100
-    p_two_images: float = 0.1
+    p_two_images: float = 0.3
     p_text_only: float = 0.05
 
 
@@ -100,8 +101,8 @@ class ShapesData:
         p, a = self.prompt_ids(question, n_images), self.answer_ids(answer)
         return Example(p + a, [-100] * len(p) + a)
 
-    def sample(self, p_two: float, p_text: float, images: list) -> Example:
-        """One example; its images are appended to `images`."""
+    def sample(self, p_two: float, p_text: float, images: list, labels: list) -> Example:
+        """One example; its images are appended to `images`, their (shape, colour) to `labels`."""
         r = self.rng.random()
         if r < p_text:
             q = self.rng.choice(list(shapes.TEXT_ONLY))
@@ -110,10 +111,12 @@ class ShapesData:
             (i1, s1, c1), (i2, s2, c2) = shapes.random_example(self.rng), shapes.random_example(self.rng)
             q = self.rng.choice(list(shapes.TWO_IMAGE_QUESTIONS))
             images += [i1, i2]
+            labels += [(s1, c1), (s2, c2)]
             return self._example(q, 2, shapes.TWO_IMAGE_QUESTIONS[q]([s1, s2], [c1, c2]))
         img, s, c = shapes.random_example(self.rng)
         q = self.rng.choice(list(shapes.QUESTIONS))
         images.append(img)
+        labels.append((s, c))
         return self._example(q, 1, shapes.answer(q, s, c))
 
     def vision_batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,7 +129,8 @@ class ShapesData:
 
     def batch(self, size: int, p_two: float, p_text: float) -> dict[str, torch.Tensor]:
         images: list = []
-        exs = [self.sample(p_two, p_text, images) for _ in range(size)]
+        image_labels: list[tuple[str, str]] = []
+        exs = [self.sample(p_two, p_text, images, image_labels) for _ in range(size)]
         L = max(len(e.input_ids) for e in exs)
         ids = torch.full((size, L), self.tok.pad_token_id, dtype=torch.long)  # [B, L], right padded
         labels = torch.full((size, L), -100, dtype=torch.long)  # [B, L]
@@ -138,7 +142,9 @@ class ShapesData:
         out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
         if images:
             out["pixel_values"] = self.processor.image_processor(images, return_tensors="pt")["pixel_values"]
-        return out  # pixel_values: [n_images, 3, S, S]
+            out["shape_labels"] = torch.tensor([shapes.SHAPES.index(s) for s, _ in image_labels])
+            out["color_labels"] = torch.tensor([list(shapes.COLORS).index(c) for _, c in image_labels])
+        return out  # pixel_values: [n_images, 3, S, S]; *_labels: [n_images]
 
 
 def _warmup_cosine(warmup: int, total: int):
@@ -148,6 +154,15 @@ def _warmup_cosine(warmup: int, total: int):
         t = (step - warmup) / max(1, total - warmup)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t))
     return f
+
+
+def _aux_loss(head: torch.nn.Linear, feats: torch.Tensor, shape_y: torch.Tensor,
+              color_y: torch.Tensor) -> torch.Tensor:
+    """Shape + colour cross-entropy of `head` on mean-pooled patch features (CLS dropped)."""
+    logits = head(feats[:, 1:].mean(1))  # [B, shapes + colours]
+    n = len(shapes.SHAPES)
+    return (torch.nn.functional.cross_entropy(logits[:, :n], shape_y)
+            + torch.nn.functional.cross_entropy(logits[:, n:], color_y))
 
 
 def pretrain_vision(model: LlavaForConditionalGeneration, data: ShapesData, recipe: Recipe,
@@ -165,15 +180,12 @@ def pretrain_vision(model: LlavaForConditionalGeneration, data: ShapesData, reci
     opt = torch.optim.AdamW(params, lr=recipe.vision_lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(recipe.warmup, recipe.vision_steps))
     tower.train()
-    n_shapes = len(shapes.SHAPES)
     bar = tqdm(range(recipe.vision_steps), desc="stage 1/2: vision tower", disable=not progress)
     ema = None
     for step in bar:
         pv, shape_y, color_y = data.vision_batch(recipe.batch_size)
-        feats = tower(pv, output_hidden_states=True).hidden_states[layer][:, 1:]  # [B, patches, hidden]
-        logits = head(feats.mean(1))  # [B, shapes + colours]
-        loss = (torch.nn.functional.cross_entropy(logits[:, :n_shapes], shape_y)
-                + torch.nn.functional.cross_entropy(logits[:, n_shapes:], color_y))
+        feats = tower(pv, output_hidden_states=True).hidden_states[layer]  # [B, 1 + patches, hidden]
+        loss = _aux_loss(head, feats, shape_y, color_y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -199,7 +211,18 @@ def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGen
         seed=recipe.seed,
     )
     data = ShapesData(processor, num_image_tokens(model.config), random.Random(recipe.seed + 1))
-    pretrain_vision(model, data, recipe, progress)
+    head = pretrain_vision(model, data, recipe, progress)
+    use_aux = head is not None and recipe.stage2_aux_weight > 0 and recipe.stage2_vision_lr_scale > 0
+    captured: list[torch.Tensor] = []
+    hook = None
+    if use_aux:  # capture the vision_feature_layer output inside the LLaVA forward
+        n_layers = model.config.vision_config.num_hidden_layers
+        idx = model.config.vision_feature_layer % (n_layers + 1)  # index into hidden_states
+        tower = model.model.vision_tower
+        encoder = tower.encoder if hasattr(tower, "encoder") else tower.vision_model.encoder
+        layer_mod = encoder.layers[idx - 1]
+        hook = layer_mod.register_forward_hook(lambda m, i, o: captured.append(o))
+        head.requires_grad_(False)  # fixed: the features must stay readable by the stage-1 head
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for n, p in model.named_parameters():
         is_vision = n.startswith("model.vision_tower.")
@@ -219,7 +242,11 @@ def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGen
     ema = None
     for step in bar:
         batch = data.batch(recipe.batch_size, recipe.p_two_images, recipe.p_text_only)
+        shape_y, color_y = batch.pop("shape_labels", None), batch.pop("color_labels", None)
+        captured.clear()
         loss = model(**batch).loss
+        if use_aux and captured:
+            loss = loss + recipe.stage2_aux_weight * _aux_loss(head, captured[0], shape_y, color_y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups.values() for p in g], 1.0)
@@ -228,6 +255,8 @@ def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGen
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.4f}")
+    if hook is not None:
+        hook.remove()
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()

@@ -7,7 +7,8 @@ response sender. A watcher thread polls `is_cancelled()` and tells the backend t
 Streaming protocol (`stream` true): non-final responses carry one piece of one sequence (`text_output` [1],
 `sequence_index`); the final response carries, for every returned sequence j, the text still missing from what
 was streamed for j (`text_output` [n], index j), so that per sequence the concatenation of everything received
-equals the non-streamed text. `output_ids` etc. in the final response are complete.
+equals the non-streamed text; `output_ids` / `output_log_probs` likewise hold only the ids not yet sent, and
+`cum_log_probs` the final scores.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class _Live:
     sender: object
     gen: GenerationRequest
     streamed: dict[int, str] = field(default_factory=dict)  # sequence index -> text sent so far
+    streamed_ids: dict[int, list[int]] = field(default_factory=dict)  # sequence index -> ids sent so far
 
 
 class LLMService:
@@ -131,6 +133,7 @@ class LLMService:
         seq = result.sequences[0]
         j = result.sequence_index
         live.streamed[j] = live.streamed.get(j, "") + seq.text
+        live.streamed_ids.setdefault(j, []).extend(seq.token_ids)
         return tensors.response({
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], [seq.text]),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], np.array([seq.token_ids], dtype=np.int32).reshape(1, -1)),
@@ -145,18 +148,21 @@ class LLMService:
 
     def _final(self, live: _Live, result: GenerationResult):
         p, gen = live.gen.params, live.gen
-        prompt_ids = [] if p.exclude_input_in_output else gen.input_ids
-        # streamed text never repeats the prompt (as in TensorRT-LLM); output_ids still follow the flag
+        # streamed responses never repeat the prompt (as in TensorRT-LLM), the final one included
+        prompt_ids = [] if p.exclude_input_in_output or p.stream else gen.input_ids
         prompt_text = "" if p.exclude_input_in_output or p.stream else self.prompt_text(gen.input_ids)
         texts, rows, lps = [], [], []
         for j, s in enumerate(result.sequences):
-            full = prompt_text + s.text
-            if p.stream:
-                sent = live.streamed.get(j, "")
-                full = full[len(sent):] if full.startswith(sent) else full
+            full, ids, lp = prompt_text + s.text, prompt_ids + list(s.token_ids), list(s.log_probs)
+            if p.stream:  # only what sequence j has not received yet
+                sent, sent_ids = live.streamed.get(j, ""), live.streamed_ids.get(j, [])
+                if full.startswith(sent) and ids[:len(sent_ids)] == sent_ids:
+                    full, ids, lp = full[len(sent):], ids[len(sent_ids):], lp[len(sent_ids):]
+                else:  # cannot happen with the engine (it streams a stable prefix only)
+                    log.warning("request %s: final sequence %d does not extend what was streamed", gen.request_id, j)
             texts.append(full)
-            rows.append(prompt_ids + list(s.token_ids))
-            lps.append(list(s.log_probs))
+            rows.append(ids)
+            lps.append(lp)
         width = max((len(r) for r in rows), default=0)
         out_ids = np.full((len(rows), width), p.pad_id, dtype=np.int32)  # [sequences, max_len]
         for i, r in enumerate(rows):
