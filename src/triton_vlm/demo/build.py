@@ -25,7 +25,7 @@ from triton_vlm.demo.evaluate import evaluate, evaluate_text_only, evaluate_two_
 from triton_vlm.demo.train import Recipe, train
 
 # Bump whenever anything that changes the weights changes (Recipe, shapes.py drawing, training code).
-DEMO_VERSION = "demo-v2"
+DEMO_VERSION = "demo-v3"
 RECIPE = Recipe()
 # One thread: torch CPU kernels may reduce in a different order with another thread count (determinism), the
 # model is too small to gain from more, and two OpenMP-threaded builds on a shared 2-core machine spin-wait

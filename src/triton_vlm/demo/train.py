@@ -47,7 +47,7 @@ class Recipe:
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup: int = 100
-    p_two_images: float = 0.3
+    p_two_images: float = 0.4
     p_text_only: float = 0.05
 
 

@@ -151,8 +151,11 @@ class LlamaModel:
         kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim]
         kc.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(-1, c.num_kv_heads, c.head_dim))
         vc.index_copy_(0, batch.write_slots, v.reshape(-1, c.num_kv_heads, c.head_dim))
-        keys = kc[batch.read_slots].transpose(1, 2)  # [rows, kv_heads, T, head_dim]
-        values = vc[batch.read_slots].transpose(1, 2)
+        flat = batch.read_slots.reshape(-1)  # index_select: ~1.5x faster than advanced indexing on CPU
+        T = batch.read_slots.shape[1]
+        keys = kc.index_select(0, flat).view(rows, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        values = vc.index_select(0, flat).view(rows, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        # keys / values: [rows, kv_heads, T, head_dim]
         # grouped-query attention without materialising repeated K/V (the repeat was 40% of a beam step)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
                                              enable_gqa=c.kv_groups > 1)  # [rows, heads, q_len, hd]
