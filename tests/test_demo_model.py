@@ -139,6 +139,24 @@ def test_demo_text_only_and_two_images(demo):
     assert processor.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True) == " blue"
 
 
+def test_draw_any_size_and_rejects_bad_input():
+    from triton_vlm.errors import InvalidArgument
+
+    for size in [(24, 24), (64, 48), (200, 120), (8, 300)]:
+        img = shapes.draw("triangle", "green", size, 0)
+        assert img.size == size and img.mode == "RGB"
+        colors = {c for _, c in img.getcolors(1 << 16)}
+        assert colors == {(255, 255, 255), shapes.COLORS["green"]}  # white + one filled shape, nothing else
+    assert shapes.draw("circle", "red", (50, 40), 3).tobytes() == shapes.draw("circle", "red", (50, 40), 3).tobytes()
+    for bad in [dict(shape="hexagon", color="red"), dict(shape="circle", color="pink")]:
+        with pytest.raises(InvalidArgument):
+            shapes.draw(size=(32, 32), **bad)
+    with pytest.raises(InvalidArgument):
+        shapes.draw("circle", "red", (4, 32))
+    assert shapes.prompt(shapes.QUESTION_COLOR) == "USER: <image>\nWhat color is the shape? ASSISTANT:"
+    assert shapes.answer(shapes.QUESTION_DESCRIBE, "circle", "red") == " a red circle"
+
+
 def test_training_is_deterministic():
     """The full recipe is too slow to run twice here; a shortened one through the same code must repeat."""
     recipe = Recipe(vision_steps=8, steps=8, batch_size=8, warmup=2)

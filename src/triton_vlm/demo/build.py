@@ -143,6 +143,8 @@ def _build(out: Path, progress: bool, recipe: Recipe) -> Path:
             "recipe": dataclasses.asdict(recipe),
         }
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # safetensors writes 0600; other users' servers may read the cache
         os.chmod(tmp, 0o755)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -10,7 +10,6 @@ and the number of image tokens is fixed: (S // patch) ** 2 (+1 CLS, -1 with the 
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Iterable
@@ -27,6 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+from triton_vlm.errors import InvalidArgument
 
 UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IMAGE]  # ids 0..4 in this order
@@ -233,9 +234,9 @@ def build_random_llava_objects(
 ) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     """Same as build_random_llava but returns the in-memory (model, processor) without saving."""
     if image_size % patch_size:
-        raise ValueError(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
+        raise InvalidArgument(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
     if heads % kv_heads:
-        raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
+        raise InvalidArgument(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
     tokenizer = build_tokenizer(list(vocab_texts) if vocab_texts is not None else None, vocab_size)
     config = make_llava_config(
         tokenizer, text_hidden=text_hidden, layers=layers, heads=heads, kv_heads=kv_heads,
@@ -258,8 +259,3 @@ def num_image_tokens(config: LlavaConfig) -> int:
     n = (v.image_size // v.patch_size) ** 2 + 1
     return n - 1 if config.vision_feature_select_strategy == "default" else n
 
-
-def describe(path: str | Path) -> dict:
-    """Small summary of a saved checkpoint (for logs)."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return {"text_config": cfg.get("text_config"), "vision_config": cfg.get("vision_config")}

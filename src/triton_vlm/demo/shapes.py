@@ -11,6 +11,8 @@ from typing import Callable
 
 from PIL import Image, ImageDraw
 
+from triton_vlm.errors import InvalidArgument
+
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -64,12 +66,12 @@ def draw(shape: str, color: str, size: tuple[int, int] = (64, 64),
     `size` is (width, height), any size >= 8x8. `rng` is a `random.Random`, an int seed, or None (fresh).
     """
     if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; allowed: {SHAPES}")
+        raise InvalidArgument(f"unknown shape {shape!r}; allowed: {SHAPES}")
     if color not in COLORS:
-        raise ValueError(f"unknown color {color!r}; allowed: {tuple(COLORS)}")
+        raise InvalidArgument(f"unknown color {color!r}; allowed: {tuple(COLORS)}")
     w, h = int(size[0]), int(size[1])
     if w < 8 or h < 8:
-        raise ValueError(f"image size {size} too small; need at least 8x8")
+        raise InvalidArgument(f"image size {size} too small; need at least 8x8")
     if not isinstance(rng, random.Random):
         rng = random.Random(rng)
     short = min(w, h)

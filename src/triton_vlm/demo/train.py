@@ -1,8 +1,14 @@
 """Train the tiny demo LLaVA on the synthetic shapes task with plain torch (CLIP tower included).
 
-Data: fresh images every step (never repeated: a fixed pool gets memorised instead of learnt), drawn at
+Stage 1 trains the CLIP tower alone with a throw-away linear head (shape + colour classification on the
+mean-pooled `vision_feature_layer` patch features). Stage 2 trains the whole LLaVA (tower, projector,
+language model) on the question/answer task, keeping the stage-1 loss on the tower as an auxiliary term.
+End-to-end training from scratch learns colour but stays at chance on shape within any affordable budget.
+
+Data: fresh images every step (a fixed pool of 20k images gets memorised instead of learnt), drawn at
 random sizes/aspect ratios and run through the real image processor (so training sees exactly what
-inference sees), mixed per step with single-image questions, two-image questions and text-only prompts. Loss only on the answer tokens and the EOS that follows them.
+inference sees), mixed per step with single-image questions, two-image questions and text-only prompts.
+Loss only on the answer tokens and the EOS that follows them.
 """
 from __future__ import annotations
 
@@ -168,8 +174,7 @@ def _aux_loss(head: torch.nn.Linear, feats: torch.Tensor, shape_y: torch.Tensor,
 def pretrain_vision(model: LlavaForConditionalGeneration, data: ShapesData, recipe: Recipe,
                     progress: bool) -> torch.nn.Linear | None:
     """Stage 1: train the CLIP tower (features of `vision_feature_layer`, CLS dropped, mean-pooled) with a
-    throw-away linear head to classify shape and colour. End-to-end training from scratch learns colour
-    but never gets off the ground on shape; a tower that already separates shapes fixes that."""
+    linear head (not part of the checkpoint) to classify shape and colour; returns the head."""
     if recipe.vision_steps <= 0:
         return None
     tower = model.model.vision_tower
@@ -195,7 +200,7 @@ def pretrain_vision(model: LlavaForConditionalGeneration, data: ShapesData, reci
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.4f}")
     tower.eval()
-    return head  # [hidden -> shapes + colours]; only for diagnostics
+    return head  # [hidden -> shapes + colours]
 
 
 def train(recipe: Recipe, progress: bool = True) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
