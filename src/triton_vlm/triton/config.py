@@ -33,12 +33,30 @@ def resolve_model_path(value: str) -> Path:
     return ensure_demo_model()
 
 
+class _TritonLogHandler(logging.Handler):
+    """Python logging -> Triton's own log (the stub's stderr does not reach the server log)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            import triton_python_backend_utils as pb_utils  # noqa: PLC0415
+
+            msg = "triton_vlm: " + self.format(record)
+            L = pb_utils.Logger
+            if record.levelno >= logging.ERROR:
+                L.log_error(msg)
+            elif record.levelno >= logging.WARNING:
+                L.log_warn(msg)
+            else:
+                L.log_info(msg)
+        except Exception:  # noqa: BLE001 - outside the stub, or the logger is gone at shutdown
+            sys.stderr.write(self.format(record) + "\n")
+
+
 def setup_logging() -> None:
     if not log.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("triton_vlm %(levelname)s %(message)s"))
-        log.addHandler(h)
+        log.addHandler(_TritonLogHandler())
         log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def parse_int(params: dict[str, str], key: str, default: int) -> int:

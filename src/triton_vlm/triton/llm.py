@@ -2,7 +2,9 @@
 
 `execute()` parses each request, hands it to the backend (our engine or the `transformers` baseline) and
 returns at once; the backend's thread calls `_on_result`, which sends responses through the request's
-response sender. A watcher thread polls `is_cancelled()` and tells the backend to drop cancelled requests.
+response sender. A watcher thread polls `is_cancelled()` and tells the backend to drop cancelled requests
+(Triton 2.51 forwards a client's cancellation to a request sent to `llm` directly; through the ensemble it
+checks cancellation only between steps, so a running llm step is not told).
 
 Streaming protocol (`stream` true): non-final responses carry one piece of one sequence (`text_output` [1],
 `sequence_index`); the final response carries, for every returned sequence j, the text still missing from what
@@ -15,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ class LLMService:
         self._watcher = threading.Thread(target=self._watch_cancellation, name="llm-cancel-watch", daemon=True)
 
     def start(self) -> None:
+        log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
         self._watcher.start()
 
@@ -124,7 +126,8 @@ class LLMService:
             else:
                 live.sender.send(self._final(live, result), flags=FINAL)
         except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
-            log.info("request %s: cannot send (%s); cancelling", result.request_id, e)
+            log.info("request %s cancelled by the client (cannot send: %s); its rows and KV blocks are freed",
+                     result.request_id, e)
             with self._lock:
                 self._live.pop(result.request_id, None)
             self.backend.cancel(result.request_id)
@@ -212,15 +215,7 @@ class LLMService:
                 if cancelled:
                     with self._lock:
                         self._live.pop(rid, None)
+                    # Triton itself sends the final (cancelled) response once is_cancelled() returned True
+                    log.info("request %s cancelled by the client; its rows and KV blocks are freed", rid)
                     self.backend.cancel(rid)
-                    try:
-                        lv.sender.send(error_response(_cancelled()), flags=FINAL)
-                    except Exception:  # noqa: BLE001
-                        pass
-            time.sleep(0)
 
-
-def _cancelled():
-    from ..errors import Cancelled  # noqa: PLC0415
-
-    return Cancelled("request cancelled")
