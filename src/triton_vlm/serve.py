@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"
-          f"  try:    python -m triton_vlm_client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
+          f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
           f"the shape? ASSISTANT:\" --image some.png", flush=True)
     while server.proc.poll() is None:
         try:
