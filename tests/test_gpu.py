@@ -1,0 +1,43 @@
+"""GPU-only checks (deselected where CUDA is missing, see conftest): the same code on `cuda`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_vlm.params import GenerationParams, GenerationRequest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from triton_vlm.demo.checkpoint import build_random_llava
+
+    return build_random_llava(tmp_path_factory.mktemp("gpu") / "llava", seed=3)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_engine_on_cuda_matches_transformers(model_dir, beams):
+    from transformers import LlamaForCausalLM, LlavaForConditionalGeneration  # noqa: F401
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir).to("cuda").eval()
+    prompt = [1, 40, 41, 42, 43, 44]
+    ref = hf.generate(input_ids=torch.tensor([prompt], device="cuda"), max_new_tokens=12, num_beams=beams,
+                      do_sample=False, min_new_tokens=12)
+    engine = Engine(model_dir, EngineConfig(device="cuda", dtype="float32"))
+    out = engine.generate([GenerationRequest("a", prompt, GenerationParams(max_tokens=12, min_tokens=12,
+                                                                            beam_width=beams))])
+    final = [r for r in out["a"] if r.final][0]
+    assert final.sequences[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_vision_encoder_on_cuda_fp16(model_dir):
+    from triton_vlm.vision import VisionEncoder, VisionSettings
+
+    cpu = VisionEncoder(model_dir)
+    gpu = VisionEncoder(model_dir, VisionSettings(vision_device="cuda", vision_bits=16, projector_device="cuda",
+                                                  projector_bits=16))
+    x = torch.randn(3, 3, cpu.image_size, cpu.image_size)
+    torch.testing.assert_close(gpu(x), cpu(x), atol=2e-2, rtol=2e-2)
