@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="use this tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's\n"
                          "container) instead of the one in nvidia-pytriton")
     ap.add_argument("--log-verbose", type=int, default=0)
+    ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
+                    help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     args = ap.parse_args(argv)
 
@@ -294,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     params = _parse_set(args.set)
     if args.device:
         params.setdefault("*", {})["device"] = args.device
-    server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params,
-                          log_verbose=args.log_verbose, tritonserver=args.tritonserver)
+    run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
+    log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
+    server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
+                          log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver)
+    print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
+          flush=True)
     stopping = False
 
     def forward(signum, _frame):
@@ -310,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.wait_ready(args.timeout)
     except (RuntimeError, TimeoutError) as e:
+        if log_file and log_file.exists():
+            sys.stderr.write(log_file.read_text(errors="replace")[-4000:])
         print(f"triton-vlm: {e}", file=sys.stderr)
         server.stop()
         return 1
@@ -322,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"
+          + (f"  log     {log_file}\n" if log_file else "") +
           f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
           f"the shape? ASSISTANT:\" --image some.png", flush=True)
     while server.proc.poll() is None:
