@@ -121,6 +121,17 @@ def test_cancelled_request_frees_the_engine(triton_server):
         t.set_data_from_numpy(arr)
         return t
 
+    def gauge(name):
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://localhost:{triton_server.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith(f"triton_vlm_engine_{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"no metric triton_vlm_engine_{name}")
+
+    assert gauge("kv_blocks_total") > 0
     for _ in range(2):
         q: queue.Queue = queue.Queue()
         c = grpcclient.InferenceServerClient(triton_server.grpc_url)
@@ -133,6 +144,8 @@ def test_cancelled_request_frees_the_engine(triton_server):
             inp("stream", np.array([[True]]), "BOOL")])
         first, err = q.get(timeout=60)
         assert err is None and first.as_numpy("text_output") is not None
+        time.sleep(0.8)  # the gauges are refreshed every 0.5 s
+        assert gauge("running_rows") == 16 and gauge("kv_blocks_used") > 0
         c.stop_stream(cancel_requests=True)
     deadline = time.monotonic() + 20
     log = ""
@@ -140,6 +153,8 @@ def test_cancelled_request_frees_the_engine(triton_server):
         time.sleep(0.2)
         log = triton_server.log_file.read_text(errors="replace")
     assert log.count("cancelled by the client;") >= 2, "the cancellation reached the engine"
+    time.sleep(0.8)
+    assert gauge("running_requests") == 0 and gauge("kv_blocks_used") == 0, "rows and KV blocks freed"
     with VLMClient(triton_server.grpc_url, timeout=120) as client:
         t0 = time.monotonic()
         assert client.generate("USER: Say hello. ASSISTANT:", max_tokens=8).text.strip() == "hello"

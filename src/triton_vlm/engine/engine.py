@@ -53,6 +53,19 @@ class EngineConfig:
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block of {self.block_size}")
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for monitoring (exported as Prometheus gauges by the llm model)."""
+
+    waiting_requests: int  # submitted, not admitted yet (queue)
+    running_requests: int
+    running_rows: int  # beams / samples decoded per step
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int  # scheduler iterations since start
+    decoded_rows: int  # sum of running rows over all steps (tokens computed)
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, config: Optional[EngineConfig] = None, *, tokenizer=None,
                  decoder_factory: Optional[Callable[..., Any]] = None,
@@ -88,6 +101,18 @@ class Engine:
         self._ids: set[str] = set()  # submitted and not yet finished
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._steps = 0
+        self._decoded_rows = 0
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            inbox = len(self._inbox)
+        sched = self.scheduler
+        running = list(sched.running)
+        return EngineStats(
+            waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
+            running_rows=sum(len(a.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
+            kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows)
 
     def _default_detokenizer(self):
         from .detok import IncrementalDetokenizer
@@ -171,6 +196,8 @@ class Engine:
             for a in inbox:
                 self.scheduler.add(a)
             outputs = self.scheduler.step(cancels)
+            self._steps += 1
+            self._decoded_rows += sum(len(a.rows) for a in self.scheduler.running)
             self._deliver(outputs)
             with self._cond:
                 return self._has_work_locked()

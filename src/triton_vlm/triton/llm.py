@@ -56,15 +56,40 @@ class LLMService:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._gauges = None
+        self._families: list = []
         self._watcher = threading.Thread(target=self._watch_cancellation, name="llm-cancel-watch", daemon=True)
 
+    def _metrics(self):
+        """Prometheus gauges on Triton's metrics port, one per `stats()` field of the backend."""
+        stats = getattr(self.backend, "stats", None)
+        if stats is None or pb_utils is None:
+            return None
+        gauges = {}
+        self._families = []  # a Metric is valid only while its MetricFamily lives
+        for name in stats().__dataclass_fields__:
+            family = pb_utils.MetricFamily(name=f"triton_vlm_engine_{name}",
+                                           description=f"generation engine: {name.replace('_', ' ')}",
+                                           kind=pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)
+            gauges[name] = family.Metric(labels={"model": "llm"})
+        return stats, gauges
+
     def start(self) -> None:
+        try:
+            self._gauges = self._metrics()
+        except Exception as e:  # noqa: BLE001 - metrics are optional (e.g. disabled in the server)
+            log.warning("engine metrics unavailable: %s", e)
+            self._gauges = None
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
         self._watcher.start()
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._watcher.join(timeout=2)
+        self._gauges = None  # metrics before their families
+        self._families = []
         self.backend.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------------
@@ -204,7 +229,18 @@ class LLMService:
 
     # --- cancellation ------------------------------------------------------------------------------------
     def _watch_cancellation(self) -> None:
+        ticks = 0
         while not self._stop.wait(0.05):
+            ticks += 1
+            if self._gauges is not None and ticks % 10 == 0:  # every 0.5 s
+                stats, gauges = self._gauges
+                try:
+                    snap = stats()
+                    for name, gauge in gauges.items():
+                        gauge.set(float(getattr(snap, name)))
+                except Exception as e:  # noqa: BLE001 - monitoring never takes the model down
+                    log.warning("engine metrics update failed: %s", e)
+                    self._gauges = None
             with self._lock:
                 live = list(self._live.items())
             for rid, lv in live:
