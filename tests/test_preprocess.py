@@ -280,3 +280,26 @@ def test_no_reloading_per_call(pp, monkeypatch):
         monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", boom)
     for _ in range(3):
         assert pp(PROMPT, [RED], 4, ["red"], []).input_ids.count(4) == 16
+
+
+def test_repeated_images_come_from_the_cache(ckpt, monkeypatch):
+    import triton_vlm.preprocess as mod
+
+    pre = Preprocessor(ckpt, image_cache_size=2)
+    calls = []
+    real = mod.decode_image
+    monkeypatch.setattr(mod, "decode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a, b, c = png((255, 0, 0)), png((0, 255, 0), (30, 50)), png((0, 0, 255))
+    prompt = "USER: <image>\nWhat color is the shape? ASSISTANT:"
+    first = pre(prompt, [a], max_tokens=8)
+    assert len(calls) == 1
+    again = pre(prompt, [base64.b64encode(a).decode()], max_tokens=8)  # same file, other wire form: a hit
+    assert len(calls) == 1 and pre.cache.hits == 1
+    np.testing.assert_array_equal(again.pixel_values, first.pixel_values)
+    pre(prompt, [b], max_tokens=8)
+    pre(prompt, [c], max_tokens=8)  # evicts a (least recently used)
+    assert len(pre.cache) == 2 and len(calls) == 3
+    pre(prompt, [a], max_tokens=8)
+    assert len(calls) == 4
+    uncached = Preprocessor(ckpt, image_cache_size=0)(prompt, [a], max_tokens=8)
+    np.testing.assert_array_equal(uncached.pixel_values, first.pixel_values)

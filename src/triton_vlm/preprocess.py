@@ -29,7 +29,8 @@ import numpy as np
 
 from .checkpoint import ModelInfo, load_components
 from .errors import InvalidArgument
-from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image
+from .image_cache import ImageCache, image_key
+from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, payload_to_bytes
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
 Text = Union[str, bytes]
@@ -79,6 +80,7 @@ class Preprocessor:
         image_end: str = "",
         pipeline: str | None = None,
         marker: str = IMAGE_MARKER,
+        image_cache_size: int = 64,
     ):
         if max_images < 0 or max_pixels <= 0:
             raise ValueError(f"max_images must be >= 0 and max_pixels > 0, got {max_images}, {max_pixels}")
@@ -90,6 +92,7 @@ class Preprocessor:
         self.max_images = max_images
         self.max_pixels = max_pixels
         self.marker = marker
+        self.cache = ImageCache(image_cache_size)
 
     # --- words -------------------------------------------------------------------------------------------
     def encode_words(self, words: Sequence[Text] | None, name: str = "words") -> list[list[int]]:
@@ -181,13 +184,24 @@ class Preprocessor:
 
         parts = split_prompt(text, list(images or ()), image_start=info.image_start, image_end=info.image_end,
                              marker=self.marker, max_images=self.max_images)
-        # every image is decoded and validated, including those truncation drops below
-        decoded = [decode_image(p.payload, p.what, self.max_pixels) for p in parts if isinstance(p, ImagePart)]
+        # every image is decoded and validated (or found in the cache), including those truncation drops below
+        raws = [payload_to_bytes(p.payload, p.what) for p in parts if isinstance(p, ImagePart)]
+        keys = [image_key(r) for r in raws]
+        cached = [self.cache.get(k) for k in keys]
+        what = [p.what for p in parts if isinstance(p, ImagePart)]
+        decoded = [None if c is not None else decode_image(r, w, self.max_pixels)
+                   for r, c, w in zip(raws, cached, what)]
 
         segments = self._truncate(self._tokenize(parts), budget, max_tokens)
         kept_images = [s.image for s in segments if s.image >= 0]
         input_ids = [t for s in segments for t in s.ids]
-        pixel_values = self.image_processor([decoded[i] for i in kept_images])  # [n_kept, 3, H, W]
+        todo = [i for i in kept_images if cached[i] is None]
+        for i, px in zip(todo, self.image_processor([decoded[i] for i in todo]) if todo else []):
+            cached[i] = px = np.array(px)  # [3, H, W], its own copy (not a view of the batch)
+            self.cache.put(keys[i], px)
+        h, w = self.info.image_size
+        pixel_values = np.stack([cached[i] for i in kept_images]) if kept_images else \
+            np.zeros((0, 3, h, w), np.float32)  # [n_kept, 3, H, W]
         return PreprocessResult(
             input_ids=input_ids,
             pixel_values=pixel_values,

@@ -26,6 +26,7 @@ class TritonPythonModel:
             context_length=config.parse_int(p, "context_length", 0) or None,
             image_start=p.get("image_start", ""),
             image_end=p.get("image_end", ""),
+            image_cache_size=config.parse_int(p, "image_cache_size", 64),
         )
 
     def execute(self, requests):
