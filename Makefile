@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(PY) -m triton_vlm.serve
 
 test: $(STAMP)
-	$(PY) -m triton_vlm.demo
+	$(PY) -m triton_vlm.demo $(if $(CI),--quiet,)
 	$(PY) -m pytest -q -ra tests
 
 bench: $(STAMP)
