@@ -169,3 +169,14 @@ def test_context_length_error(triton_server, demo_model):
         with pytest.raises(VLMClientError) as ei:
             c.generate("USER: Say hello. ASSISTANT:", max_tokens=ctx)
         assert "context length" in ei.value.message and "max_tokens" in ei.value.message
+
+
+def test_sampled_sequences_stream_each(triton_server):
+    params = dict(max_tokens=12, min_tokens=12, temperature=1.2, top_k=50, seed=99, num_return_sequences=3)
+    with VLMClient(triton_server.grpc_url, timeout=120) as c:
+        full = c.generate("USER: Say hello. ASSISTANT:", **params)
+        pieces = list(c.stream("USER: Say hello. ASSISTANT:", **params))
+    assert len(full.texts) == 3 and {p.sequence_index for p in pieces} == {0, 1, 2}
+    for j, text in enumerate(full.texts):
+        assert "".join(p.text for p in pieces if p.sequence_index == j) == text
+        assert [t for p in pieces if p.sequence_index == j for t in p.token_ids] == full.output_ids[j]

@@ -312,7 +312,7 @@ def test_beam_stream_prefix_is_never_retracted():
     while not dec.done:
         logits = torch.randn(dec.num_rows, vocab, generator=g) * 3
         dec.step(logits)
-        seen.append(dec.stream_prefix())
+        seen.append(dec.stream_prefixes()[0])
     final = dec.finalize()
     assert any(seen), "something was streamable before the end"
     for prefix in seen:

@@ -3,6 +3,7 @@ concurrent greedy / beam requests arriving at different steps, batch invariance,
 a full cache, images, streaming, validation, the background thread."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -297,3 +298,20 @@ def test_seeded_sampling_rows_are_batch_invariant(ckpt):
     got = out["s"][-1].sequences
     assert len(got) == 3 and [x.token_ids for x in got] == [x.token_ids for x in alone]
     assert eng.cache.used_blocks == 0 and eng.scheduler.rows_reserved == 0
+
+
+def test_streaming_every_sampled_sequence(ckpt):
+    """num_return_sequences > 1 with sampling: each sequence streams under its own index, and per index the
+    pieces concatenate to that sequence's final tokens and text."""
+    _, path = ckpt
+    eng = engine(path)
+    req = request("s", prompt(6, 21), max_tokens=10, stream=True)
+    req.params = dataclasses.replace(req.params, do_sample=True, temperature=1.3, seed=7, num_return_sequences=3)
+    res = eng.generate([req])["s"]
+    final = res[-1]
+    assert final.final and len(final.sequences) == 3
+    for j, seq in enumerate(final.sequences):
+        pieces = [r.sequences[0] for r in res[:-1] if r.sequence_index == j]
+        assert pieces, f"sequence {j} was streamed"
+        assert [t for p in pieces for t in p.token_ids] == seq.token_ids
+        assert "".join(p.text for p in pieces) == eng.tokenizer.decode(seq.token_ids, skip_special_tokens=True)

@@ -121,10 +121,13 @@ class Decoder:
         """New token ids of the current best hypothesis (beam: best of running beam 0 and the best finished one)."""
         return (self._beam or self._sampler).best_so_far()
 
-    def stream_prefix(self) -> list[int]:
-        """New tokens that can be streamed now and never retracted: beam search, the common prefix of every
-        hypothesis still in the running; greedy / sampling, sequence 0's tokens."""
-        return self._beam.stable_prefix() if self._beam is not None else self._sampler.best_so_far()
+    def stream_prefixes(self) -> list[list[int]]:
+        """Per returned sequence, the new tokens that can be streamed now and never retracted. Beam search:
+        one, the common prefix of every hypothesis still in the running (which of the ranked sequences ends up
+        where is unknown until the end); greedy / sampling: every sequence's tokens so far."""
+        if self._beam is not None:
+            return [self._beam.stable_prefix()]
+        return self._sampler.sequences_so_far()
 
     def finalize(self) -> list[Sequence_]:
         """Ranked best first (beam search) or in sampling order; params.num_return_sequences of them."""

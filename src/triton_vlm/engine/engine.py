@@ -164,7 +164,7 @@ class Engine:
             p, list(req.input_ids), eos_ids=list(p.end_ids or self.eos_ids), vocab_size=self.model_config.vocab_size,
             bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
         active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), reserved=need,
-                        detok=self._make_detok() if p.stream else None)
+                        make_detok=self._make_detok if p.stream else None)
         with self._cond:
             if self._closed:
                 raise Unavailable("the engine is shut down")

@@ -108,6 +108,13 @@ class Sampler:
             return []
         return self.seqs[0, self.Lp:self.Lp + self.lengths[0]].tolist()
 
+    def sequences_so_far(self) -> list[list[int]]:
+        """Every row's new tokens (rows in HF's order, finished rows included)."""
+        if not self._init:
+            return []
+        gen = self.seqs[:, self.Lp:].tolist()
+        return [gen[r][:self.lengths[r]] for r in range(self.n)]
+
     def finalize(self) -> list[Sample]:
         if not self._init:
             return [Sample([], []) for _ in range(self.n)]

@@ -19,10 +19,11 @@ Policy, per `step()`:
    freed).
 5. Results: a finished request frees everything and gets its final result (ranked `Decoder.finalize()`
    sequences, text = `tokenizer.decode(ids, skip_special_tokens=True)`). A request with `params.stream`
-   also gets, after each of its steps, a non-final result with the new tokens of `Decoder.stream_prefix()`
-   (sequence_index 0) and their text from its `IncrementalDetokenizer`. For beam search that prefix is the
-   part every hypothesis still in the running shares, so nothing streamed is ever retracted and the pieces
-   concatenate to the final best sequence, as they do for greedy and sampling.
+   also gets, after each of its steps, non-final results with the new tokens of `Decoder.stream_prefixes()`
+   (one per sequence_index) and their text from a per-sequence `IncrementalDetokenizer`. For beam search
+   that is one prefix, the part every hypothesis still in the running shares, so nothing streamed is ever
+   retracted and the pieces concatenate to the final best sequence; sampling streams each of its
+   num_return_sequences sequences under its own index.
 
 Any exception while handling one request ends that request with an error result; the others go on.
 """
@@ -46,6 +47,12 @@ Callback = Callable[[GenerationResult], None]
 Output = tuple[Callback, GenerationResult]
 
 
+@dataclass
+class _Stream:
+    detok: Any  # IncrementalDetokenizer
+    sent: list[int] = field(default_factory=list)  # token ids already streamed
+
+
 @dataclass(eq=False)  # compared by identity (requests hold tensors)
 class Active:
     """One request inside the engine."""
@@ -55,12 +62,12 @@ class Active:
     decoder: Any  # engine.decoder.Decoder
     width: int  # most rows it can ever need
     reserved: int  # KV blocks reserved for it
-    detok: Any = None  # IncrementalDetokenizer when streaming
+    make_detok: Optional[Callable[[], Any]] = None  # streaming: a new IncrementalDetokenizer per sequence
     embeds: Optional[torch.Tensor] = None  # [P, hidden] prompt embeddings while prefilling
     prefilled: int = 0  # prompt tokens cached
     rows: list[RowKV] = field(default_factory=list)
     next_tokens: list[int] = field(default_factory=list)  # token each row feeds at the next decode step
-    sent: list[int] = field(default_factory=list)  # token ids already streamed
+    streams: dict[int, "_Stream"] = field(default_factory=dict)  # sequence index -> what was streamed
     admitted: bool = False
 
     @property
@@ -175,7 +182,8 @@ class Scheduler:
         if res.done:
             self._finish(a, out)
         elif a.req.params.stream:
-            self._stream(a, a.decoder.stream_prefix(), out)
+            for j, tokens in enumerate(a.decoder.stream_prefixes()):
+                self._stream(a, j, tokens, out)
 
     def _reorder(self, rows: list[RowKV], parents: list[int]) -> list[RowKV]:
         new, kept = [], set()
@@ -190,19 +198,23 @@ class Scheduler:
                 self.cache.free(r)
         return new
 
-    def _stream(self, a: Active, best: list[int], out: list[Output], flush: bool = False) -> None:
-        n = len(a.sent)
-        if best[:n] != a.sent or (len(best) == n and not flush):
+    def _stream(self, a: Active, j: int, tokens: list[int], out: list[Output], flush: bool = False) -> None:
+        """Send sequence j's tokens beyond what it was already sent (only ever an extension)."""
+        st = a.streams.get(j)
+        if st is None:
+            st = a.streams[j] = _Stream(detok=a.make_detok())
+        n = len(st.sent)
+        if tokens[:n] != st.sent or (len(tokens) == n and not flush):
             return
-        new = list(best[n:])
-        text = a.detok.push(new) if new else ""
-        if flush and hasattr(a.detok, "flush"):
-            text += a.detok.flush()
+        new = list(tokens[n:])
+        text = st.detok.push(new) if new else ""
+        if flush and hasattr(st.detok, "flush"):
+            text += st.detok.flush()
         if not new and not text:
             return
-        a.sent.extend(new)
+        st.sent.extend(new)
         piece = Sequence_(token_ids=new, text=text)
-        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=0)))
+        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j)))
 
     def _finish(self, a: Active, out: list[Output], error: Optional[Exception] = None) -> None:
         for r in a.rows:
@@ -220,8 +232,9 @@ class Scheduler:
                 seqs = a.decoder.finalize()
                 for s in seqs:
                     s.text = self.decode_text(s.token_ids)
-                if a.req.params.stream and seqs:
-                    self._stream(a, seqs[0].token_ids, out, flush=True)
+                if a.req.params.stream:  # the rest of every sequence that was being streamed
+                    for j in sorted(a.streams):
+                        self._stream(a, j, seqs[j].token_ids, out, flush=True)
                 out.append((a.on_result, GenerationResult(a.id, seqs, final=True)))
                 return
             except Exception as e:  # noqa: BLE001
