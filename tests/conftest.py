@@ -41,6 +41,7 @@ def demo_model() -> Path:
 
 def _start_server(tmp_path_factory, model: Path, params: dict, name: str):
     from triton_vlm.serve import TritonServer, free_port
+    from triton_vlm.supervisor import Supervisor
 
     run_dir = tmp_path_factory.mktemp(name)
     server = TritonServer(str(model), free_port(), free_port(), free_port(), params=params, run_dir=run_dir,
@@ -52,7 +53,13 @@ def _start_server(tmp_path_factory, model: Path, params: dict, name: str):
         server.stop()
         log = (run_dir / "server.log").read_text(errors="replace")[-6000:]
         raise RuntimeError(f"tritonserver did not start; log tail:\n{log}") from None
+    server.supervisor = Supervisor(server, say=lambda m: print(m, flush=True)).start()
     return server
+
+
+def _stop_server(server) -> None:
+    server.supervisor.stop()
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +67,7 @@ def triton_server(tmp_path_factory, demo_model):
     """The model repository as shipped (our engine), serving the demo model."""
     server = _start_server(tmp_path_factory, demo_model, {}, "server")
     yield server
-    server.stop()
+    _stop_server(server)
 
 
 @pytest.fixture(scope="session")
@@ -68,4 +75,4 @@ def hf_server(tmp_path_factory, demo_model):
     """The same repository with the `transformers` generate() backend (the baseline)."""
     server = _start_server(tmp_path_factory, demo_model, {"llm": {"backend": "hf"}}, "hf-server")
     yield server
-    server.stop()
+    _stop_server(server)

@@ -23,10 +23,14 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import procs
+from .supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -143,6 +147,8 @@ class TritonServer:
     exit_timeout: int = 15
     tritonserver: str | None = None  # a system tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver)
     proc: subprocess.Popen | None = None
+    # the python backend's shared-memory regions are /dev/shm/<shm_prefix>*: unique per server, removed by stop()
+    shm_prefix: str = ""
 
     @property
     def http_url(self) -> str:
@@ -165,6 +171,7 @@ class TritonServer:
         params = {k: dict(v) for k, v in self.params.items()}
         params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
         repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = [
             str(binary),
             f"--model-repository={repo}",
@@ -176,10 +183,15 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=true",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)
+        try:  # its own process group (stop() ends stubs with it); SIGTERM when the launcher dies, even by SIGKILL
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         start_new_session=True, preexec_fn=procs.die_with_parent())
+        finally:
+            if out is not None:
+                out.close()
         return self
 
     def is_ready(self) -> bool:
@@ -199,9 +211,9 @@ class TritonServer:
         repo = (self.run_dir or Path()) / "model_repository"
         return sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before becoming ready"
                                    + (f"; log: {self.log_file}" if self.log_file else ""))
@@ -212,14 +224,20 @@ class TritonServer:
                                                                               if self.log_file else ""))
 
     def stop(self, timeout: float | None = None) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout or self.exit_timeout + 15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait(10)
+        """SIGINT (graceful, bounded by the exit timeout), SIGKILL after `timeout`; then nothing of it is left:
+        no process of its group (stubs) and no shared-memory region."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout or self.exit_timeout + 15)
+            except subprocess.TimeoutExpired:
+                _killpg(self.proc.pid)
+                self.proc.wait(10)
+        _killpg(self.proc.pid)  # stubs of a server that crashed or was killed
+        procs.remove_shm(self.shm_prefix)
+        return self.proc.returncode
 
     def __enter__(self) -> "TritonServer":
         self.start()
@@ -232,6 +250,13 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def smoke_request(grpc_url: str, demo: bool) -> str:
@@ -302,25 +327,31 @@ def main(argv: list[str] | None = None) -> int:
                           log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver)
     print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
           flush=True)
-    stopping = False
-
-    def forward(signum, _frame):
-        nonlocal stopping
-        stopping = True
-        if server.proc and server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    stopping = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     server.start()
     try:
-        server.wait_ready(args.timeout)
+        server.wait_ready(args.timeout, abort=stopping)
     except (RuntimeError, TimeoutError) as e:
         if log_file and log_file.exists():
             sys.stderr.write(log_file.read_text(errors="replace")[-4000:])
         print(f"triton-vlm: {e}", file=sys.stderr)
         server.stop()
         return 1
+    if stopping.is_set():
+        server.stop()
+        return 0
+    _print_banner(args, model, log_file)
+    supervisor = Supervisor(server, say=lambda m: print(m, flush=True), ready_timeout=args.timeout).start()
+    while not stopping.wait(0.5) and not supervisor.failed.is_set():
+        pass
+    supervisor.stop()
+    server.stop()
+    return 1 if supervisor.failed.is_set() else 0
+
+
+def _print_banner(args, model: Path, log_file: Path | None) -> None:
     try:
         answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model)
     except Exception as e:  # noqa: BLE001 - report, keep serving
@@ -331,15 +362,9 @@ def main(argv: list[str] | None = None) -> int:
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"
           + (f"  log     {log_file}\n" if log_file else "") +
+          "  restart tritonserver is restarted if it or one of its models' processes dies\n"
           f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
           f"the shape? ASSISTANT:\" --image some.png", flush=True)
-    while server.proc.poll() is None:
-        try:
-            server.proc.wait(1.0)
-        except subprocess.TimeoutExpired:
-            continue
-    code = server.proc.returncode
-    return 0 if stopping else code
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import numpy as np
 
 from triton_vlm import names as N
 from triton_vlm.params import words_to_flat
-from triton_vlm.triton import config, tensors
+from triton_vlm.triton import config, lifeline, tensors
 from triton_vlm.triton.errors import error_response
 
 _OUT = {s.name: s for s in N.PREPROCESS_OUTPUTS}
@@ -18,6 +18,7 @@ class TritonPythonModel:
         from triton_vlm.preprocess import Preprocessor
 
         config.setup_logging()
+        lifeline.exit_with_parent()
         p = config.model_parameters(args)
         self.pre = Preprocessor(
             config.resolve_model_path(p.get("model_path", "")),

@@ -6,7 +6,7 @@ images); their pixel values are concatenated, encoded in chunks of `max_images_p
 import numpy as np
 
 from triton_vlm import names as N
-from triton_vlm.triton import config, tensors
+from triton_vlm.triton import config, lifeline, tensors
 from triton_vlm.triton.errors import error_response
 
 _OUT = {s.name: s for s in N.VISION_OUTPUTS}
@@ -19,6 +19,7 @@ class TritonPythonModel:
         from triton_vlm.vision import VisionEncoder, VisionSettings
 
         config.setup_logging()
+        lifeline.exit_with_parent()
         p = config.model_parameters(args)
         device = p.get("device") or "cpu"
         self.encoder = VisionEncoder(config.resolve_model_path(p.get("model_path", "")), VisionSettings(

@@ -1,10 +1,10 @@
 """The decoupled llm model's Triton side: requests -> `GenerationRequest`, results -> responses.
 
-`execute()` parses each request, hands it to the backend (our engine or the `transformers` baseline) and
-returns at once; the backend's thread calls `_on_result`, which sends responses through the request's
-response sender. A watcher thread polls `is_cancelled()` and tells the backend to drop cancelled requests
-(Triton 2.51 forwards a client's cancellation to a request sent to `llm` directly; through the ensemble it
-checks cancellation only between steps, so a running llm step is not told).
+`execute()` parses each request, hands it to a `Responder` (which owns it from then on) and to the backend
+(our engine or the `transformers` baseline), and returns at once. The backend's thread only queues its
+results; the responder's thread sends every response and polls `is_cancelled()`, so nothing touches a request
+after its final response (see `responder.py`). Triton 2.51 forwards a client's cancellation to a request sent
+to `llm` directly; through the ensemble it checks cancellation only between steps.
 
 Streaming protocol (`stream` true): non-final responses carry one piece of one sequence (`text_output` [1],
 `sequence_index`); the final response carries, for every returned sequence j, the text still missing from what
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ from ..errors import InvalidArgument
 from ..params import GenerationParams, GenerationRequest, GenerationResult, words_from_flat
 from . import tensors
 from .errors import error_response
+from .responder import Responder
 
 log = logging.getLogger("triton_vlm")
 FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -39,26 +39,26 @@ _OUT = {s.name: s for s in N.LLM_OUTPUTS}
 
 @dataclass
 class _Live:
-    request: object
-    sender: object
     gen: GenerationRequest
     streamed: dict[int, str] = field(default_factory=dict)  # sequence index -> text sent so far
     streamed_ids: dict[int, list[int]] = field(default_factory=dict)  # sequence index -> ids sent so far
 
 
 class LLMService:
-    def __init__(self, backend, tokenizer, image_token_id: int, context_length: int):
+    def __init__(self, backend, tokenizer, image_token_id: int, context_length: int, *,
+                 make_response=None, make_error=None):
+        """`make_response(outputs)` / `make_error(exc)` build Triton responses (defaults: `tensors.response`,
+        `errors.error_response`; unit tests pass plain-Python fakes)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.context_length = context_length
+        self._response = make_response or tensors.response
+        self._error = make_error or error_response
         self._ids = itertools.count()
-        self._live: dict[str, _Live] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._gauges = None
         self._families: list = []
-        self._watcher = threading.Thread(target=self._watch_cancellation, name="llm-cancel-watch", daemon=True)
+        self.responder = Responder(self._build, self._error, self.backend.cancel, tick=self._update_metrics)
 
     def _metrics(self):
         """Prometheus gauges on Triton's metrics port, one per `stats()` field of the backend."""
@@ -75,6 +75,18 @@ class LLMService:
             gauges[name] = family.Metric(labels={"model": "llm"})
         return stats, gauges
 
+    def _update_metrics(self) -> None:
+        if self._gauges is None:
+            return
+        stats, gauges = self._gauges
+        try:
+            snap = stats()
+            for name, gauge in gauges.items():
+                gauge.set(float(getattr(snap, name)))
+        except Exception as e:  # noqa: BLE001 - monitoring never takes the model down
+            log.warning("engine metrics update failed: %s", e)
+            self._gauges = None
+
     def start(self) -> None:
         try:
             self._gauges = self._metrics()
@@ -83,14 +95,13 @@ class LLMService:
             self._gauges = None
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
-        self._watcher.start()
+        self.responder.start()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._watcher.join(timeout=2)
+        self.backend.shutdown()  # queues a final result for every request it still holds
+        self.responder.stop()  # sends them; anything still live gets UNAVAILABLE
         self._gauges = None  # metrics before their families
         self._families = []
-        self.backend.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
@@ -99,16 +110,13 @@ class LLMService:
             try:
                 gen = self.parse(request)
             except Exception as e:  # noqa: BLE001 - one bad request never affects the others
-                sender.send(error_response(e), flags=FINAL)
+                sender.send(self._error(e), flags=FINAL)  # never opened: this thread is its only owner
                 continue
-            with self._lock:
-                self._live[gen.request_id] = _Live(request, sender, gen)
+            self.responder.open(gen.request_id, sender, _Live(gen))
             try:
                 self.backend.submit(gen, self._on_result)
-            except Exception as e:  # noqa: BLE001
-                with self._lock:
-                    self._live.pop(gen.request_id, None)
-                sender.send(error_response(e), flags=FINAL)
+            except Exception as e:  # noqa: BLE001 - refused (queue full, invalid): the responder answers
+                self.responder.fail(gen.request_id, e)
 
     def parse(self, request) -> GenerationRequest:
         ids = tensors.input_array(request, N.INPUT_IDS)
@@ -135,34 +143,24 @@ class LLMService:
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
         )
 
-    # --- results -----------------------------------------------------------------------------------------
+    # --- results (the responder's thread) ------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:
-        with self._lock:
-            live = self._live.get(result.request_id)
-            if live is None:
-                return
-            if result.final:
-                self._live.pop(result.request_id, None)
-        try:
-            if result.error is not None:
-                live.sender.send(error_response(result.error), flags=FINAL)
-            elif not result.final:
-                live.sender.send(self._piece(live, result))
-            else:
-                live.sender.send(self._final(live, result), flags=FINAL)
-        except Exception as e:  # noqa: BLE001 - the client went away: stop generating for it
-            log.info("request %s cancelled by the client (cannot send: %s); its rows and KV blocks are freed",
-                     result.request_id, e)
-            with self._lock:
-                self._live.pop(result.request_id, None)
-            self.backend.cancel(result.request_id)
+        self.responder.post(result.request_id, result)
+
+    def _build(self, _key: str, live: _Live, result: GenerationResult):
+        """-> (response, final) for one backend result."""
+        if result.error is not None:
+            return self._error(result.error), True
+        if not result.final:
+            return self._piece(live, result), False
+        return self._final(live, result), True
 
     def _piece(self, live: _Live, result: GenerationResult):
         seq = result.sequences[0]
         j = result.sequence_index
         live.streamed[j] = live.streamed.get(j, "") + seq.text
         live.streamed_ids.setdefault(j, []).extend(seq.token_ids)
-        return tensors.response({
+        return self._response({
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], [seq.text]),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], np.array([seq.token_ids], dtype=np.int32).reshape(1, -1)),
             N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(seq.token_ids)]),
@@ -201,7 +199,7 @@ class LLMService:
             out_lp[i, :len(x)] = x
         if not p.return_log_probs:
             out_lp = np.zeros((len(lps), 0), dtype=np.float32)
-        return tensors.response({
+        return self._response({
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], texts),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], out_ids),
             N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(r) for r in rows]),
@@ -226,32 +224,3 @@ class LLMService:
             prev_img = is_img
         parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
         return "".join(parts)
-
-    # --- cancellation ------------------------------------------------------------------------------------
-    def _watch_cancellation(self) -> None:
-        ticks = 0
-        while not self._stop.wait(0.05):
-            ticks += 1
-            if self._gauges is not None and ticks % 10 == 0:  # every 0.5 s
-                stats, gauges = self._gauges
-                try:
-                    snap = stats()
-                    for name, gauge in gauges.items():
-                        gauge.set(float(getattr(snap, name)))
-                except Exception as e:  # noqa: BLE001 - monitoring never takes the model down
-                    log.warning("engine metrics update failed: %s", e)
-                    self._gauges = None
-            with self._lock:
-                live = list(self._live.items())
-            for rid, lv in live:
-                try:
-                    cancelled = lv.request.is_cancelled()
-                except Exception:  # noqa: BLE001
-                    cancelled = False
-                if cancelled:
-                    with self._lock:
-                        self._live.pop(rid, None)
-                    # Triton itself sends the final (cancelled) response once is_cancelled() returned True
-                    log.info("request %s cancelled by the client; its rows and KV blocks are freed", rid)
-                    self.backend.cancel(rid)
-

@@ -1,0 +1,94 @@
+"""Process plumbing for the launcher: a server that dies with its launcher, its stubs, its shared memory.
+
+Linux only (as tritonserver): reads `/proc` and uses `prctl(PR_SET_PDEATHSIG)`.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+SHM_DIR = Path("/dev/shm")
+STUB_NAME = "triton_python_backend_stub"
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the process (strictly: the thread)
+    that started it dies, even by SIGKILL, so a killed launcher never leaves its tritonserver behind."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    argv: tuple[str, ...]
+    rss_kb: int
+
+
+def read_proc(pid: int) -> Proc | None:
+    """One process from /proc, or None if it is gone (or a zombie)."""
+    base = Path("/proc") / str(pid)
+    try:
+        stat = (base / "stat").read_text()
+        argv = tuple(a for a in (base / "cmdline").read_bytes().decode(errors="replace").split("\0") if a)
+        status = (base / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] == "Z":
+        return None
+    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return Proc(pid=pid, ppid=int(fields[1]), argv=argv, rss_kb=rss)
+
+
+def all_procs() -> list[Proc]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            proc = read_proc(int(p.name))
+            if proc is not None:
+                out.append(proc)
+    return out
+
+
+def children(pid: int) -> list[Proc]:
+    return [p for p in all_procs() if p.ppid == pid]
+
+
+def stub_model(proc: Proc) -> str | None:
+    """The model a python-backend stub serves (its first argument is `<repo>/<model>/<version>/model.py`)."""
+    if not proc.argv or not proc.argv[0].endswith(STUB_NAME) or len(proc.argv) < 2:
+        return None
+    parts = Path(proc.argv[1]).parts
+    return parts[-3] if len(parts) >= 3 else None
+
+
+def stubs_of(pid: int) -> dict[int, str]:
+    """pid -> model name of every python-backend stub started by the server `pid`."""
+    return {p.pid: m for p in children(pid) if (m := stub_model(p)) is not None}
+
+
+def remove_shm(prefix: str) -> list[str]:
+    """Remove the python backend's shared-memory regions named `<prefix>*` (left when a server is killed)."""
+    removed = []
+    if not prefix or not SHM_DIR.is_dir():
+        return removed
+    for f in SHM_DIR.glob(prefix + "*"):
+        try:
+            f.unlink()
+            removed.append(f.name)
+        except FileNotFoundError:
+            pass
+    return removed
