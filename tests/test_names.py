@@ -36,7 +36,7 @@ def test_config_matches_declared_tensors(model):
             assert g["dtype"] == s.pbtxt_type, f"{model} {s.name} type"
             assert g["dims"] == s.dims, f"{model} {s.name} dims"
             if kind == "input":
-                assert g["optional"] == s.optional, f"{model} {s.name} optional"
+                assert g["optional"] == s.pbtxt_optional, f"{model} {s.name} optional"
 
 
 def test_ensemble_wiring_uses_declared_names():

@@ -25,6 +25,11 @@ class TensorSpec:
     doc: str = ""
 
     @property
+    def pbtxt_optional(self) -> bool:
+        """`optional: true` in config.pbtxt: every optional input, and the required ones the models check."""
+        return self.optional or self.name in MODEL_CHECKED
+
+    @property
     def pbtxt_type(self) -> str:
         return "TYPE_STRING" if self.dtype == BYTES else f"TYPE_{self.dtype}"
 
@@ -66,6 +71,12 @@ OUTPUT_LOG_PROBS = "output_log_probs"
 BATCH_INDEX = "batch_index"
 SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
+
+# Required inputs that config.pbtxt declares optional and the models check themselves. Triton 2.51 checks only
+# the number of inputs: a request that leaves out `text_input` but sends an optional input instead passes, and
+# the ensemble, unable to schedule the step that needs it, answers with an empty success and no outputs.
+# Declared optional, the request reaches preprocess / llm, which answer INVALID_ARG naming the missing input.
+MODEL_CHECKED = frozenset({TEXT_INPUT, MAX_TOKENS})
 
 # internal tensors between ensemble steps
 INPUT_IDS = "input_ids"

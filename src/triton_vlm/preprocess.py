@@ -66,6 +66,9 @@ def _as_str(value: Text, name: str) -> str:
     return value
 
 
+CHARS_PER_TOKEN_BOUND = 32  # text of a prompt may be up to this many characters per context token (~4 is usual)
+
+
 class Preprocessor:
     """Loads the checkpoint's tokenizer and image processor once; `__call__` serves one request."""
 
@@ -81,7 +84,11 @@ class Preprocessor:
         pipeline: str | None = None,
         marker: str = IMAGE_MARKER,
         image_cache_size: int = 64,
+        max_text_chars: int = 0,
     ):
+        """`max_text_chars`: longest prompt text accepted (inline images not counted); 0 = context length x
+        `CHARS_PER_TOKEN_BOUND`. Longer text is refused before tokenization, which is linear but costs ~1 s per
+        MB: a prompt many times the context would be truncated to a small fraction of itself anyway."""
         if max_images < 0 or max_pixels <= 0:
             raise ValueError(f"max_images must be >= 0 and max_pixels > 0, got {max_images}, {max_pixels}")
         comps = load_components(model_dir)
@@ -93,6 +100,7 @@ class Preprocessor:
         self.max_pixels = max_pixels
         self.marker = marker
         self.cache = ImageCache(image_cache_size)
+        self.max_text_chars = max_text_chars or self.info.context_length * CHARS_PER_TOKEN_BOUND
 
     # --- words -------------------------------------------------------------------------------------------
     def encode_words(self, words: Sequence[Text] | None, name: str = "words") -> list[list[int]]:
@@ -168,11 +176,16 @@ class Preprocessor:
         self,
         text: Text,
         images: Sequence[Union[bytes, str]] | None = None,
-        max_tokens: int = 16,
+        max_tokens: int | None = 16,
         bad_words: Sequence[Text] | None = None,
         stop_words: Sequence[Text] | None = None,
     ) -> PreprocessResult:
         info = self.info
+        if text is None:
+            raise InvalidArgument("input 'text_input' is required (the prompt, BYTES [1]) but was not sent")
+        if max_tokens is None:
+            raise InvalidArgument(f"input 'max_tokens' is required (INT32 [1], 1..{info.context_length}) "
+                                  "but was not sent")
         text = _as_str(text, "text_input")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
             raise InvalidArgument(f"max_tokens must be an integer, got {max_tokens!r}")
@@ -184,6 +197,12 @@ class Preprocessor:
 
         parts = split_prompt(text, list(images or ()), image_start=info.image_start, image_end=info.image_end,
                              marker=self.marker, max_images=self.max_images)
+        n_chars = sum(len(p.text) for p in parts if isinstance(p, TextPart))
+        if n_chars > self.max_text_chars:
+            raise InvalidArgument(
+                f"text_input holds {n_chars} characters of text (inline images not counted); at most "
+                f"{self.max_text_chars} are accepted (context length {info.context_length} x "
+                f"{CHARS_PER_TOKEN_BOUND}); send a shorter prompt")
         # every image is decoded and validated (or found in the cache), including those truncation drops below
         raws = [payload_to_bytes(p.payload, p.what) for p in parts if isinstance(p, ImagePart)]
         keys = [image_key(r) for r in raws]

@@ -12,6 +12,7 @@ Image start/end marker strings (e.g. `<Img>` / `</Img>`) are added to the text a
 """
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -21,8 +22,28 @@ from .errors import InvalidArgument
 IMAGE_MARKER = "<image>"
 # webui's regex is `<img src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)">`; we accept any image subtype
 INLINE_IMAGE = re.compile(r'<img src="data:image/[A-Za-z0-9.+-]*;base64,(?P<b64>[A-Za-z0-9+/=]+)">')
-# an inline image tag that does not match INLINE_IMAGE: refused rather than fed to the model as text
-MALFORMED_INLINE = re.compile(r'<img\s[^>]*src\s*=\s*["\']?data:image/', re.I)
+# An inline image tag that does not match INLINE_IMAGE (`<img ... src=... data:image/` up to the tag's `>`) is
+# refused rather than fed to the model as text. Found in O(n log n) by `find_malformed_inline`: a regex like
+# `<img\s[^>]*src...` rescans to the end of the text from every `<img` and is quadratic on hostile prompts.
+_IMG_OPEN = re.compile(r"<img\s", re.I)
+_DATA_SRC = re.compile(r'src\s*=\s*["\']?data:image/', re.I)
+
+
+def find_malformed_inline(text: str) -> int | None:
+    """Start of the first `<img ...>` tag (or unclosed `<img ...`) whose `src` is a `data:image/` URL, or None."""
+    srcs = [m.start() for m in _DATA_SRC.finditer(text)]
+    if not srcs:
+        return None
+    end = -1  # the `>` closing the tag that starts at the current `<img` (shared by every `<img` before it)
+    for m in _IMG_OPEN.finditer(text):
+        i = m.start()
+        if end < i:
+            end = text.find(">", i)
+            end = len(text) if end < 0 else end
+        k = bisect.bisect_right(srcs, i)
+        if k < len(srcs) and srcs[k] < end:
+            return i
+    return None
 
 
 @dataclass(frozen=True)
@@ -108,9 +129,9 @@ def split_prompt(
     if pending:
         parts.append(TextPart(pending))
     for p in parts:
-        bad = MALFORMED_INLINE.search(p.text) if isinstance(p, TextPart) else None
-        if bad:
-            snippet = p.text[bad.start():bad.start() + 60]
+        bad = find_malformed_inline(p.text) if isinstance(p, TextPart) else None
+        if bad is not None:
+            snippet = p.text[bad:bad + 60]
             raise InvalidArgument(
                 f"malformed inline image in text_input near {snippet!r}: expected "
                 '<img src="data:image/<type>;base64,<base64 characters A-Z a-z 0-9 + / =>">')

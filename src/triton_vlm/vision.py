@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import InvalidArgument
 from .checkpoint import CheckpointError, describe_pipelines, get_pipeline, pipeline_for_config
 
 _DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
@@ -27,6 +28,18 @@ def parse_bits(value: str | int | None) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"bits must be 32, 16 or bf16, got {value!r}")
     return _DTYPES[key]
+
+
+def check_pixel_values(pv, image_size: int) -> None:
+    """Raise InvalidArgument unless `pv` is [images, 3, image_size, image_size] of finite values."""
+    import numpy as np  # noqa: PLC0415
+
+    want = f"[n, 3, {image_size}, {image_size}]"
+    if pv.ndim != 4 or (pv.shape[0] and tuple(pv.shape[1:]) != (3, image_size, image_size)):
+        raise InvalidArgument(f"input 'pixel_values' must have shape {want} (the checkpoint's image size), "
+                              f"got {list(pv.shape)}")
+    if pv.size and not np.isfinite(pv).all():
+        raise InvalidArgument("input 'pixel_values' holds NaN or infinite values; only finite values are allowed")
 
 
 @dataclass(frozen=True)

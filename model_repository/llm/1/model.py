@@ -27,7 +27,8 @@ class TritonPythonModel:
 
             cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64),
                                kv_cache_mb=config.parse_int(p, "kv_cache_mb", 1024),
-                               prefill_chunk=config.parse_int(p, "prefill_chunk", 512))
+                               prefill_chunk=config.parse_int(p, "prefill_chunk", 512),
+                               max_queue=config.parse_int(p, "max_queue", 1024))
             kv = config.parse_int(p, "kv_cache_tokens", 0)
             if kv:  # an explicit token budget wins over kv_cache_mb
                 cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0

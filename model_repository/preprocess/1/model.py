@@ -28,6 +28,7 @@ class TritonPythonModel:
             image_start=p.get("image_start", ""),
             image_end=p.get("image_end", ""),
             image_cache_size=config.parse_int(p, "image_cache_size", 64),
+            max_text_chars=config.parse_int(p, "max_text_chars", 0),
         )
 
     def execute(self, requests):

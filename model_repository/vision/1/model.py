@@ -8,6 +8,7 @@ import numpy as np
 from triton_vlm import names as N
 from triton_vlm.triton import config, lifeline, tensors
 from triton_vlm.triton.errors import error_response
+from triton_vlm.vision import check_pixel_values
 
 _OUT = {s.name: s for s in N.VISION_OUTPUTS}
 
@@ -39,9 +40,7 @@ class TritonPythonModel:
             try:
                 pv = tensors.input_array(r, N.PIXEL_VALUES)  # [images, 3, H, W]
                 pv = np.zeros((0, 3, 1, 1), np.float32) if pv is None else pv
-                if pv.shape[0] and tuple(pv.shape[2:]) != (self.encoder.image_size, self.encoder.image_size):
-                    raise ValueError(f"pixel_values must be [n, 3, {self.encoder.image_size}, "
-                                     f"{self.encoder.image_size}], got {list(pv.shape)}")
+                check_pixel_values(pv, self.encoder.image_size)
                 counts.append(pv.shape[0])
                 if pv.shape[0]:
                     pixels.append(torch.from_numpy(np.ascontiguousarray(pv)))

@@ -14,6 +14,8 @@ scores [0, -1e9, ...] exactly as HF does after `_expand_inputs_for_generation`.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +122,7 @@ class BeamSearch:
 
         # f. finished pool
         did_finish = hits & self.top_mask[None, :]
-        pen = topk_log_probs / ((t + 1) ** self.length_penalty)
+        pen = topk_log_probs / self._len_norm(t + 1)
         full = torch.all(self.is_fin, dim=-1, keepdim=True) & (self.early_stopping is True)
         pen += full.to(torch.float32) * -1.0e9
         pen += (~self.unsat).to(torch.float32) * -1.0e9
@@ -140,7 +142,7 @@ class BeamSearch:
             best_len = self.max_new
         else:
             best_len = t
-        best_running = self.running_scores[:, :1] / (best_len ** self.length_penalty)
+        best_running = self.running_scores[:, :1] / self._len_norm(best_len)
         worst_finished = torch.where(self.is_fin, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9)
         self.unsat = self.unsat & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
         improvement_possible = bool(torch.any(self.unsat))
@@ -152,12 +154,21 @@ class BeamSearch:
         parents_l = [0] * nb if first else parents.tolist()
         return parents_l, tokens.tolist(), False
 
+    def _len_norm(self, length: int) -> float:
+        """`length ** length_penalty`, the divisor of a hypothesis' score, as `transformers` computes it but with
+        IEEE overflow: Python raises OverflowError where the float is out of range (e.g. 3 ** 1000.0); we return
+        inf, so such scores are -0.0 (the limit `transformers` approaches) and nothing is raised."""
+        try:
+            return float(length) ** self.length_penalty
+        except OverflowError:
+            return math.inf
+
     def _force_finish(self) -> None:
         """Stopped before beam search ended (cancel): running beams join the pool as HF's old finalize did."""
         if self.t == 0:
             return
         t, nb = self.t, self.nb
-        pen = self.running_scores / (t ** self.length_penalty)
+        pen = self.running_scores / self._len_norm(t)
         merged = torch.cat((self.beam_scores, pen), dim=1)
         sel = torch.topk(merged, k=nb)[1]
         s = sel[0]
@@ -171,7 +182,7 @@ class BeamSearch:
     def best_so_far(self) -> list[int]:
         if self.t == 0:
             return []
-        run_score = float(self.running_scores[0, 0]) / (self.t ** self.length_penalty)
+        run_score = float(self.running_scores[0, 0]) / self._len_norm(self.t)
         if bool(self.is_fin[0, 0]) and float(self.beam_scores[0, 0]) >= run_score:
             return self.fin_gen[0, :int(self.fin_len[0, 0])].tolist()
         return self.seqs[0, self.Lp:self.Lp + self.t].tolist()
