@@ -7,9 +7,12 @@ printed when the server fails to start.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
+
+from triton_vlm import procs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,6 +33,34 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if "gpu" in i.keywords])
         items[:] = keep
+
+
+def _ours(p: procs.Proc) -> bool:
+    return bool(p.argv) and (p.argv[0].endswith("tritonserver") or p.argv[0].endswith(procs.STUB_NAME))
+
+
+def _shm() -> set[str]:
+    return {f.name for f in procs.SHM_DIR.glob("triton_vlm_*")} if procs.SHM_DIR.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    """After every test: no tritonserver or python stub started by the suite is alive, and no shared-memory
+    region of ours is left (set up first, so torn down after every server fixture)."""
+    before = {p.pid for p in procs.all_procs() if _ours(p)}
+    shm_before = _shm()
+    yield
+    deadline = time.monotonic() + 20
+    while True:
+        left = [p for p in procs.all_procs() if _ours(p) and p.pid not in before]
+        shm_left = _shm() - shm_before
+        if not left and not shm_left:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    pytest.fail(f"the test session left processes {[(p.pid, p.argv[:2]) for p in left]} and shared-memory "
+                f"regions {sorted(shm_left)} behind")
 
 
 @pytest.fixture(scope="session")

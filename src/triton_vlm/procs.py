@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,4 +92,24 @@ def remove_shm(prefix: str) -> list[str]:
             removed.append(f.name)
         except FileNotFoundError:
             pass
+    return removed
+
+
+_OWNED = re.compile(r"^triton_vlm_(\d+)_")
+
+
+def remove_stale_shm() -> list[str]:
+    """Remove regions of our servers whose launcher (the pid in `triton_vlm_<pid>_...`) is gone: what a server
+    killed before it could clean up (its launcher killed by SIGKILL, say) left behind."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for f in SHM_DIR.glob("triton_vlm_*"):
+        m = _OWNED.match(f.name)
+        if m and read_proc(int(m.group(1))) is None:
+            try:
+                f.unlink()
+                removed.append(f.name)
+            except FileNotFoundError:
+                pass
     return removed

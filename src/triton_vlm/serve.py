@@ -171,6 +171,7 @@ class TritonServer:
         params = {k: dict(v) for k, v in self.params.items()}
         params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
         repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        procs.remove_stale_shm()
         self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = [
             str(binary),
