@@ -81,6 +81,7 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
             time.sleep(0.2)
         stubs = procs.stubs_of(new[0].pid)
         assert sorted(stubs.values()) == ["llm", "preprocess", "vision"], stubs
+        _wait_for_line(proc, lines, "serving again", 60)
         prefix = next(a.rsplit("=", 1)[1] for a in new[0].argv if "shm-region-prefix-name" in a)
         assert list(procs.SHM_DIR.glob(prefix + "*")), "the new server's shared memory is missing"
 

@@ -32,6 +32,7 @@ class Supervisor:
         self.restarts: deque[float] = deque()  # monotonic times of recent restarts
         self.restart_count = 0
         self.failed = threading.Event()
+        self._down_since: float | None = None  # when the server went down, until it is ready again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="triton-vlm-supervisor", daemon=True)
 
@@ -68,6 +69,10 @@ class Supervisor:
         now = procs.stubs_of(pid)
         if not known:
             if self.server.is_ready():  # every model loaded: these are the stubs that must stay
+                if self._down_since is not None:
+                    self.say(f"triton-vlm: tritonserver is serving again after {time.monotonic() - self._down_since:.1f} s "
+                             f"(restart {self.restart_count})")
+                    self._down_since = None
                 return None, now
             if time.monotonic() - started > self.ready_timeout:
                 return f"tritonserver not ready after {self.ready_timeout:.0f} s", known
@@ -90,6 +95,7 @@ class Supervisor:
             return False
         self.restarts.append(now)
         self.restart_count += 1
+        self._down_since = self._down_since or now
         self.say(f"triton-vlm: {why}; restarting tritonserver (restart {self.restart_count})")
         self.server.stop(timeout=self.grace_s)  # SIGINT, then SIGKILL after grace_s: hung requests end now
         self.server.start()

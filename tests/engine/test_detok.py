@@ -118,3 +118,43 @@ def test_incomplete_character_at_the_end_matches_full_decode(byte_level):
     pieces = stream(byte_level, ids)
     assert "".join(pieces) == byte_level.decode(ids, skip_special_tokens=True)
     assert pieces[-1].endswith("\ufffd")  # only flush may emit the broken tail, as decode() does
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok():
+    """A real SentencePiece-trained BPE with byte fallback, assembled as Llama's tokenizer.json."""
+    from triton_vlm.demo.sp_tokenizer import build_sentencepiece_tokenizer
+
+    return build_sentencepiece_tokenizer(CORPUS * 4, vocab_size=400)
+
+
+def _check_random_sequences(tok, n: int, seed: int) -> None:
+    import random
+
+    vocab = sorted(tok.get_vocab().values())
+    byte_ids = [i for t, i in tok.get_vocab().items() if t.startswith("<0x")]
+    assert len(byte_ids) == 256
+    rng = random.Random(seed)
+    for _ in range(n):
+        # half the draws from the byte pieces: runs of bytes that are and are not valid UTF-8
+        ids = [rng.choice(byte_ids) if rng.random() < 0.5 else rng.choice(vocab) for _ in range(rng.randint(2, 6))]
+        full = tok.decode(ids, skip_special_tokens=True)
+        d, sent = IncrementalDetokenizer(tok), ""
+        for i in ids:
+            sent += d.push([i])
+            assert full.startswith(sent), (ids, sent, full)  # nothing streamed is ever taken back
+        assert sent + d.flush() == full, ids
+
+
+def test_byte_runs_stream_exactly_the_full_decode(llama_like):
+    ids = [llama_like.token_to_id("<0x29>"), llama_like.token_to_id("<0xD2>")]
+    assert llama_like.decode(ids) == "\ufffd\ufffd"  # the whole run is invalid UTF-8: one U+FFFD per byte
+    assert "".join(stream(llama_like, ids)) == "\ufffd\ufffd"
+    _check_random_sequences(llama_like, 3000, seed=0)
+
+
+def test_sentencepiece_byte_fallback_tokenizer(sentencepiece_tok):
+    _check_random_sequences(sentencepiece_tok, 3000, seed=1)
+    for text in TEXTS:
+        ids = sentencepiece_tok(text, add_special_tokens=False)["input_ids"]
+        assert "".join(stream(sentencepiece_tok, ids)) == sentencepiece_tok.decode(ids), text

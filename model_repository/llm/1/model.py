@@ -3,14 +3,17 @@
 `backend` parameter: "engine" (triton_vlm.engine: in-flight batching) or "hf" (transformers generate()).
 execute() hands requests over and returns; responses are sent from the backend's thread.
 """
-from triton_vlm.triton import config, lifeline
+from triton_vlm.triton import lifeline
+
+lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
+
+from triton_vlm.triton import config
 from triton_vlm.triton.llm import LLMService
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config.setup_logging()
-        lifeline.exit_with_parent()
         p = config.model_parameters(args)
         model_dir = config.resolve_model_path(p.get("model_path", ""))
         device = p.get("device") or "cpu"

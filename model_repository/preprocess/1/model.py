@@ -2,11 +2,15 @@
 
 Thin adapter: the logic is `triton_vlm.preprocess.Preprocessor`.
 """
+from triton_vlm.triton import lifeline
+
+lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
+
 import numpy as np
 
 from triton_vlm import names as N
 from triton_vlm.params import words_to_flat
-from triton_vlm.triton import config, lifeline, tensors
+from triton_vlm.triton import config, tensors
 from triton_vlm.triton.errors import error_response
 
 _OUT = {s.name: s for s in N.PREPROCESS_OUTPUTS}
@@ -18,7 +22,6 @@ class TritonPythonModel:
         from triton_vlm.preprocess import Preprocessor
 
         config.setup_logging()
-        lifeline.exit_with_parent()
         p = config.model_parameters(args)
         self.pre = Preprocessor(
             config.resolve_model_path(p.get("model_path", "")),

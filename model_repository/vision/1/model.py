@@ -3,10 +3,14 @@
 Requests arrive together through dynamic batching with ragged image counts (a text-only request carries zero
 images); their pixel values are concatenated, encoded in chunks of `max_images_per_forward`, and split back.
 """
+from triton_vlm.triton import lifeline
+
+lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
+
 import numpy as np
 
 from triton_vlm import names as N
-from triton_vlm.triton import config, lifeline, tensors
+from triton_vlm.triton import config, tensors
 from triton_vlm.triton.errors import error_response
 from triton_vlm.vision import check_pixel_values
 
@@ -20,7 +24,6 @@ class TritonPythonModel:
         from triton_vlm.vision import VisionEncoder, VisionSettings
 
         config.setup_logging()
-        lifeline.exit_with_parent()
         p = config.model_parameters(args)
         device = p.get("device") or "cpu"
         self.encoder = VisionEncoder(config.resolve_model_path(p.get("model_path", "")), VisionSettings(

@@ -198,15 +198,17 @@ def build_random_llava(
     vision_feature_select_strategy: str = "default",
     vision_feature_layer: int = -2,
     tie_word_embeddings: bool = False,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
-    """Build and save a randomly initialised (seeded, deterministic) LLaVA checkpoint; return its dir."""
+    """Build and save a randomly initialised (seeded, deterministic) LLaVA checkpoint; return its dir.
+    `tokenizer` (default: a byte-level BPE trained on `vocab_texts`) must have the `SPECIAL_TOKENS`."""
     model, processor = build_random_llava_objects(
         text_hidden=text_hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab_texts=vocab_texts, vocab_size=vocab_size, image_size=image_size, patch_size=patch_size,
         vision_hidden=vision_hidden, vision_layers=vision_layers, vision_heads=vision_heads,
         vision_intermediate=vision_intermediate, max_position_embeddings=max_position_embeddings, seed=seed,
         vision_feature_select_strategy=vision_feature_select_strategy,
-        vision_feature_layer=vision_feature_layer, tie_word_embeddings=tie_word_embeddings,
+        vision_feature_layer=vision_feature_layer, tie_word_embeddings=tie_word_embeddings, tokenizer=tokenizer,
     )
     return save_checkpoint(model, processor, Path(out_dir))
 
@@ -231,13 +233,15 @@ def build_random_llava_objects(
     vision_feature_select_strategy: str = "default",
     vision_feature_layer: int = -2,
     tie_word_embeddings: bool = False,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     """Same as build_random_llava but returns the in-memory (model, processor) without saving."""
     if image_size % patch_size:
         raise InvalidArgument(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
     if heads % kv_heads:
         raise InvalidArgument(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
-    tokenizer = build_tokenizer(list(vocab_texts) if vocab_texts is not None else None, vocab_size)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(list(vocab_texts) if vocab_texts is not None else None, vocab_size)
     config = make_llava_config(
         tokenizer, text_hidden=text_hidden, layers=layers, heads=heads, kv_heads=kv_heads,
         intermediate=intermediate, image_size=image_size, patch_size=patch_size, vision_hidden=vision_hidden,
