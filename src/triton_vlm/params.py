@@ -141,6 +141,24 @@ class Sequence_:
     log_probs: list[float] = field(default_factory=list)  # per new token
 
 
+@dataclass(frozen=True)
+class RequestStats:
+    """Where one request's time went inside the engine (seconds from its submission); on final results."""
+
+    prompt_tokens: int
+    generated_tokens: int  # decode steps run (new tokens of the longest returned sequence)
+    queue_s: float  # submitted -> admitted (rows and KV blocks reserved)
+    ttft_s: Optional[float]  # submitted -> first new token (None if it never got one)
+    e2e_s: float  # submitted -> finished
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        """Mean time per output token after the first."""
+        if self.ttft_s is None or self.generated_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.generated_tokens - 1)
+
+
 @dataclass
 class GenerationResult:
     """Either a streamed piece (final=False) or the last response of a request (final=True)."""
@@ -150,6 +168,7 @@ class GenerationResult:
     final: bool
     sequence_index: int = 0
     error: Optional[Exception] = None
+    stats: Optional[RequestStats] = None  # final results of the engine
 
 
 def words_from_flat(flat: Sequence[int]) -> list[list[int]]:

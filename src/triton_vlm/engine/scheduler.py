@@ -30,6 +30,7 @@ Any exception while handling one request ends that request with an error result;
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -37,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import Cancelled, Internal, VLMError
-from ..params import GenerationRequest, GenerationResult, Sequence_
+from ..params import GenerationRequest, GenerationResult, RequestStats, Sequence_
 from .kv_cache import KVCache, RowKV
 from .merge import merge_image_embeds
 from .model import LlamaModel
@@ -69,6 +70,10 @@ class Active:
     next_tokens: list[int] = field(default_factory=list)  # token each row feeds at the next decode step
     streams: dict[int, "_Stream"] = field(default_factory=dict)  # sequence index -> what was streamed
     admitted: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    steps: int = 0  # decoder steps run (new tokens)
 
     @property
     def id(self) -> str:
@@ -124,6 +129,7 @@ class Scheduler:
             self.waiting.popleft()
             self.rows_reserved += a.width
             a.admitted = True
+            a.admitted_at = time.monotonic()
             a.rows = [self.cache.new_row()]
             self.running.append(a)
 
@@ -175,6 +181,9 @@ class Scheduler:
     def _advance(self, a: Active, logits: torch.Tensor, out: list[Output]) -> None:
         """Feed one step of logits [rows, vocab] to the request's decoder and act on its answer."""
         res = a.decoder.step(logits)
+        a.steps += 1
+        if a.first_token_at is None:
+            a.first_token_at = time.monotonic()
         if len(res.parents) > a.width:
             raise Internal(f"decoder asked for {len(res.parents)} rows, more than the {a.width} reserved")
         a.rows = self._reorder(a.rows, res.parents)
@@ -235,11 +244,18 @@ class Scheduler:
                 if a.req.params.stream:  # the rest of every sequence that was being streamed
                     for j in sorted(a.streams):
                         self._stream(a, j, seqs[j].token_ids, out, flush=True)
-                out.append((a.on_result, GenerationResult(a.id, seqs, final=True)))
+                out.append((a.on_result, GenerationResult(a.id, seqs, final=True, stats=_stats(a))))
                 return
             except Exception as e:  # noqa: BLE001
                 error = _as_error(e)
-        out.append((a.on_result, GenerationResult(a.id, [], final=True, error=error)))
+        out.append((a.on_result, GenerationResult(a.id, [], final=True, error=error, stats=_stats(a))))
+
+
+def _stats(a: Active) -> RequestStats:
+    now, t0 = time.monotonic(), a.submitted_at
+    return RequestStats(prompt_tokens=len(a.req.input_ids), generated_tokens=a.steps,
+                        queue_s=(a.admitted_at if a.admitted_at is not None else now) - t0,
+                        ttft_s=None if a.first_token_at is None else a.first_token_at - t0, e2e_s=now - t0)
 
 
 def _as_error(e: Exception) -> VLMError:

@@ -20,20 +20,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-try:
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # pragma: no cover
-    pb_utils = None
-
 from .. import names as N
 from ..errors import InvalidArgument
 from ..params import GenerationParams, GenerationRequest, GenerationResult, words_from_flat
 from . import tensors
 from .errors import error_response
+from .metrics import LLMMetrics
 from .responder import Responder
 
 log = logging.getLogger("triton_vlm")
-FINAL = 1  # pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _OUT = {s.name: s for s in N.LLM_OUTPUTS}
 
 
@@ -56,43 +52,11 @@ class LLMService:
         self._response = make_response or tensors.response
         self._error = make_error or error_response
         self._ids = itertools.count()
-        self._gauges = None
-        self._families: list = []
-        self.responder = Responder(self._build, self._error, self.backend.cancel, tick=self._update_metrics)
-
-    def _metrics(self):
-        """Prometheus gauges on Triton's metrics port, one per `stats()` field of the backend."""
-        stats = getattr(self.backend, "stats", None)
-        if stats is None or pb_utils is None:
-            return None
-        gauges = {}
-        self._families = []  # a Metric is valid only while its MetricFamily lives
-        for name in stats().__dataclass_fields__:
-            family = pb_utils.MetricFamily(name=f"triton_vlm_engine_{name}",
-                                           description=f"generation engine: {name.replace('_', ' ')}",
-                                           kind=pb_utils.MetricFamily.GAUGE)
-            self._families.append(family)
-            gauges[name] = family.Metric(labels={"model": "llm"})
-        return stats, gauges
-
-    def _update_metrics(self) -> None:
-        if self._gauges is None:
-            return
-        stats, gauges = self._gauges
-        try:
-            snap = stats()
-            for name, gauge in gauges.items():
-                gauge.set(float(getattr(snap, name)))
-        except Exception as e:  # noqa: BLE001 - monitoring never takes the model down
-            log.warning("engine metrics update failed: %s", e)
-            self._gauges = None
+        self.metrics = LLMMetrics(enabled=False)  # the real ones are created once, in start()
+        self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
 
     def start(self) -> None:
-        try:
-            self._gauges = self._metrics()
-        except Exception as e:  # noqa: BLE001 - metrics are optional (e.g. disabled in the server)
-            log.warning("engine metrics unavailable: %s", e)
-            self._gauges = None
+        self.metrics = LLMMetrics(getattr(self.backend, "stats", None))
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
         self.responder.start()
@@ -100,8 +64,15 @@ class LLMService:
     def shutdown(self) -> None:
         self.backend.shutdown()  # queues a final result for every request it still holds
         self.responder.stop()  # sends them; anything still live gets UNAVAILABLE
-        self._gauges = None  # metrics before their families
-        self._families = []
+        self.metrics.close()
+
+    def _tick(self) -> None:
+        self.metrics.update_gauges()
+
+    def _cancel(self, request_id: str) -> None:
+        """The client cancelled the request or went away: the backend drops it (its final result is ignored)."""
+        self.metrics.outcome("cancelled")
+        self.backend.cancel(request_id)
 
     # --- requests ----------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
@@ -110,12 +81,14 @@ class LLMService:
             try:
                 gen = self.parse(request)
             except Exception as e:  # noqa: BLE001 - one bad request never affects the others
+                self.metrics.outcome(getattr(e, "code", "INTERNAL"))
                 sender.send(self._error(e), flags=FINAL)  # never opened: this thread is its only owner
                 continue
             self.responder.open(gen.request_id, sender, _Live(gen))
             try:
                 self.backend.submit(gen, self._on_result)
             except Exception as e:  # noqa: BLE001 - refused (queue full, invalid): the responder answers
+                self.metrics.outcome(getattr(e, "code", "INTERNAL"))
                 self.responder.fail(gen.request_id, e)
 
     def parse(self, request) -> GenerationRequest:
@@ -149,6 +122,9 @@ class LLMService:
 
     def _build(self, _key: str, live: _Live, result: GenerationResult):
         """-> (response, final) for one backend result."""
+        if result.final:
+            self.metrics.outcome("success" if result.error is None else getattr(result.error, "code", "INTERNAL"))
+            self.metrics.finished(result.stats)
         if result.error is not None:
             return self._error(result.error), True
         if not result.final:

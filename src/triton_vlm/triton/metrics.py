@@ -1,0 +1,105 @@
+"""What operators watch, as Prometheus metrics on Triton's metrics port (beside Triton's own `nv_*` metrics).
+
+Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field.
+Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
+`triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`.
+Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
+vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
+`triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
+`triton_vlm_time_per_output_token_seconds` (mean after the first), `triton_vlm_request_seconds` (end to end).
+
+Without the python backend (unit tests) every method is a no-op. A Metric is only valid while its
+MetricFamily lives, so the families are kept here and dropped after the metrics in `close()`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover
+    pb_utils = None
+
+from ..params import RequestStats
+
+log = logging.getLogger("triton_vlm")
+
+OUTCOMES = ("success", "invalid_arg", "unavailable", "cancelled", "internal")
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TOKEN_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
+    "triton_vlm_queue_seconds": ("time a request waited for rows and KV blocks", LATENCY_BUCKETS, "queue_s"),
+    "triton_vlm_time_to_first_token_seconds": ("time to the first new token", LATENCY_BUCKETS, "ttft_s"),
+    "triton_vlm_time_per_output_token_seconds": ("mean time per new token after the first", TOKEN_BUCKETS,
+                                                 "tpot_s"),
+    "triton_vlm_request_seconds": ("time from arrival in llm to the last token", LATENCY_BUCKETS, "e2e_s"),
+}
+
+
+class LLMMetrics:
+    def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True):
+        """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
+        the first is dropped, free) the first one's families."""
+        self._stats = stats
+        self._families: list = []
+        self._gauges: dict = {}
+        self._outcomes: dict = {}
+        self._hist: dict = {}
+        self._tokens: dict = {}
+        if pb_utils is None or not enabled:
+            return
+        try:
+            self._create(model)
+        except Exception as e:  # noqa: BLE001 - metrics are optional (e.g. disabled in the server)
+            log.warning("metrics unavailable: %s", e)
+            self.close()
+
+    def _family(self, name: str, description: str, kind):
+        family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _create(self, model: str) -> None:
+        F = pb_utils.MetricFamily
+        labels = {"model": model}
+        if self._stats is not None:
+            for name in self._stats().__dataclass_fields__:
+                fam = self._family(f"triton_vlm_engine_{name}", f"generation engine: {name.replace('_', ' ')}",
+                                   F.GAUGE)
+                self._gauges[name] = fam.Metric(labels=labels)
+        fam = self._family("triton_vlm_requests_total", "llm requests by outcome", F.COUNTER)
+        self._outcomes = {o: fam.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
+        for kind in ("prompt", "generated"):
+            fam = self._family(f"triton_vlm_{kind}_tokens_total", f"{kind} tokens of finished requests", F.COUNTER)
+            self._tokens[kind] = fam.Metric(labels=labels)
+        for name, (description, buckets, attr) in HISTOGRAMS.items():
+            fam = self._family(name, description, F.HISTOGRAM)
+            self._hist[attr] = fam.Metric(labels=labels, buckets=buckets)
+
+    def update_gauges(self) -> None:
+        if not self._gauges:
+            return
+        snap = self._stats()
+        for name, gauge in self._gauges.items():
+            gauge.set(float(getattr(snap, name)))
+
+    def outcome(self, code: str) -> None:
+        """One request answered: `code` is "success" or a `VLMError.code` (INVALID_ARG, ...)."""
+        metric = self._outcomes.get(code.lower())
+        if metric is not None:
+            metric.increment(1)
+
+    def finished(self, stats: Optional[RequestStats]) -> None:
+        if stats is None or not self._hist:
+            return
+        self._tokens["prompt"].increment(stats.prompt_tokens)
+        self._tokens["generated"].increment(stats.generated_tokens)
+        for attr, metric in self._hist.items():
+            value = getattr(stats, attr)
+            if value is not None:
+                metric.observe(float(value))
+
+    def close(self) -> None:
+        self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
+        self._families = []
