@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test demo bench install clean
+.PHONY: serve test demo bench loadtest soak install clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.throughput
+
+# NVIDIA's perf_analyzer against the ensemble (starts its own server; URL=host:port for a running one)
+loadtest: $(STAMP)
+	$(PY) -m bench.loadtest $(if $(URL),--url $(URL),)
+
+# 2,000 mixed requests (gRPC streamed and not, HTTP, beams 1-4, 0-2 images), every answer checked
+soak: $(STAMP)
+	$(PY) -m pytest -q tests/test_resilience.py -k soak -s
 
 clean:
 	rm -rf $(VENV) build *.egg-info

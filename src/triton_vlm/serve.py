@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -124,6 +125,10 @@ def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src:
     return dest
 
 
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "triton-vlm-admin-key"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,6 +154,7 @@ class TritonServer:
     proc: subprocess.Popen | None = None
     # the python backend's shared-memory regions are /dev/shm/<shm_prefix>*: unique per server, removed by stop()
     shm_prefix: str = ""
+    admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_VLM_ADMIN_KEY") or secrets.token_hex(16))
 
     @property
     def http_url(self) -> str:
@@ -185,6 +191,10 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=true",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            # Triton's admin APIs (load/unload models, register shared memory, change log files or tracing) only
+            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset)
+            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
         ]
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
         try:  # its own process group (stop() ends stubs with it); SIGTERM when the launcher dies, even by SIGKILL
