@@ -246,3 +246,17 @@ def test_killed_llm_stub_fails_in_flight_fast_and_recovers(small_server):
     status, body = post(small_server, {"text_input": HELLO, "max_tokens": 4, "exclude_input_in_output": True})
     assert (status, body["text_output"].strip()) == (200, "hello")
     assert procs.read_proc(old_server_pid) is None, "the old tritonserver is still running"
+
+
+def test_admin_apis_need_the_admin_key(triton_server):
+    for path, body in [("/v2/logging", {"log_file": "/tmp/evil.log"}), ("/v2/repository/index", {}),
+                       ("/v2/systemsharedmemory/status", None)]:
+        req = urllib.request.Request(f"http://{triton_server.http_url}{path}",
+                                     None if body is None else json.dumps(body).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 403 and "triton-vlm-admin-key" in e.value.read().decode()
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/systemsharedmemory/status",
+                                 headers={"triton-vlm-admin-key": triton_server.admin_key})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
