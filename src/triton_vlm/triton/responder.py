@@ -94,6 +94,15 @@ class Responder:
 
     # --- the responder thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception:  # noqa: BLE001 - a bug here must not leave every live request hanging
+                log.exception("llm responder failed; carrying on")
+                time.sleep(self._poll_s)
+
+    def _serve(self) -> None:
         next_poll = next_tick = time.monotonic()
         while True:
             try:
