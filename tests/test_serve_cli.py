@@ -14,12 +14,18 @@ from triton_vlm.serve import free_port
 pytestmark = pytest.mark.server
 
 
-def test_serve_answers_and_stops_cleanly(demo_model, tmp_path):
+def _launch(tmp_path) -> tuple[dict, subprocess.Popen]:
+    """`python -m triton_vlm.serve` (what `make serve` runs) on free ports, its output piped."""
     env = dict(os.environ, HTTP_PORT=str(free_port()), GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
                TRITON_VLM_LOG=str(tmp_path / "server.log"))
     env.pop("MODEL", None)
     proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.serve"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return env, proc
+
+
+def test_serve_answers_and_stops_cleanly(demo_model, tmp_path):
+    env, proc = _launch(tmp_path)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -58,12 +64,7 @@ def _wait_for_line(proc, lines: list[str], needle: str, timeout: float) -> str:
 def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_model, tmp_path):
     from triton_vlm import procs
 
-    http = free_port()
-    env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
-               TRITON_VLM_LOG=str(tmp_path / "server.log"))
-    env.pop("MODEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.serve"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env, proc = _launch(tmp_path)
     lines: list[str] = []
     try:
         _wait_for_line(proc, lines, "try:", 240)

@@ -81,12 +81,9 @@ def stubs_of(pid: int) -> dict[int, str]:
     return {p.pid: m for p in children(pid) if (m := stub_model(p)) is not None}
 
 
-def remove_shm(prefix: str) -> list[str]:
-    """Remove the python backend's shared-memory regions named `<prefix>*` (left when a server is killed)."""
+def _remove(names) -> list[str]:
     removed = []
-    if not prefix or not SHM_DIR.is_dir():
-        return removed
-    for f in SHM_DIR.glob(prefix + "*"):
+    for f in names:
         try:
             f.unlink()
             removed.append(f.name)
@@ -95,21 +92,20 @@ def remove_shm(prefix: str) -> list[str]:
     return removed
 
 
+def remove_shm(prefix: str) -> list[str]:
+    """Remove the python backend's shared-memory regions named `<prefix>*` (left when a server is killed)."""
+    if not prefix or not SHM_DIR.is_dir():
+        return []
+    return _remove(SHM_DIR.glob(prefix + "*"))
+
+
 _OWNED = re.compile(r"^triton_vlm_(\d+)_")
 
 
 def remove_stale_shm() -> list[str]:
     """Remove regions of our servers whose launcher (the pid in `triton_vlm_<pid>_...`) is gone: what a server
     killed before it could clean up (its launcher killed by SIGKILL, say) left behind."""
-    removed = []
     if not SHM_DIR.is_dir():
-        return removed
-    for f in SHM_DIR.glob("triton_vlm_*"):
-        m = _OWNED.match(f.name)
-        if m and read_proc(int(m.group(1))) is None:
-            try:
-                f.unlink()
-                removed.append(f.name)
-            except FileNotFoundError:
-                pass
-    return removed
+        return []
+    return _remove(f for f in SHM_DIR.glob("triton_vlm_*")
+                   if (m := _OWNED.match(f.name)) and read_proc(int(m.group(1))) is None)
