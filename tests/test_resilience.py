@@ -47,8 +47,9 @@ def rss_kb(server) -> dict[str, int]:
 
 
 def test_soak_mixed_traffic(triton_server):
-    warm = traffic.run(triton_server.grpc_url, triton_server.http_url, traffic.make_cases(300, seed=1), 32)
-    assert warm.ok == 300, warm.summary() + "\n" + "\n".join((warm.wrong + warm.errors)[:10])
+    # warm-up: every kind of request, every batch shape the soak will see, and the client connections' buffers
+    warm = traffic.run(triton_server.grpc_url, triton_server.http_url, traffic.make_cases(500, seed=1), 32)
+    assert warm.ok == 500, warm.summary() + "\n" + "\n".join((warm.wrong + warm.errors)[:10])
     before = rss_kb(triton_server)
     t0 = time.monotonic()
     report = traffic.run(triton_server.grpc_url, triton_server.http_url, traffic.make_cases(2000, seed=2), 32)
