@@ -86,6 +86,8 @@ def instrument(timers: Timers) -> None:
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
     from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
     from triton_vlm.engine import model as model_mod  # noqa: PLC0415
+    from triton_vlm.engine import output as out_mod  # noqa: PLC0415
+    from triton_vlm.engine import runner as runner_mod  # noqa: PLC0415
     from triton_vlm.engine import scheduler as sch_mod  # noqa: PLC0415
 
     def linear_cat(self, *_):
@@ -99,13 +101,13 @@ def instrument(timers: Timers) -> None:
     timers.wrap(model_mod.LlamaModel, "_attention", "attn core")
     timers.wrap(model_mod.LlamaModel, "forward", "norms/residual/act")
     timers.wrap(model_mod.LlamaModel, "embed", "embed / image merge")
-    timers.wrap(sch_mod, "merge_image_embeds", "embed / image merge")
+    timers.wrap(runner_mod, "merge_image_embeds", "embed / image merge")
     timers.wrap(kv_mod.KVCache, "plan", "kv plan")
     timers.wrap(kv_mod.KVCache, "fork", "kv fork/free")
     timers.wrap(kv_mod.KVCache, "free", "kv fork/free")
     timers.wrap(dec_mod.Decoder, "step", "decoder")
     timers.wrap(dec_mod.Decoder, "finalize", "finalize+detok")
-    timers.wrap(sch_mod.Scheduler, "_stream", "finalize+detok")
+    timers.wrap(out_mod.OutputProcessor, "_piece", "finalize+detok")
     timers.wrap(sch_mod.Scheduler, "step", "scheduler python")
     timers.wrap(eng_mod.Engine, "step", "engine loop")
     timers.wrap(eng_mod.Engine, "_decode_text", "finalize+detok")

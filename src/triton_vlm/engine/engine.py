@@ -24,7 +24,8 @@ from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult
 from .kv_cache import blocks_needed
 from .model import DTYPES, LlamaModel
-from .scheduler import Active, Scheduler
+from .scheduler import Scheduler
+from .state import Active, KVState
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Engine:
         running = list(sched.running)
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
-            running_rows=sum(len(a.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
+            running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
             kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows)
 
     def _default_detokenizer(self):
@@ -163,7 +164,7 @@ class Engine:
         decoder = self._make_decoder(
             p, list(req.input_ids), eos_ids=list(p.end_ids or self.eos_ids), vocab_size=self.model_config.vocab_size,
             bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
-        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), reserved=need,
+        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(reserved=need),
                         make_detok=self._make_detok if p.stream else None)
         with self._cond:
             if self._closed:
@@ -197,7 +198,7 @@ class Engine:
                 self.scheduler.add(a)
             outputs = self.scheduler.step(cancels)
             self._steps += 1
-            self._decoded_rows += sum(len(a.rows) for a in self.scheduler.running)
+            self._decoded_rows += sum(len(a.kv.rows) for a in self.scheduler.running)
             self._deliver(outputs)
             with self._cond:
                 return self._has_work_locked()

@@ -1,0 +1,80 @@
+"""The output step: decoder steps, stream pieces and final results of one request.
+
+- `step(active, logits)`: one step of logits [rows, vocab] to the request's decoder; returns its
+  `StepResult` (the rows to keep, `parents`, and the tokens they feed next).
+- `stream(active)`: for a request with `params.stream`, the new tokens of `Decoder.stream_prefixes()` (one
+  per sequence_index) as non-final results, with their text from a per-sequence `IncrementalDetokenizer`. For
+  beam search that is one prefix, the part every hypothesis still in the running shares, so nothing streamed is
+  ever retracted and the pieces concatenate to the final best sequence; sampling streams each of its
+  num_return_sequences sequences under its own index.
+- `complete(active)`: the final result (ranked `Decoder.finalize()` sequences, text =
+  `tokenizer.decode(ids, skip_special_tokens=True)`), after the rest of every streamed sequence.
+- `fail(active, error)`: the final result carrying the error.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..params import GenerationResult, RequestStats, Sequence_
+from .state import Active, Output, StreamState
+
+
+class OutputProcessor:
+    def __init__(self, decode_text: Callable[[list[int]], str]):
+        self.decode_text = decode_text
+
+    def step(self, a: Active, logits: torch.Tensor):
+        res = a.decoder.step(logits)
+        a.timing.steps += 1
+        if a.timing.first_token is None:
+            a.timing.first_token = time.monotonic()
+        return res
+
+    def stream(self, a: Active) -> list[Output]:
+        out: list[Output] = []
+        for j, tokens in enumerate(a.decoder.stream_prefixes()):
+            self._piece(a, j, tokens, out)
+        return out
+
+    def complete(self, a: Active) -> list[Output]:
+        out: list[Output] = []
+        seqs = a.decoder.finalize()
+        for s in seqs:
+            s.text = self.decode_text(s.token_ids)
+        if a.req.params.stream:  # the rest of every sequence that was being streamed
+            for j in sorted(a.streams):
+                self._piece(a, j, seqs[j].token_ids, out, flush=True)
+        out.append((a.on_result, GenerationResult(a.id, seqs, final=True, stats=_stats(a))))
+        return out
+
+    def fail(self, a: Active, error: Exception) -> list[Output]:
+        return [(a.on_result, GenerationResult(a.id, [], final=True, error=error, stats=_stats(a)))]
+
+    def _piece(self, a: Active, j: int, tokens: list[int], out: list[Output], flush: bool = False) -> None:
+        """Send sequence j's tokens beyond what it was already sent (only ever an extension)."""
+        st = a.streams.get(j)
+        if st is None:
+            st = a.streams[j] = StreamState(detok=a.make_detok())
+        n = len(st.sent)
+        if tokens[:n] != st.sent or (len(tokens) == n and not flush):
+            return
+        new = list(tokens[n:])
+        text = st.detok.push(new) if new else ""
+        if flush and hasattr(st.detok, "flush"):
+            text += st.detok.flush()
+        if not new and not text:
+            return
+        st.sent.extend(new)
+        piece = Sequence_(token_ids=new, text=text)
+        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j)))
+
+
+def _stats(a: Active) -> RequestStats:
+    now, t = time.monotonic(), a.timing
+    return RequestStats(prompt_tokens=a.prompt_len, generated_tokens=t.steps,
+                        queue_s=(t.admitted if t.admitted is not None else now) - t.submitted,
+                        ttft_s=None if t.first_token is None else t.first_token - t.submitted,
+                        e2e_s=now - t.submitted)

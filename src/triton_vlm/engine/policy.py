@@ -1,0 +1,109 @@
+"""Scheduling policy: which requests run, and what each step computes (a `StepPlan`).
+
+First come first served. `schedule()`:
+1. retires cancelled requests (queued or running) and lists them in the plan, to be ended with CANCELLED;
+2. admits the head of the queue while it fits every budget (`_fits`, one place: rows it can ever use,
+   `max(beam_width, num_return_sequences)`, within `max_rows`; its worst-case KV blocks,
+   `kv_cache.blocks_needed`, reservable). The head is never overtaken (no starvation of long or wide requests),
+   and reservation makes every later block allocation succeed: nothing is ever preempted or evicted;
+3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first;
+4. decodes every running request whose prompt is complete after this step's prefill.
+
+`retire()` gives a finished request's budgets back (rows, blocks, reservation; idempotent). The policy never
+runs the model.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .kv_cache import KVCache
+from .state import Active
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    active: Active
+    start: int  # first prompt position of the chunk
+    length: int  # prompt tokens in the chunk
+
+    @property
+    def completes(self) -> bool:
+        return self.start + self.length == self.active.prompt_len
+
+
+@dataclass
+class StepPlan:
+    cancelled: list[Active] = field(default_factory=list)
+    admitted: list[Active] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Active] = field(default_factory=list)  # one new token for each of their rows
+
+
+class Policy:
+    def __init__(self, cache: KVCache, *, max_rows: int, prefill_chunk: int):
+        self.cache = cache
+        self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
+        self.waiting: deque[Active] = deque()
+        self.running: list[Active] = []
+        self.rows_reserved = 0
+
+    def add(self, active: Active) -> None:
+        self.waiting.append(active)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, cancelled_ids: Iterable[str] = ()) -> StepPlan:
+        plan = StepPlan()
+        ids = set(cancelled_ids)
+        if ids:
+            plan.cancelled = [a for a in list(self.waiting) + self.running if a.id in ids]
+        for a in plan.cancelled:  # their budgets are free for this step's admission
+            self.retire(a)
+        plan.admitted = self._admit()
+        budget = self.prefill_chunk
+        for a in self.running:
+            if a.prefilling:
+                if budget <= 0:
+                    continue
+                chunk = PrefillChunk(a, a.kv.prefilled, min(a.prompt_len - a.kv.prefilled, budget))
+                plan.prefill.append(chunk)
+                budget -= chunk.length
+                if not chunk.completes:
+                    continue
+            plan.decode.append(a)
+        return plan
+
+    def _fits(self, a: Active) -> bool:
+        """Every budget a request needs, checked in one place; reserves its KV blocks when it fits."""
+        if self.rows_reserved + a.width > self.max_rows:
+            return False
+        return self.cache.try_reserve(a.kv.reserved)
+
+    def _admit(self) -> list[Active]:
+        admitted = []
+        while self.waiting and self._fits(self.waiting[0]):
+            a = self.waiting.popleft()
+            self.rows_reserved += a.width
+            a.admitted = True
+            a.timing.admitted = time.monotonic()
+            a.kv.rows = [self.cache.new_row()]
+            self.running.append(a)
+            admitted.append(a)
+        return admitted
+
+    def retire(self, a: Active) -> None:
+        """Give back everything `a` holds: its rows' blocks, its reservation, its rows budget, its place."""
+        for r in a.kv.rows:
+            self.cache.free(r)
+        a.kv.rows, a.kv.embeds = [], None
+        if a.admitted:
+            self.cache.release(a.kv.reserved)
+            self.rows_reserved -= a.width
+            self.running.remove(a)
+            a.admitted = False
+        elif a in self.waiting:
+            self.waiting.remove(a)

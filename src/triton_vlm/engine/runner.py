@@ -1,0 +1,63 @@
+"""Runs a step's forwards against the model and the KV cache; the only code that calls the model.
+
+- `prefill(chunk)`: one forward of one request's prompt chunk (one row, causal over its own length). The
+  prompt's embeddings, with image features merged in (`merge.py`), are built on its first chunk; an image
+  count that does not match its placeholders raises `InvalidArgument` there. Returns the logits [1, vocab] of
+  the prompt's last position when the chunk completes the prompt, else None.
+- `decode(actives)`: one forward with one new token for every row of every request given (each row feeds
+  `kv.next_tokens`); returns logits [rows, vocab] in that order.
+- `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
+  child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
+
+A per-row adapter map for LoRA belongs here: built once per forward from the rows' requests.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kv_cache import KVCache, RowKV
+from .merge import merge_image_embeds
+from .model import LlamaModel
+from .policy import PrefillChunk
+from .state import Active
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache):
+        self.model, self.cache = model, cache
+
+    def prefill(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
+        a, kv = chunk.active, chunk.active.kv
+        if kv.embeds is None:
+            ids = torch.tensor(a.req.input_ids, dtype=torch.long, device=self.model.device)
+            kv.embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds,
+                                           self.model.config.image_token_id)  # [P, hidden]
+        x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
+        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache)  # [1, vocab]
+        kv.prefilled = chunk.start + chunk.length
+        if not chunk.completes:
+            return None
+        kv.embeds = None
+        return logits
+
+    def decode(self, actives: list[Active]) -> torch.Tensor:
+        rows = [r for a in actives for r in a.kv.rows]
+        tokens = torch.tensor([t for a in actives for t in a.kv.next_tokens], dtype=torch.long)
+        x = self.model.embed(tokens)[:, None]  # [rows, 1, hidden]
+        return self.model.forward(x, self.cache.plan(rows, 1), self.cache)  # [rows, vocab]
+
+    def reorder(self, active: Active, parents: list[int]) -> None:
+        rows: list[RowKV] = active.kv.rows
+        new, kept = [], set()
+        for p in parents:
+            if p in kept:
+                new.append(self.cache.fork(rows[p]))
+            else:
+                kept.add(p)
+                new.append(rows[p])
+        for i, r in enumerate(rows):
+            if i not in kept:
+                self.cache.free(r)
+        active.kv.rows = new

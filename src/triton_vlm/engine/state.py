@@ -1,0 +1,70 @@
+"""One request inside the engine, in three parts owned by the three parts of a step.
+
+- `Active.kv` (`KVState`): the rows and the prompt progress, owned by the runner (`runner.py`);
+- `Active.streams` (`StreamState` per sequence index): what was streamed, owned by the output step
+  (`output.py`);
+- the budgets it holds (`width` rows, `kv.reserved` blocks) are taken and given back by the policy
+  (`policy.py`).
+`Active` itself is the request, its decoder and the callback its results go to.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..params import GenerationRequest, GenerationResult
+from .kv_cache import RowKV
+
+Callback = Callable[[GenerationResult], None]
+Output = tuple[Callback, GenerationResult]
+
+
+@dataclass(eq=False)
+class KVState:
+    reserved: int  # KV blocks reserved at admission (the request's worst case)
+    rows: list[RowKV] = field(default_factory=list)  # one per beam / sample once the prompt is cached
+    prefilled: int = 0  # prompt tokens cached
+    embeds: Optional[torch.Tensor] = None  # [P, hidden] prompt embeddings while prefilling
+    next_tokens: list[int] = field(default_factory=list)  # the token each row feeds at the next decode step
+
+
+@dataclass(eq=False)
+class StreamState:
+    detok: Any  # IncrementalDetokenizer of one sequence
+    sent: list[int] = field(default_factory=list)  # token ids already streamed
+
+
+@dataclass(eq=False)
+class Timing:
+    submitted: float = field(default_factory=time.monotonic)
+    admitted: Optional[float] = None
+    first_token: Optional[float] = None
+    steps: int = 0  # decoder steps run (new tokens)
+
+
+@dataclass(eq=False)  # compared by identity (requests hold tensors)
+class Active:
+    req: GenerationRequest
+    on_result: Callback
+    decoder: Any  # a `search.Search` behind `decoder.Decoder`
+    width: int  # most rows it can ever need
+    kv: KVState
+    make_detok: Optional[Callable[[], Any]] = None  # streaming: a new IncrementalDetokenizer per sequence
+    streams: dict[int, StreamState] = field(default_factory=dict)  # sequence index -> what was streamed
+    timing: Timing = field(default_factory=Timing)
+    admitted: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.input_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv.prefilled < self.prompt_len
