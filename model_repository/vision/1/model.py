@@ -1,26 +1,21 @@
 """vision: the vision tower + projector on all images of all requests in one forward.
 
-Requests arrive together through dynamic batching with ragged image counts (a text-only request carries zero
-images); their pixel values are concatenated, encoded in chunks of `max_images_per_forward`, and split back.
+Thin adapter: the batching is `triton_vlm.vision.encode_batch` (ragged image counts; a text-only request
+carries zero images; a request with bad pixel values gets its own INVALID_ARG).
 """
 from triton_vlm.triton import lifeline
 
 lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
 
-import numpy as np
-
 from triton_vlm import names as N
 from triton_vlm.triton import config, tensors
 from triton_vlm.triton.errors import error_response
-from triton_vlm.vision import check_pixel_values
 
 _OUT = {s.name: s for s in N.VISION_OUTPUTS}
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        import torch
-
         from triton_vlm.vision import VisionEncoder, VisionSettings
 
         config.setup_logging()
@@ -34,35 +29,26 @@ class TritonPythonModel:
             pipeline=p.get("pipeline") or "auto",
         ))
         self.chunk = config.parse_int(p, "max_images_per_forward", 32)
-        self.torch = torch
 
     def execute(self, requests):
-        torch = self.torch
-        pixels, counts, errors = [], [], {}
-        for i, r in enumerate(requests):
+        from triton_vlm.vision import encode_batch
+
+        inputs = []
+        for r in requests:
             try:
-                pv = tensors.input_array(r, N.PIXEL_VALUES)  # [images, 3, H, W]
-                pv = np.zeros((0, 3, 1, 1), np.float32) if pv is None else pv
-                check_pixel_values(pv, self.encoder.image_size)
-                counts.append(pv.shape[0])
-                if pv.shape[0]:
-                    pixels.append(torch.from_numpy(np.ascontiguousarray(pv)))
-            except Exception as e:  # noqa: BLE001
-                errors[i] = e
-                counts.append(0)
+                inputs.append(tensors.input_array(r, N.PIXEL_VALUES))  # [images, 3, H, W] or None
+            except Exception as e:  # noqa: BLE001 - its own error; the others are unaffected
+                inputs.append(e)
+        valid = [x for x in inputs if not isinstance(x, Exception)]
         try:
-            if pixels:
-                allpix = torch.cat(pixels)  # [sum images, 3, H, W]
-                embeds = torch.cat([self.encoder(c) for c in allpix.split(self.chunk)])  # [sum images, T, hidden]
-            else:
-                embeds = self.encoder(torch.zeros(0, 3, 1, 1))
-        except Exception as e:  # noqa: BLE001
+            encoded = iter(encode_batch(self.encoder, valid, self.chunk))
+        except Exception as e:  # noqa: BLE001 - the forward failed: every request gets the error
             return [error_response(e) for _ in requests]
-        out, start = [], 0
-        for i, n in enumerate(counts):
-            if i in errors:
-                out.append(error_response(errors[i]))
-                continue
-            out.append(tensors.response({N.IMAGE_EMBEDS: (_OUT[N.IMAGE_EMBEDS], embeds[start:start + n].numpy())}))
-            start += n
+        out = []
+        for x in inputs:
+            result = x if isinstance(x, Exception) else next(encoded)
+            if isinstance(result, Exception):
+                out.append(error_response(result))
+            else:  # [n, T, hidden]
+                out.append(tensors.response({N.IMAGE_EMBEDS: (_OUT[N.IMAGE_EMBEDS], result)}))
         return out
