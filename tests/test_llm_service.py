@@ -1,0 +1,156 @@
+"""`LLMService` without a server: stream diffing and the final-response rules, with fake senders and responses."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from triton_vlm import names as N
+from triton_vlm.errors import InvalidArgument, Unavailable
+from triton_vlm.params import GenerationParams, GenerationRequest, GenerationResult, Sequence_
+from triton_vlm.triton.llm import LLMService
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeBackend:
+    """Records submissions; the test plays the engine by calling the callback."""
+
+    def __init__(self, refuse: Exception | None = None):
+        self.refuse, self.submitted, self.cancelled = refuse, {}, []
+
+    def start(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def submit(self, gen, on_result):
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted[gen.request_id] = on_result
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent, self.done = [], threading.Event()
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+        if flags == 1:
+            self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+class FakeRequest:
+    def __init__(self):
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def service(backend, gens):
+    """A started service whose `parse` returns the next of `gens` (or raises it)."""
+    svc = LLMService(backend, FakeTokenizer(), image_token_id=99, context_length=64,
+                     make_response=lambda outputs: {k: v for k, (_, v) in outputs.items()},
+                     make_error=lambda e: {"error": type(e).__name__, "message": str(e)})
+    items = iter(gens)
+
+    def parse(_request):
+        g = next(items)
+        if isinstance(g, Exception):
+            raise g
+        return g
+
+    svc.parse = parse
+    svc.start()
+    return svc
+
+
+def gen(rid="r0", stream=False, exclude=False, prompt=(1, 2, 99, 99, 3)):
+    p = GenerationParams(max_tokens=8, stream=stream, exclude_input_in_output=exclude, pad_id=-1)
+    return GenerationRequest(request_id=rid, input_ids=list(prompt), params=p)
+
+
+def run(svc, backend, results, request=None):
+    request = request or FakeRequest()
+    svc.execute([request])
+    for res in results:
+        backend.submitted[res.request_id](res)
+    assert request.sender.done.wait(5), request.sender.sent
+    svc.shutdown()
+    return request.sender.sent
+
+
+def test_non_streamed_final_holds_the_prompt_then_the_answer():
+    backend = FakeBackend()
+    svc = service(backend, [gen()])
+    final = GenerationResult("r0", [Sequence_([7, 8], "<7><8>"), Sequence_([9], "<9>")], final=True)
+    [(resp, flags)] = run(svc, backend, [final])
+    assert flags == 1
+    assert resp[N.TEXT_OUTPUT] == ["<1><2><image><3><7><8>", "<1><2><image><3><9>"]
+    assert resp[N.OUTPUT_IDS].tolist() == [[1, 2, 99, 99, 3, 7, 8], [1, 2, 99, 99, 3, 9, -1]]
+    assert resp[N.SEQUENCE_LENGTH] == [7, 6]
+
+
+def test_streamed_pieces_and_final_concatenate_per_sequence_without_repeats():
+    backend = FakeBackend()
+    svc = service(backend, [gen(stream=True)])
+    results = [GenerationResult("r0", [Sequence_([7], "<7>")], final=False, sequence_index=0),
+               GenerationResult("r0", [Sequence_([5], "<5>")], final=False, sequence_index=1),
+               GenerationResult("r0", [Sequence_([7, 8], "<7><8>"), Sequence_([5, 6, 4], "<5><6><4>")],
+                                final=True)]
+    sent = run(svc, backend, results)
+    assert [flags for _, flags in sent] == [0, 0, 1]
+    per_seq: dict[int, str] = {}
+    for resp, _ in sent[:-1]:
+        j = resp[N.SEQUENCE_INDEX][0]
+        per_seq[j] = per_seq.get(j, "") + resp[N.TEXT_OUTPUT][0]
+    final = sent[-1][0]
+    for j, text in enumerate(final[N.TEXT_OUTPUT]):
+        per_seq[j] = per_seq.get(j, "") + text
+    assert per_seq == {0: "<7><8>", 1: "<5><6><4>"}  # never the prompt, nothing twice
+    assert final[N.OUTPUT_IDS].tolist() == [[8, -1], [6, 4]]  # only the ids not streamed yet
+
+
+def test_errors_refusals_and_bad_requests_each_get_one_final_error():
+    backend = FakeBackend()
+    svc = service(backend, [gen()])
+    sent = run(svc, backend, [GenerationResult("r0", [], final=True, error=InvalidArgument("bad image count"))])
+    assert sent == [({"error": "InvalidArgument", "message": "bad image count"}, 1)]
+
+    refusing = FakeBackend(refuse=Unavailable("the request queue is full"))
+    svc = service(refusing, [gen()])
+    request = FakeRequest()
+    svc.execute([request])
+    assert request.sender.done.wait(5)
+    svc.shutdown()
+    assert request.sender.sent == [({"error": "Unavailable", "message": "the request queue is full"}, 1)]
+
+    svc = service(FakeBackend(), [InvalidArgument("max_tokens is required")])
+    request = FakeRequest()
+    svc.execute([request])  # answered at once, on execute's own thread
+    assert request.sender.sent == [({"error": "InvalidArgument", "message": "max_tokens is required"}, 1)]
+    svc.shutdown()
+
+
+def test_shutdown_answers_what_is_still_running():
+    backend = FakeBackend()
+    svc = service(backend, [gen(stream=True)])
+    request = FakeRequest()
+    svc.execute([request])
+    backend.submitted["r0"](GenerationResult("r0", [Sequence_([7], "<7>")], final=False))
+    time.sleep(0.05)
+    svc.shutdown()  # the fake backend never finishes it
+    assert [f for _, f in request.sender.sent] == [0, 1]
+    assert request.sender.sent[-1][0]["error"] == "Unavailable"
