@@ -13,7 +13,6 @@ from triton_vlm.images import (
     ACCEPTED_FORMATS,
     DEFAULT_MAX_PIXELS,
     ImageProcessor,
-    check_image_count,
     decode_image,
     payload_to_bytes,
 )
@@ -127,9 +126,11 @@ def test_pil_decompression_bomb_guards_become_invalid_argument():
 
 
 def test_image_count_limit():
-    check_image_count(8, 8)
+    from triton_vlm.prompt import split_prompt
+
+    assert len(split_prompt("<image>" * 8, [b"x"] * 8, max_images=8)) == 8
     with pytest.raises(InvalidArgument, match="too many images: 9 .* at most 8"):
-        check_image_count(9, 8)
+        split_prompt("<image>" * 9, [b"x"] * 9, max_images=8)
 
 
 # --- modes, formats, orientation ---------------------------------------------------------------------------

@@ -75,3 +75,38 @@ def test_no_triton_imports_outside_adapter():
         if "triton" in f.relative_to(src).parts[:-1]:
             continue
         assert "triton_python_backend_utils" not in f.read_text(), f
+
+
+def _readme_table(header: str) -> dict[str, list[str]]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index(header)
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def _default_text(spec: N.TensorSpec) -> str:
+    if not spec.pbtxt_optional or spec.name in N.MODEL_CHECKED:
+        return "required"
+    if spec.default is None:
+        return "none"
+    return str(spec.default)
+
+
+def test_readme_interface_tables_match_declared_tensors():
+    """The README's ensemble tables are the declared tensors: name, type, dims, default and meaning."""
+    inputs = _readme_table("| input | type | dims | default | meaning |")
+    assert list(inputs) == [s.name for s in N.ENSEMBLE_INPUTS]
+    for s in N.ENSEMBLE_INPUTS:
+        dtype, dims, default, doc = inputs[s.name]
+        assert (dtype, dims) == (s.dtype, str(list(s.dims))), s.name
+        assert default == _default_text(s), s.name
+        assert doc == s.doc, s.name
+    outputs = _readme_table("| output | type | dims | meaning |")
+    assert list(outputs) == [s.name for s in N.ENSEMBLE_OUTPUTS]
+    for s in N.ENSEMBLE_OUTPUTS:
+        assert outputs[s.name] == [s.dtype, str(list(s.dims)), s.doc], s.name

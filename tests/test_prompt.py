@@ -4,7 +4,7 @@ import base64
 import pytest
 
 from triton_vlm.errors import InvalidArgument
-from triton_vlm.prompt import INLINE_IMAGE, ImagePart, TextPart, count_markers, image_parts, split_prompt
+from triton_vlm.prompt import INLINE_IMAGE, ImagePart, TextPart, image_parts, split_prompt
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 
@@ -97,7 +97,7 @@ def test_max_images_counts_both_forms():
 
 
 def test_custom_marker_and_marker_inside_inline_tag_not_counted():
-    assert count_markers("a [IMG] b [IMG]", "[IMG]") == 2
+    assert len(image_parts(split_prompt("a [IMG] b [IMG]", [b"1", b"2"], marker="[IMG]"))) == 2
     parts = split_prompt("a [IMG] b", [b"1"], marker="[IMG]")
     assert parts == [TextPart("a "), ImagePart(b"1", 0, "images[0]"), TextPart(" b")]
     # with a custom marker, "<image>" is plain text

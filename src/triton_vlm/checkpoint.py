@@ -2,10 +2,11 @@
 
 `ModelInfo.load(model_dir)` reads `config.json`, `generation_config.json` and the processor / tokenizer files
 and returns plain values: the image placeholder id and how many placeholders one image takes, the image size
-the processor produces, bos / eos / pad ids, the context length, image start/end marker strings (seed 000),
+the processor produces, bos / eos / pad ids, the context length, image start/end marker strings (as text-generation-webui's
+multimodal pipelines add around each image),
 vocab and hidden sizes, and the pipeline name.
 
-Pipelines (seed 000): a registry maps a pipeline name ("llava") to the checkpoint family it serves; a
+Pipelines (text-generation-webui's multimodal scheme): a registry maps a pipeline name ("llava") to the checkpoint family it serves; a
 pipeline is chosen from the config (`architectures`, then `model_type`) or by name (`get_pipeline`).
 Checkpoint problems raise `CheckpointError` (a deployment error, not a request error) saying what was found
 and what is supported.
@@ -90,7 +91,7 @@ class ModelInfo:
     pad_token_id: Optional[int]
     add_bos: bool  # the tokenizer prepends bos_token_id to an encoded prompt
     context_length: int  # prompt + new tokens
-    image_start: str = ""  # text added before each image (seed 000 markers)
+    image_start: str = ""  # text added before each image (e.g. MiniGPT-4's "<Img>")
     image_end: str = ""  # text added after each image
     vocab_size: int = 0  # rows of the language model's embedding
     hidden_size: int = 0  # language model hidden size (= projector output)

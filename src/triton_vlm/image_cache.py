@@ -1,5 +1,5 @@
-"""An LRU cache of preprocessed images keyed by the encoded file's SHA-256 (seed 003: the same image is not
-processed twice). Multi-turn chats resend every earlier image with each turn; a hit skips decoding, EXIF
+"""An LRU cache of preprocessed images keyed by the encoded file's SHA-256, so the same image is not
+processed twice (as vLLM caches multimodal processor outputs). Multi-turn chats resend every earlier image with each turn; a hit skips decoding, EXIF
 handling, resizing and normalisation. Thread-safe; bounded by entry count (0 disables it)."""
 from __future__ import annotations
 

@@ -160,11 +160,6 @@ def decode_image(data: bytes | str, what: str = "image", max_pixels: int = DEFAU
         raise InvalidArgument(f"{what}: cannot convert {im.format} mode {im.mode} to RGB ({e})") from None
 
 
-def check_image_count(n: int, max_images: int) -> None:
-    if n > max_images:
-        raise InvalidArgument(f"too many images: {n} in the request, at most {max_images} are allowed")
-
-
 class ImageProcessor:
     """The checkpoint's own image processor, loaded once: RGB PIL images -> pixel_values [n, 3, H, W] float32."""
 

@@ -1,4 +1,4 @@
-"""Split a prompt into text parts and image parts (text-generation-webui's multimodal scheme, seed 000).
+"""Split a prompt into text parts and image parts, as text-generation-webui's multimodal extension does.
 
 Two ways to put an image in a prompt, freely mixed in one prompt:
 
@@ -69,12 +69,6 @@ def _pattern(marker: str) -> re.Pattern:
 
 
 _PATTERNS: dict[str, re.Pattern] = {}
-
-
-def count_markers(text: str, marker: str = IMAGE_MARKER) -> int:
-    """Number of `marker` occurrences outside inline `<img>` tags."""
-    pat = _PATTERNS.setdefault(marker, _pattern(marker))
-    return sum(1 for m in pat.finditer(text) if m.group("inline") is None)
 
 
 def split_prompt(

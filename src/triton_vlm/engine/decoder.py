@@ -101,10 +101,6 @@ class Decoder:
     def done(self) -> bool:
         return (self._beam or self._sampler).done
 
-    @property
-    def num_new_tokens(self) -> int:
-        return (self._beam or self._sampler).t
-
     def step(self, logits: torch.Tensor) -> StepResult:
         """logits [num_rows, vocab] at each row's last position, any float dtype, any device."""
         impl = self._beam or self._sampler

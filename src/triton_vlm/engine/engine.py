@@ -18,10 +18,12 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult
+from .decoder import Decoder
+from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
 from .model import DTYPES, LlamaModel
 from .scheduler import Scheduler
@@ -68,11 +70,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: Optional[EngineConfig] = None, *, tokenizer=None,
-                 decoder_factory: Optional[Callable[..., Any]] = None,
-                 detokenizer_factory: Optional[Callable[[], Any]] = None):
-        """`decoder_factory(params, prompt_ids, eos_ids=, vocab_size=, bad_words_ids=, stop_words_ids=)` and
-        `detokenizer_factory()` default to `engine.decoder.Decoder` and `engine.detok.IncrementalDetokenizer`."""
+    def __init__(self, model_dir: str | Path, config: Optional[EngineConfig] = None, *, tokenizer=None):
         self.config = config = config or EngineConfig()
         config.validate()
         self.model = LlamaModel.from_pretrained(model_dir, config.dtype, config.device)
@@ -85,10 +83,6 @@ class Engine:
         self.image_token_id = mc.image_token_id
         self.eos_ids = mc.eos_token_ids
         self.max_context = mc.max_position_embeddings
-        if decoder_factory is None:
-            from .decoder import Decoder as decoder_factory
-        self._make_decoder = decoder_factory
-        self._make_detok = detokenizer_factory or self._default_detokenizer
         if config.kv_cache_mb > 0:
             per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPES[config.dtype].itemsize
             config.kv_cache_tokens = max(config.block_size, min(1 << 20, config.kv_cache_mb * 2**20 // per_token))
@@ -115,9 +109,7 @@ class Engine:
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
             kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows)
 
-    def _default_detokenizer(self):
-        from .detok import IncrementalDetokenizer
-
+    def _make_detok(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
 
     def _decode_text(self, ids: list[int]) -> str:
@@ -161,7 +153,7 @@ class Engine:
     def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
         need = self.validate(req)
         p = req.params
-        decoder = self._make_decoder(
+        decoder = Decoder(
             p, list(req.input_ids), eos_ids=list(p.end_ids or self.eos_ids), vocab_size=self.model_config.vocab_size,
             bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
         active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(reserved=need),

@@ -63,7 +63,3 @@ def parse_int(params: dict[str, str], key: str, default: int) -> int:
     v = params.get(key, "")
     return int(v) if v.strip() else default
 
-
-def parse_float(params: dict[str, str], key: str, default: float) -> float:
-    v = params.get(key, "")
-    return float(v) if v.strip() else default
