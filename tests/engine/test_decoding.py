@@ -263,16 +263,17 @@ def test_beam_sampling_is_reproducible_and_matches_hf(model):
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
 
 
-def test_step_contract_and_best_so_far(model):
+def test_step_contract_and_stream_prefixes(model):
     prompt = prompt_for(100)
     p = GenerationParams(max_tokens=6, beam_width=4, num_return_sequences=2)
     dec = Decoder(p, prompt, eos_ids=(EOS,), vocab_size=V)
-    assert dec.num_rows == 1 and dec.best_so_far() == []
+    assert dec.num_rows == 1 and dec.stream_prefixes() == [[]]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[:, -1]
     res = dec.step(logits.to(torch.bfloat16))  # any float dtype
     assert res.parents == [0, 0, 0, 0] and len(set(res.tokens)) == 4 and not res.done
-    assert dec.num_rows == 4 and dec.best_so_far() == [res.tokens[0]]
+    # 4 beams with 4 different first tokens: nothing is final yet
+    assert dec.num_rows == 4 and dec.stream_prefixes() == [[]]
     with pytest.raises(InvalidArgument):
         dec.step(logits)  # 1 row given, 4 expected
     seqs = dec.finalize()  # early finalize (cancel): running beams become hypotheses

@@ -15,20 +15,24 @@ scores [0, -1e9, ...] exactly as HF does after `_expand_inputs_for_generation`.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..params import Sequence_
 from .logits import LogitsPipeline, StopCriteria
 
 
 @dataclass
-class Hypothesis:
-    token_ids: list[int]
-    score: float  # length-penalised (HF `sequences_scores`)
-    log_probs: list[float]  # processed log-prob of each chosen token (HF `compute_transition_scores`)
+class _Candidates:
+    """The K continuations considered at one step."""
+
+    scores: torch.Tensor  # [1, K] accumulated log-probs
+    beam: torch.Tensor  # [K] the running row each continues
+    token: torch.Tensor  # [K] the token each appends
+    seqs: torch.Tensor  # [K, Lp + max_new] prompt + new tokens
+    token_lp: torch.Tensor  # [K, max_new] processed log-prob of each new token
 
 
 class BeamSearch:
@@ -83,76 +87,86 @@ class BeamSearch:
         first = self.t == 0
         if not self._init:
             self._setup(logits.device)
-        nb, K, t, Lp = self.nb, self.K, self.t, self.Lp
         logits = logits.to(torch.float32)
         if first:
-            logits = logits.expand(nb, -1)  # HF runs the prompt once per beam: identical rows
-        V = logits.shape[-1]
-        L = Lp + t
+            logits = logits.expand(self.nb, -1)  # HF runs the prompt once per beam: identical rows
+        log_probs, scores = self._scores(logits)
+        cand = self._candidates(log_probs, scores)
+        stopped = self.stop(cand.seqs[:, :self.Lp + self.t + 1], self.t + 1).view(1, self.K)  # [1, K]
+        parents, tokens = self._next_running(cand, stopped)
+        self._update_finished(cand, stopped)
+        self.t += 1
+        self.done = self._finished(stopped)
+        if self.done:
+            return [], [], True
+        return ([0] * self.nb if first else parents.tolist()), tokens.tolist(), False
 
+    def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> processed log-probs [nb, V] and accumulated beam scores [1, nb * V]."""
         log_probs = nn.functional.log_softmax(logits, dim=-1)  # [nb, V]
-        log_probs = self.pipeline(self.seqs[:, :L], log_probs)  # [nb, V]
-        acc = (log_probs.view(1, nb, V) + self.running_scores[:, :, None]).reshape(1, nb * V)
+        log_probs = self.pipeline(self.seqs[:, :self.Lp + self.t], log_probs)  # [nb, V]
+        V = log_probs.shape[-1]
+        scores = (log_probs.view(1, self.nb, V) + self.running_scores[:, :, None]).reshape(1, self.nb * V)
+        return log_probs, scores
 
-        # c. top-K continuations
+    def _candidates(self, log_probs: torch.Tensor, scores: torch.Tensor) -> "_Candidates":
+        """HF `_get_top_k_continuations`: the K best (or K sampled) continuations of the running beams."""
+        V = log_probs.shape[-1]
         if self.do_sample:
-            topk_indices = torch.multinomial(nn.functional.softmax(acc, dim=-1), num_samples=K,
-                                             generator=self.generator)  # [1, K]
-            topk_log_probs = torch.gather(acc, 1, topk_indices)
+            idx = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=self.K,
+                                    generator=self.generator)  # [1, K]
+            top_scores = torch.gather(scores, 1, idx)
         else:
-            topk_log_probs, topk_indices = torch.topk(acc, k=K)  # [1, K]
-        beam = (topk_indices // V)[0]  # [K] row of the current logits
-        tok = (topk_indices % V)[0]  # [K]
-        cand = self.seqs[beam]  # [K, Lp + max_new]
-        cand[:, L] = tok
-        cand_lp = self.tok_lp[beam]  # [K, max_new]
-        cand_lp[:, t] = log_probs[beam, tok]
+            top_scores, idx = torch.topk(scores, k=self.K)  # [1, K]
+        beam, token = (idx // V)[0], (idx % V)[0]  # [K] each: the row continued and the token appended
+        seqs = self.seqs[beam]  # [K, Lp + max_new]
+        seqs[:, self.Lp + self.t] = token
+        token_lp = self.tok_lp[beam]  # [K, max_new]
+        token_lp[:, self.t] = log_probs[beam, token]
+        return _Candidates(top_scores, beam, token, seqs, token_lp)
 
-        # d. which candidates stop here
-        hits = self.stop(cand[:, :L + 1], t + 1).view(1, K)
+    def _next_running(self, cand: "_Candidates", stopped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF `_get_running_beams_for_next_iteration`: the nb best candidates that did not stop keep running."""
+        running = cand.scores + stopped.to(torch.float32) * -1.0e9  # [1, K]
+        keep = torch.topk(running, k=self.nb)[1]  # [1, nb]
+        self.running_scores = torch.gather(running, 1, keep)
+        self.seqs = cand.seqs[keep[0]]
+        self.tok_lp = cand.token_lp[keep[0]]
+        return cand.beam[keep[0]], cand.token[keep[0]]
 
-        # e. running beams for the next step
-        topk_running = topk_log_probs + hits.to(torch.float32) * -1.0e9
-        nxt = torch.topk(topk_running, k=nb)[1]  # [1, nb]
-        self.running_scores = torch.gather(topk_running, 1, nxt)
-        parents = beam[nxt[0]]
-        tokens = tok[nxt[0]]
-        self.seqs = cand[nxt[0]]
-        self.tok_lp = cand_lp[nxt[0]]
+    def _update_finished(self, cand: "_Candidates", stopped: torch.Tensor) -> None:
+        """HF `_update_finished_beams`: stopped candidates within the top nb join the pool if they beat its worst;
+        score = sum of log-probs / new_len ** length_penalty."""
+        t = self.t
+        did_finish = stopped & self.top_mask[None, :]  # [1, K]
+        penalised = cand.scores / self._len_norm(t + 1)
+        pool_full = torch.all(self.is_fin, dim=-1, keepdim=True) & (self.early_stopping is True)
+        penalised += pool_full.to(torch.float32) * -1.0e9
+        penalised += (~self.unsat).to(torch.float32) * -1.0e9
+        penalised += (~did_finish) * -1.0e9
+        merged = torch.cat((self.beam_scores, penalised), dim=1)  # [1, nb + K]
+        best = torch.topk(merged, k=self.nb)[1]  # [1, nb]
+        rows = best[0]
+        self.fin_gen = torch.cat((self.fin_gen, cand.seqs[:, self.Lp:]), dim=0)[rows]
+        self.fin_lp = torch.cat((self.fin_lp, cand.token_lp), dim=0)[rows]
+        lengths = torch.full_like(penalised, t + 1, dtype=torch.long)
+        self.fin_len = torch.gather(torch.cat((self.fin_len, lengths), 1), 1, best)
+        self.beam_scores = torch.gather(merged, 1, best)
+        self.is_fin = torch.gather(torch.cat((self.is_fin, did_finish), dim=1), 1, best)
 
-        # f. finished pool
-        did_finish = hits & self.top_mask[None, :]
-        pen = topk_log_probs / self._len_norm(t + 1)
-        full = torch.all(self.is_fin, dim=-1, keepdim=True) & (self.early_stopping is True)
-        pen += full.to(torch.float32) * -1.0e9
-        pen += (~self.unsat).to(torch.float32) * -1.0e9
-        pen += (~did_finish) * -1.0e9
-        merged_scores = torch.cat((self.beam_scores, pen), dim=1)  # [1, nb + K]
-        sel = torch.topk(merged_scores, k=nb)[1]  # [1, nb]
-        s = sel[0]
-        self.fin_gen = torch.cat((self.fin_gen, cand[:, Lp:]), dim=0)[s]
-        self.fin_lp = torch.cat((self.fin_lp, cand_lp), dim=0)[s]
-        self.fin_len = torch.gather(torch.cat((self.fin_len, torch.full_like(pen, t + 1, dtype=torch.long)), 1), 1, sel)
-        self.beam_scores = torch.gather(merged_scores, 1, sel)
-        self.is_fin = torch.gather(torch.cat((self.is_fin, did_finish), dim=1), 1, sel)
-
-        # g. stop conditions
-        self.t = t = t + 1
+    def _finished(self, stopped: torch.Tensor) -> bool:
+        """HF `_check_early_stop_heuristic` + `_beam_search_has_unfinished_sequences` (after t += 1)."""
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_len = self.max_new
         else:
-            best_len = t
+            best_len = self.t
         best_running = self.running_scores[:, :1] / self._len_norm(best_len)
         worst_finished = torch.where(self.is_fin, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9)
         self.unsat = self.unsat & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
         improvement_possible = bool(torch.any(self.unsat))
         open_beam = not (bool(torch.all(self.is_fin)) and self.early_stopping is True)
-        valid_continuations = not bool(torch.all(hits))
-        self.done = not (improvement_possible and open_beam and valid_continuations) or t >= self.max_new
-        if self.done:
-            return [], [], True
-        parents_l = [0] * nb if first else parents.tolist()
-        return parents_l, tokens.tolist(), False
+        valid_continuations = not bool(torch.all(stopped))
+        return not (improvement_possible and open_beam and valid_continuations) or self.t >= self.max_new
 
     def _len_norm(self, length: int) -> float:
         """`length ** length_penalty`, the divisor of a hypothesis' score, as `transformers` computes it but with
@@ -179,14 +193,6 @@ class BeamSearch:
         self.is_fin = torch.ones_like(self.is_fin)
         self.done = True
 
-    def best_so_far(self) -> list[int]:
-        if self.t == 0:
-            return []
-        run_score = float(self.running_scores[0, 0]) / self._len_norm(self.t)
-        if bool(self.is_fin[0, 0]) and float(self.beam_scores[0, 0]) >= run_score:
-            return self.fin_gen[0, :int(self.fin_len[0, 0])].tolist()
-        return self.seqs[0, self.Lp:self.Lp + self.t].tolist()
-
     def stable_prefix(self) -> list[int]:
         """New tokens every possible final hypothesis starts with, safe to stream: the final ranking picks among
         the kept finished hypotheses and extensions of the running beams, so their common prefix is final."""
@@ -203,13 +209,20 @@ class BeamSearch:
             prefix = prefix[:n]
         return prefix
 
-    def finalize(self, n: int) -> list[Hypothesis]:
+    def stream_prefixes(self) -> list[list[int]]:
+        """One: the prefix every hypothesis still in the running shares (which ranked sequence ends up where is
+        unknown until the end)."""
+        return [self.stable_prefix()]
+
+    def finalize(self, n: int) -> list[Sequence_]:
+        """The n best hypotheses, best first; `cum_log_prob` is the length-penalised score (HF
+        `sequences_scores`), `log_probs` the processed log-prob of each chosen token."""
         if not self.done:
             self._force_finish()
         if self.t == 0:
-            return [Hypothesis([], 0.0, []) for _ in range(n)]
+            return [Sequence_([], "", 0.0, []) for _ in range(n)]
         lens = self.fin_len[0].tolist()
         scores = self.beam_scores[0].tolist()
         gen = self.fin_gen.tolist()
         lps = self.fin_lp.tolist()
-        return [Hypothesis(gen[i][:lens[i]], scores[i], lps[i][:lens[i]]) for i in range(n)]
+        return [Sequence_(gen[i][:lens[i]], "", scores[i], lps[i][:lens[i]]) for i in range(n)]

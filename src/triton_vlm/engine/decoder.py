@@ -26,6 +26,7 @@ from ..params import GenerationParams, Sequence_
 from .beam import BeamSearch
 from .logits import LogitsPipeline, StopCriteria, _check_ids
 from .sampling import Sampler, resolve_seed
+from .search import Search
 
 
 @dataclass
@@ -69,67 +70,53 @@ class Decoder:
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep)
         stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
                             vocab_size=vocab_size)
-        self._beam: BeamSearch | None = None
-        self._sampler: Sampler | None = None
+        self._search: Search
         if beam:
             K = max(2, 1 + len(eos_ids)) * params.beam_width
             if K > params.beam_width * vocab_size:
                 raise InvalidArgument(f"beam_width {params.beam_width} is too large for a vocabulary of {vocab_size}")
             seed = resolve_seed(params.seed) if sampling else None
-            self._beam = BeamSearch(
+            self._search = BeamSearch(
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
                 pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling)
         else:
-            self._sampler = Sampler(
+            self._search = Sampler(
                 prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
                 max_new_tokens=params.max_tokens, do_sample=sampling, pipeline=pipeline, stop=stop, seed=params.seed)
 
     @property
     def seed(self) -> int | None:
-        """The seed actually used when sampling (a random one when params.seed is None)."""
-        if self._sampler is not None:
-            return self._sampler.seed if self._sampler.do_sample else None
-        return self._beam.seed
+        """The seed actually used when sampling (a random one when params.seed is None), else None."""
+        return self._search.seed if self.params.do_sample else None
 
     @property
     def num_rows(self) -> int:
         """Rows the scheduler must compute logits for at the next step (1 before the first step, 0 when done)."""
-        return (self._beam or self._sampler).num_rows
+        return self._search.num_rows
 
     @property
     def done(self) -> bool:
-        return (self._beam or self._sampler).done
+        return self._search.done
 
     def step(self, logits: torch.Tensor) -> StepResult:
         """logits [num_rows, vocab] at each row's last position, any float dtype, any device."""
-        impl = self._beam or self._sampler
-        if impl.done:
+        search = self._search
+        if search.done:
             raise InvalidArgument("step() called on a finished request")
-        if logits.dim() != 2 or logits.shape[0] != impl.num_rows:
-            raise InvalidArgument(f"expected logits [{impl.num_rows}, vocab], got {tuple(logits.shape)}")
+        if logits.dim() != 2 or logits.shape[0] != search.num_rows:
+            raise InvalidArgument(f"expected logits [{search.num_rows}, vocab], got {tuple(logits.shape)}")
         if logits.shape[1] != self.vocab_size:
             raise InvalidArgument(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
-        parents, tokens, done = impl.step(logits)
+        parents, tokens, done = search.step(logits)
         return StepResult(parents, tokens, done)
-
-    def best_so_far(self) -> list[int]:
-        """New token ids of the current best hypothesis (beam: best of running beam 0 and the best finished one)."""
-        return (self._beam or self._sampler).best_so_far()
 
     def stream_prefixes(self) -> list[list[int]]:
         """Per returned sequence, the new tokens that can be streamed now and never retracted. Beam search:
-        one, the common prefix of every hypothesis still in the running (which of the ranked sequences ends up
-        where is unknown until the end); greedy / sampling: every sequence's tokens so far."""
-        if self._beam is not None:
-            return [self._beam.stable_prefix()]
-        return self._sampler.sequences_so_far()
+        one, the common prefix of every hypothesis still in the running; greedy / sampling: every sequence's
+        tokens so far."""
+        return self._search.stream_prefixes()
 
     def finalize(self) -> list[Sequence_]:
         """Ranked best first (beam search) or in sampling order; params.num_return_sequences of them."""
-        n = self.params.num_return_sequences
-        if self._beam is not None:
-            return [Sequence_(token_ids=h.token_ids, text="", cum_log_prob=h.score, log_probs=h.log_probs)
-                    for h in self._beam.finalize(n)]
-        return [Sequence_(token_ids=s.token_ids, text="", cum_log_prob=s.cum_log_prob, log_probs=s.log_probs)
-                for s in self._sampler.finalize()[:n]]
+        return self._search.finalize(self.params.num_return_sequences)

@@ -9,27 +9,17 @@ Processors run on raw fp32 logits (HF does not log-softmax before processing out
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..params import Sequence_
 from .logits import LogitsPipeline, StopCriteria
 
 
 def resolve_seed(seed: int | None) -> int:
     """params.seed, or a fresh random seed when None."""
     return random.getrandbits(63) if seed is None else int(seed)
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    log_probs: list[float]  # log_softmax of the raw logits at each chosen token
-
-    @property
-    def cum_log_prob(self) -> float:
-        return float(sum(self.log_probs))
 
 
 class Sampler:
@@ -102,22 +92,22 @@ class Sampler:
         parents = [0] * len(keep) if first else keep
         return parents, [tok_list[i] for i in keep], False
 
-    def best_so_far(self) -> list[int]:
-        """Row 0's tokens (HF returns rows in sampling order)."""
-        if not self._init:
-            return []
-        return self.seqs[0, self.Lp:self.Lp + self.lengths[0]].tolist()
-
-    def sequences_so_far(self) -> list[list[int]]:
-        """Every row's new tokens (rows in HF's order, finished rows included)."""
+    def stream_prefixes(self) -> list[list[int]]:
+        """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
         if not self._init:
             return []
         gen = self.seqs[:, self.Lp:].tolist()
         return [gen[r][:self.lengths[r]] for r in range(self.n)]
 
-    def finalize(self) -> list[Sample]:
+    def finalize(self, n: int) -> list[Sequence_]:
+        """The first n rows in sampling order (HF does not re-rank); `log_probs` = log_softmax of the raw
+        logits at each chosen token, `cum_log_prob` their sum."""
         if not self._init:
-            return [Sample([], []) for _ in range(self.n)]
+            return [Sequence_([], "", 0.0, []) for _ in range(n)]
         gen = self.seqs[:, self.Lp:].tolist()
         lps = self.tok_lp.tolist()
-        return [Sample(gen[r][:self.lengths[r]], lps[r][:self.lengths[r]]) for r in range(self.n)]
+        out = []
+        for r in range(min(n, self.n)):
+            lp = lps[r][:self.lengths[r]]
+            out.append(Sequence_(gen[r][:self.lengths[r]], "", float(sum(lp)), lp))
+        return out

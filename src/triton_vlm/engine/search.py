@@ -1,0 +1,27 @@
+"""The interface every per-request search implements (beam search in `beam.py`, greedy / sampling in
+`sampling.py`); `decoder.Decoder` validates the parameters, builds one and delegates to it."""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from ..params import Sequence_
+
+
+class Search(Protocol):
+    done: bool
+    seed: Optional[int]  # the seed in use when sampling, else None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the next `step` takes: 1 before the first step (the prompt), 0 when done."""
+
+    def step(self, logits: torch.Tensor) -> tuple[list[int], list[int], bool]:
+        """logits [num_rows, vocab] (fp32) -> (parents, tokens, done) for the next step's rows."""
+
+    def stream_prefixes(self) -> list[list[int]]:
+        """Per streamed sequence, the new tokens that are final already (never retracted)."""
+
+    def finalize(self, n: int) -> list[Sequence_]:
+        """The `n` returned sequences (text left empty), ranked (beam) or in sampling order."""
