@@ -16,7 +16,7 @@ import torch
 
 from .engine.merge import merge_image_embeds
 from .errors import VLMError
-from .params import GenerationRequest, GenerationResult, Sequence_
+from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
 
 log = logging.getLogger("triton_vlm")
 OnResult = Callable[[GenerationResult], None]
@@ -56,6 +56,9 @@ class HFGenerator:
         self.pad_id = self.model.generation_config.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.limits = ModelLimits(vocab_size=int(cfg.text_config.vocab_size),
+                                  context_length=int(cfg.text_config.max_position_embeddings),
+                                  eos_ids=tuple(self.eos_ids))
         self._queue: queue.Queue = queue.Queue()
         self._cancelled: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
@@ -63,6 +66,7 @@ class HFGenerator:
 
     # --- the backend interface ---------------------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_result: OnResult) -> None:
+        req.validate(self.limits)
         with self._lock:
             self._cancelled[req.request_id] = threading.Event()
         self._queue.put((req, on_result))

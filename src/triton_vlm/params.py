@@ -1,8 +1,9 @@
 """Generation parameters and the request/result dataclasses shared by every generation backend.
 
-`GenerationParams.from_inputs` turns the optional scalar inputs of a request (already unwrapped to Python
-values, missing ones absent) into validated parameters; every problem raises `InvalidArgument` naming the
-input, the value sent and what is allowed.
+Validation happens once, here: `GenerationParams.from_inputs` turns the optional scalar inputs of a request
+(already unwrapped to Python values, missing ones absent) into parameters and `validate()`s them;
+`GenerationRequest.validate(limits)` checks a request against the served model. Every problem raises
+`InvalidArgument` naming the input, the value sent and what is allowed; the engine below only asserts.
 """
 from __future__ import annotations
 
@@ -46,76 +47,114 @@ class GenerationParams:
             v = values.get(name)
             return default if v is None else v
 
-        def integer(name, default, lo, hi=None):
+        def integer(name, default):
             v = get(name, default)
             if v is None:
                 return None
             if isinstance(v, float) and not v.is_integer():
                 raise InvalidArgument(f"{name} must be an integer, got {v}")
-            v = int(v)
-            if v < lo or (hi is not None and v > hi):
-                allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-                raise InvalidArgument(f"{name} must be {allowed}, got {v}")
-            return v
+            return int(v)
 
-        def real(name, default, lo, hi=None, lo_open=False):
-            v = float(get(name, default))
-            bad = not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi)
-            if bad:
-                lo_s = f"> {lo}" if lo_open else f">= {lo}"
-                allowed = lo_s if hi is None else f"{lo_s} and <= {hi}"
-                raise InvalidArgument(f"{name} must be a finite number {allowed}, got {v}")
-            return v
+        def real(name, default):
+            return float(get(name, default))
 
         if values.get(N.MAX_TOKENS) is None:
             raise InvalidArgument(f"{N.MAX_TOKENS} is required")
-        max_tokens = integer(N.MAX_TOKENS, None, 1, max_context)
-        beam_width = integer(N.BEAM_WIDTH, 1, 1, MAX_BEAM_WIDTH)
-        nrs = integer(N.NUM_RETURN_SEQUENCES, 1, 1, MAX_BEAM_WIDTH)
-        if beam_width > 1 and nrs > beam_width:
-            raise InvalidArgument(
-                f"{N.NUM_RETURN_SEQUENCES} ({nrs}) must be <= {N.BEAM_WIDTH} ({beam_width}) in beam search")
-        es_raw = integer(N.EARLY_STOPPING, N.EARLY_STOPPING_FALSE, -(2**31), 2**31)
+        beam_width = integer(N.BEAM_WIDTH, 1)
+        es_raw = integer(N.EARLY_STOPPING, N.EARLY_STOPPING_FALSE)
         if es_raw not in EARLY_STOPPING_WIRE:
             raise InvalidArgument(
                 f"{N.EARLY_STOPPING} must be 0 (False), 1 (True) or 2 (\"never\"), got {es_raw}")
-        min_tokens = max(integer(N.MIN_TOKENS, 0, 0) or 0, integer(N.MIN_LENGTH, 0, 0) or 0)
-        end_id = integer(N.END_ID, None, 0)
+        for name in (N.MIN_TOKENS, N.MIN_LENGTH):
+            if integer(name, 0) < 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {integer(name, 0)}")
+        end_id = integer(N.END_ID, None)
         seed = get(N.SEED, get(N.RANDOM_SEED))
-        temperature = real(N.TEMPERATURE, 1.0, 0.0)
-        top_k = integer(N.TOP_K, 0, 0)
-        top_p = real(N.TOP_P, 1.0, 0.0, 1.0, lo_open=True)
+        temperature, top_k = real(N.TEMPERATURE, 1.0), integer(N.TOP_K, 0)
         sampling_asked = any(values.get(k) is not None for k in (N.TEMPERATURE, N.TOP_K, N.TOP_P))
-        # sampling when asked for (any of temperature / top_k / top_p sent) with beam_width 1;
-        # temperature 0 or top_k 1 mean greedy.
-        do_sample = beam_width == 1 and sampling_asked and temperature > 0 and top_k != 1
-        if beam_width == 1 and nrs > 1 and not do_sample:
-            raise InvalidArgument(
-                f"{N.NUM_RETURN_SEQUENCES} > 1 needs beam_width > 1 or sampling (temperature > 0, top_k or top_p)")
-        return cls(
-            max_tokens=max_tokens,
+        params = cls(
+            max_tokens=integer(N.MAX_TOKENS, None),
             beam_width=beam_width,
-            num_return_sequences=nrs,
-            length_penalty=real(N.LENGTH_PENALTY, 1.0, -1e6, 1e6),
+            num_return_sequences=integer(N.NUM_RETURN_SEQUENCES, 1),
+            length_penalty=real(N.LENGTH_PENALTY, 1.0),
             early_stopping=EARLY_STOPPING_WIRE[es_raw],
-            min_tokens=min_tokens,
-            repetition_penalty=real(N.REPETITION_PENALTY, 1.0, 0.0, lo_open=True),
-            no_repeat_ngram_size=integer(N.NO_REPEAT_NGRAM_SIZE, 0, 0),
+            min_tokens=max(integer(N.MIN_TOKENS, 0), integer(N.MIN_LENGTH, 0)),
+            repetition_penalty=real(N.REPETITION_PENALTY, 1.0),
+            no_repeat_ngram_size=integer(N.NO_REPEAT_NGRAM_SIZE, 0),
             end_ids=() if end_id is None else (end_id,),
-            pad_id=integer(N.PAD_ID, -1, -1),
+            pad_id=integer(N.PAD_ID, -1),
             temperature=temperature,
             top_k=top_k,
-            top_p=top_p,
+            top_p=real(N.TOP_P, 1.0),
             seed=None if seed is None else int(seed),
-            do_sample=do_sample,
+            # sampling when asked for (any of temperature / top_k / top_p sent) with beam_width 1;
+            # temperature 0 or top_k 1 mean greedy.
+            do_sample=beam_width == 1 and sampling_asked and temperature > 0 and top_k != 1,
             return_log_probs=bool(get(N.RETURN_LOG_PROBS, False)),
             exclude_input_in_output=bool(get(N.EXCLUDE_INPUT_IN_OUTPUT, False)),
             stream=bool(get(N.STREAM, False)),
         )
+        params.validate(max_context)
+        return params
+
+    def validate(self, max_context: int | None = None) -> None:
+        """Every rule on the parameters themselves; raises InvalidArgument naming the input, the value and what
+        is allowed. The one place these messages are made (the engine only asserts them afterwards)."""
+        _int_in(N.MAX_TOKENS, self.max_tokens, 1, max_context)
+        _int_in(N.BEAM_WIDTH, self.beam_width, 1, MAX_BEAM_WIDTH)
+        nrs = _int_in(N.NUM_RETURN_SEQUENCES, self.num_return_sequences, 1, MAX_BEAM_WIDTH)
+        if self.beam_width > 1 and nrs > self.beam_width:
+            raise InvalidArgument(
+                f"{N.NUM_RETURN_SEQUENCES} ({nrs}) must be <= {N.BEAM_WIDTH} ({self.beam_width}) in beam search")
+        if self.beam_width == 1 and nrs > 1 and not self.do_sample:
+            raise InvalidArgument(
+                f"{N.NUM_RETURN_SEQUENCES} > 1 needs beam_width > 1 or sampling (temperature > 0, top_k or top_p)")
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidArgument(f"{N.EARLY_STOPPING} must be True, False or \"never\", got {self.early_stopping!r}")
+        _real_in(N.LENGTH_PENALTY, self.length_penalty, -1e6, 1e6)
+        _int_in(N.MIN_TOKENS, self.min_tokens, 0)
+        _real_in(N.REPETITION_PENALTY, self.repetition_penalty, 0.0, lo_open=True)
+        _int_in(N.NO_REPEAT_NGRAM_SIZE, self.no_repeat_ngram_size, 0)
+        for e in self.end_ids:
+            _int_in(N.END_ID, e, 0)
+        _int_in(N.PAD_ID, self.pad_id, -1)
+        _real_in(N.TEMPERATURE, self.temperature, 0.0, lo_open=self.do_sample)
+        _int_in(N.TOP_K, self.top_k, 0)
+        _real_in(N.TOP_P, self.top_p, 0.0, 1.0, lo_open=True)
 
     @property
     def num_sequences(self) -> int:
         return self.num_return_sequences
+
+
+def _int_in(name: str, v: int, lo: int, hi: int | None = None) -> int:
+    if v < lo or (hi is not None and v > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidArgument(f"{name} must be {allowed}, got {v}")
+    return v
+
+
+def _real_in(name: str, v: float, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
+    if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        allowed = lo_s if hi is None else f"{lo_s} and <= {hi}"
+        raise InvalidArgument(f"{name} must be a finite number {allowed}, got {v}")
+    return v
+
+
+def check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
+    bad = [int(i) for i in ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} holds ids outside [0, {vocab_size}): {bad[:5]}")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the served model's vocabulary, context and end ids."""
+
+    vocab_size: int
+    context_length: int
+    eos_ids: tuple[int, ...]
 
 
 @dataclass
@@ -129,6 +168,37 @@ class GenerationRequest:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0
+
+    def end_ids(self, limits: ModelLimits) -> tuple[int, ...]:
+        return tuple(self.params.end_ids or limits.eos_ids)
+
+    def validate(self, limits: ModelLimits) -> None:
+        """The request against the model (its parameters were validated when they were built): raises
+        InvalidArgument naming what is wrong and what is allowed."""
+        ids, p = self.input_ids, self.params
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        if not isinstance(p, GenerationParams):
+            raise InvalidArgument(f"params must be a GenerationParams, got {type(p).__name__}")
+        p.validate()
+        if len(ids) == 0:
+            raise InvalidArgument("input_ids is empty; at least one prompt token is needed")
+        check_ids("input_ids", ids, limits.vocab_size)
+        check_context(len(ids), p.max_tokens, limits.context_length)
+        check_ids(N.END_ID, self.end_ids(limits), limits.vocab_size)
+        for what, words in ((N.BAD_WORDS, self.bad_words_ids), (N.STOP_WORDS, self.stop_words_ids)):
+            for w in words:
+                check_ids(what, w, limits.vocab_size)
+        n_eos = len(self.end_ids(limits))
+        if p.beam_width > 1 and max(2, 1 + n_eos) * p.beam_width > p.beam_width * limits.vocab_size:
+            raise InvalidArgument(f"beam_width {p.beam_width} is too large for a vocabulary of {limits.vocab_size}")
+
+
+def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
+    if prompt_len + max_tokens > context_length:
+        raise InvalidArgument(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds the "
+            f"context length {context_length}; max_tokens can be at most {max(0, context_length - prompt_len)}")
 
 
 @dataclass

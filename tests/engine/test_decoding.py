@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from triton_vlm.engine.decoder import Decoder, StepResult
-from triton_vlm.errors import InvalidArgument
-from triton_vlm.params import GenerationParams
+from triton_vlm.errors import Internal, InvalidArgument
+from triton_vlm.params import GenerationParams, GenerationRequest, ModelLimits
 
 V = 199
 EOS = 2
@@ -274,31 +274,33 @@ def test_step_contract_and_stream_prefixes(model):
     assert res.parents == [0, 0, 0, 0] and len(set(res.tokens)) == 4 and not res.done
     # 4 beams with 4 different first tokens: nothing is final yet
     assert dec.num_rows == 4 and dec.stream_prefixes() == [[]]
-    with pytest.raises(InvalidArgument):
-        dec.step(logits)  # 1 row given, 4 expected
+    with pytest.raises(Internal):
+        dec.step(logits)  # 1 row given, 4 expected: a scheduler bug, not the client's
     seqs = dec.finalize()  # early finalize (cancel): running beams become hypotheses
     assert len(seqs) == 2 and all(len(s.token_ids) == 1 for s in seqs)
 
 
-def test_invalid_arguments():
+def test_invalid_requests_are_refused_at_the_boundary():
+    """`GenerationRequest.validate` is where a request is refused; the Decoder only asserts afterwards."""
+    limits = ModelLimits(vocab_size=V, context_length=64, eos_ids=(EOS,))
     p = GenerationParams(max_tokens=4)
-    with pytest.raises(InvalidArgument):
-        Decoder(p, [], eos_ids=(EOS,), vocab_size=V)
-    with pytest.raises(InvalidArgument):
-        Decoder(p, [1, 2], eos_ids=(V,), vocab_size=V)
-    with pytest.raises(InvalidArgument):
-        Decoder(p, [1, 2], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[V + 3]])
-    with pytest.raises(InvalidArgument):
-        Decoder(p, [1, 2], eos_ids=(EOS,), vocab_size=V, stop_words_ids=[[-1]])
-    with pytest.raises(InvalidArgument):
-        Decoder(dataclasses.replace(p, beam_width=2, num_return_sequences=3), [1], eos_ids=(EOS,), vocab_size=V)
-    with pytest.raises(InvalidArgument):
-        Decoder(dataclasses.replace(p, num_return_sequences=2), [1], eos_ids=(EOS,), vocab_size=V)
-    with pytest.raises(InvalidArgument):
-        Decoder(dataclasses.replace(p, do_sample=True, temperature=0.0), [1], eos_ids=(EOS,), vocab_size=V)
+
+    def req(ids=(1, 2), params=p, **kw):
+        return GenerationRequest(request_id="r", input_ids=list(ids), params=params, **kw)
+
+    for bad, match in [(req(ids=()), "empty"), (req(params=dataclasses.replace(p, end_ids=(V,))), "end_id"),
+                       (req(bad_words_ids=[[V + 3]]), "bad_words"), (req(stop_words_ids=[[-1]]), "stop_words"),
+                       (req(params=dataclasses.replace(p, beam_width=2, num_return_sequences=3)),
+                        "num_return_sequences"),
+                       (req(params=dataclasses.replace(p, num_return_sequences=2)), "needs beam_width > 1"),
+                       (req(params=dataclasses.replace(p, do_sample=True, temperature=0.0)), "temperature"),
+                       (req(ids=[1] * 61), "exceeds the context length 64; max_tokens can be at most 3")]:
+        with pytest.raises(InvalidArgument, match=match):
+            bad.validate(limits)
+    req().validate(limits)
     dec = Decoder(dataclasses.replace(p, max_tokens=1), [1], eos_ids=(EOS,), vocab_size=V)
     assert dec.step(torch.randn(1, V)).done
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(Internal):
         dec.step(torch.randn(1, V))
 
 

@@ -7,6 +7,8 @@ from triton_vlm.triton import lifeline
 
 lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
 
+import dataclasses
+
 from triton_vlm.triton import config
 from triton_vlm.triton.llm import LLMService
 
@@ -39,7 +41,10 @@ class TritonPythonModel:
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
-        context = config.parse_int(p, "context_length", 0) or context
+        override = config.parse_int(p, "context_length", 0)
+        if override:  # a shorter context than the checkpoint's (e.g. to bound KV memory per request)
+            context = min(context, override)
+            backend.limits = dataclasses.replace(backend.limits, context_length=context)
         self.service = LLMService(backend, tokenizer, image_token_id, context)
         self.service.start()
 

@@ -21,10 +21,10 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import Internal
 from ..params import GenerationParams, Sequence_
 from .beam import BeamSearch
-from .logits import LogitsPipeline, StopCriteria, _check_ids
+from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
 from .search import Search
 
@@ -43,23 +43,11 @@ class Decoder:
                  bad_words_ids: Sequence[Sequence[int]] = (), stop_words_ids: Sequence[Sequence[int]] = ()):
         prompt_ids = [int(i) for i in prompt_ids]
         eos_ids = [int(e) for e in eos_ids]
-        if not prompt_ids:
-            raise InvalidArgument("the prompt is empty; at least one input token is needed")
-        if params.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {params.max_tokens}")
-        _check_ids("end ids", eos_ids, vocab_size)
-        if params.early_stopping not in (True, False, "never"):
-            raise InvalidArgument(f"early_stopping must be True, False or \"never\", got {params.early_stopping!r}")
+        # the request was validated at the boundary (`GenerationRequest.validate`); these are invariants
+        assert prompt_ids and params.max_tokens >= 1 and params.beam_width >= 1, "unvalidated request"
         self.params = params
         self.vocab_size = vocab_size
         beam = params.beam_width > 1
-        if params.beam_width < 1:
-            raise InvalidArgument(f"beam_width must be >= 1, got {params.beam_width}")
-        if beam and not 1 <= params.num_return_sequences <= params.beam_width:
-            raise InvalidArgument(f"num_return_sequences ({params.num_return_sequences}) must be in "
-                                  f"[1, beam_width ({params.beam_width})] in beam search")
-        if not beam and params.num_return_sequences > 1 and not params.do_sample:
-            raise InvalidArgument("num_return_sequences > 1 needs beam_width > 1 or sampling")
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
         min_keep = (len(eos_ids) + 1 if eos_ids else 2) if beam else 1
@@ -72,9 +60,6 @@ class Decoder:
                             vocab_size=vocab_size)
         self._search: Search
         if beam:
-            K = max(2, 1 + len(eos_ids)) * params.beam_width
-            if K > params.beam_width * vocab_size:
-                raise InvalidArgument(f"beam_width {params.beam_width} is too large for a vocabulary of {vocab_size}")
             seed = resolve_seed(params.seed) if sampling else None
             self._search = BeamSearch(
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
@@ -103,11 +88,11 @@ class Decoder:
         """logits [num_rows, vocab] at each row's last position, any float dtype, any device."""
         search = self._search
         if search.done:
-            raise InvalidArgument("step() called on a finished request")
+            raise Internal("step() called on a finished request")
         if logits.dim() != 2 or logits.shape[0] != search.num_rows:
-            raise InvalidArgument(f"expected logits [{search.num_rows}, vocab], got {tuple(logits.shape)}")
+            raise Internal(f"expected logits [{search.num_rows}, vocab], got {tuple(logits.shape)}")
         if logits.shape[1] != self.vocab_size:
-            raise InvalidArgument(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
+            raise Internal(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
         parents, tokens, done = search.step(logits)
         return StepResult(parents, tokens, done)
 

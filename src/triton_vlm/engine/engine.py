@@ -6,9 +6,10 @@ there is work and otherwise sleeps on a condition variable (no busy spin); callb
 they must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
 What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`.
 
-Validation at `submit()` (raises `InvalidArgument` synchronously): non-empty prompt of in-vocabulary ids,
-prompt + max_tokens <= the context length, rows <= max_rows, worst-case KV blocks <= the whole cache,
-everything the `Decoder` checks (end ids, bad/stop words, beam width vs vocabulary), a request id not in use.
+Validation at `submit()` (raises `InvalidArgument` synchronously): `GenerationRequest.validate` (non-empty
+prompt of in-vocabulary ids, prompt + max_tokens <= the context length, end ids, bad/stop words, beam width vs
+vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a request
+id not in use.
 A full queue (`max_queue`) or a shut-down engine raises `Unavailable`. Image placeholder/feature count
 mismatches surface at prefill as a final result with `error=InvalidArgument`.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import InvalidArgument, Unavailable
-from ..params import GenerationParams, GenerationRequest, GenerationResult
+from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
 from .decoder import Decoder
 from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
@@ -83,6 +84,8 @@ class Engine:
         self.image_token_id = mc.image_token_id
         self.eos_ids = mc.eos_token_ids
         self.max_context = mc.max_position_embeddings
+        self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
+                                  eos_ids=tuple(self.eos_ids))
         if config.kv_cache_mb > 0:
             per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPES[config.dtype].itemsize
             config.kv_cache_tokens = max(config.block_size, min(1 << 20, config.kv_cache_mb * 2**20 // per_token))
@@ -120,30 +123,16 @@ class Engine:
         return max(params.beam_width, params.num_return_sequences)
 
     def validate(self, req: GenerationRequest) -> int:
-        """Raise InvalidArgument for a request this engine can never serve; return its KV block reservation."""
-        ids, p = req.input_ids, req.params
-        if not isinstance(req.request_id, str) or not req.request_id:
-            raise InvalidArgument("request_id must be a non-empty string")
-        if not isinstance(p, GenerationParams):
-            raise InvalidArgument(f"params must be a GenerationParams, got {type(p).__name__}")
-        if len(ids) == 0:
-            raise InvalidArgument("input_ids is empty; at least one prompt token is needed")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise InvalidArgument(f"input_ids holds ids outside [0, {vocab}): {bad[:5]}")
-        if p.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
-        if len(ids) + p.max_tokens > self.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) = {len(ids) + p.max_tokens} exceeds "
-                f"the context length {self.max_context}; max_tokens can be at most {self.max_context - len(ids)}")
+        """Raise InvalidArgument for a request this engine can never serve; return its KV block reservation.
+        The request's own rules are `GenerationRequest.validate`; these are the engine's capacity."""
+        req.validate(self.limits)
+        p = req.params
         rows = self.rows_for(p)
         if rows > self.config.max_rows:
             raise InvalidArgument(
                 f"the request needs {rows} rows (beam_width / num_return_sequences), "
                 f"max_rows is {self.config.max_rows}")
-        need = blocks_needed(len(ids), p.max_tokens, rows, self.config.block_size)
+        need = blocks_needed(len(req.input_ids), p.max_tokens, rows, self.config.block_size)
         if need > self.cache.num_blocks:
             raise InvalidArgument(
                 f"the request needs up to {need} KV blocks of {self.config.block_size} tokens, the cache holds "
@@ -154,7 +143,7 @@ class Engine:
         need = self.validate(req)
         p = req.params
         decoder = Decoder(
-            p, list(req.input_ids), eos_ids=list(p.end_ids or self.eos_ids), vocab_size=self.model_config.vocab_size,
+            p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,
             bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
         active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(reserved=need),
                         make_detok=self._make_detok if p.stream else None)

@@ -17,13 +17,11 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InvalidArgument
 
 
-def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
-    for i in ids:
-        if not 0 <= int(i) < vocab_size:
-            raise InvalidArgument(f"{what} contains token id {i}; ids must be in [0, {vocab_size})")
+def _assert_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Validated by `GenerationRequest.validate`; an id outside the vocabulary here is a bug."""
+    assert all(0 <= int(i) < vocab_size for i in ids), f"{what} outside [0, {vocab_size}): unvalidated request"
 
 
 class LogitsPipeline:
@@ -44,15 +42,9 @@ class LogitsPipeline:
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.min_keep = int(min_tokens_to_keep)
-        if self.repetition_penalty <= 0 or not math.isfinite(self.repetition_penalty):
-            raise InvalidArgument(f"repetition_penalty must be a finite number > 0, got {repetition_penalty}")
-        if sampling:
-            if not self.temperature > 0:
-                raise InvalidArgument(f"temperature must be > 0 when sampling, got {temperature}")
-            if self.top_k < 0:
-                raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
-            if not 0 < self.top_p <= 1.0:
-                raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+        # validated by `GenerationParams.validate`
+        assert self.repetition_penalty > 0 and (not sampling or (self.temperature > 0 and self.top_k >= 0
+                                                                  and 0 < self.top_p <= 1.0)), "unvalidated params"
         # NoBadWordsLogitsProcessor: drop single-token bad words that are an EOS id, then a -inf
         # SequenceBias (dict keyed by the tuple of ids, so duplicates collapse).
         eos_set = {int(e) for e in eos_ids}
@@ -61,7 +53,7 @@ class LogitsPipeline:
             w = tuple(int(t) for t in w)
             if not w:
                 continue
-            _check_ids("bad_words_ids", w, vocab_size)
+            _assert_ids("bad_words_ids", w, vocab_size)
             if len(w) == 1 and w[0] in eos_set:
                 continue
             words[w] = None
@@ -173,7 +165,7 @@ class StopCriteria:
         for w in stop_words_ids:
             w = tuple(int(t) for t in w)
             if w:
-                _check_ids("stop_words_ids", w, vocab_size)
+                _assert_ids("stop_words_ids", w, vocab_size)
                 by_len.setdefault(len(w), []).append(w)
         self.stop_words = [torch.tensor(sorted(set(g))) for _, g in sorted(by_len.items())]  # each [g, m]
         self._device = torch.device("cpu")

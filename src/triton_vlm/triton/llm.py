@@ -96,12 +96,7 @@ class LLMService:
         if ids is None or ids.size == 0:
             raise InvalidArgument("the prompt is empty: send a non-empty text_input")
         values = tensors.scalars(request, N.GENERATION_INPUTS)
-        params = GenerationParams.from_inputs(values)
-        prompt_len = int(ids.size)
-        if prompt_len + params.max_tokens > self.context_length:
-            raise InvalidArgument(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the context length "
-                f"({self.context_length}); lower max_tokens to at most {max(0, self.context_length - prompt_len)}")
+        params = GenerationParams.from_inputs(values)  # the request itself is validated by backend.submit
         emb = tensors.input_array(request, N.IMAGE_EMBEDS)  # [images, T, hidden]
         bad = tensors.input_array(request, N.BAD_WORDS_IDS)
         stop = tensors.input_array(request, N.STOP_WORDS_IDS)
