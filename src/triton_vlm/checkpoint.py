@@ -21,15 +21,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .spec import CheckpointError, CheckpointSpec, image_token_count
+
 log = logging.getLogger(__name__)
 
-VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
-VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
-FEATURE_STRATEGIES = ("default", "full")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory cannot be served (missing files, unsupported model, inconsistent configs)."""
+# re-exported: the checkpoint's one description and its error type live in `spec.py`
+__all__ = ["CheckpointError", "HFComponents", "ModelInfo", "load_components", "get_pipeline", "pipeline_for_config",
+           "describe_pipelines", "available_pipelines"]
 
 
 @dataclass
@@ -163,97 +161,59 @@ def _processor_output_size(image_processor: Any) -> tuple[int, int]:
     return shapes.pop()
 
 
-def _eos_ids(model_dir: Path, text_cfg: Any, tokenizer: Any) -> tuple[int, ...]:
-    gen = _read_json(model_dir / "generation_config.json")
-    for v in (gen.get("eos_token_id"), getattr(text_cfg, "eos_token_id", None), tokenizer.eos_token_id):
-        if v is None:
-            continue
-        ids = [v] if isinstance(v, int) else list(v)
-        if ids:
-            return tuple(dict.fromkeys(int(i) for i in ids))
-    return ()
+def _image_tokens(spec: CheckpointSpec, comps: HFComponents, image_size: tuple[int, int]) -> int:
+    """Placeholders per image (`spec.image_token_count`), on the processor's output size; the processor
+    config's `num_additional_image_tokens` wins over the tower type's CLS count when present."""
+    vision = spec.vision
+    if image_size != (vision.image_size, vision.image_size):
+        raise CheckpointError(f"the image processor produces {image_size[0]}x{image_size[1]} images but the "
+                              f"vision tower expects {vision.image_size}x{vision.image_size}")
+    proc_patch = getattr(comps.processor, "patch_size", None)
+    if comps.processor is not None and proc_patch and int(proc_patch) != vision.patch_size:
+        raise CheckpointError(f"processor patch_size {proc_patch} differs from the vision tower's {vision.patch_size}")
+    extra = vision.known_extra_tokens(comps.processor_config.get("num_additional_image_tokens"))
+    return image_token_count(image_size, vision.patch_size, extra, vision.select_strategy)
+
+
+def _image_token(spec: CheckpointSpec, comps: HFComponents) -> str:
+    tok = comps.tokenizer
+    image_token = getattr(comps.processor, "image_token", None) or getattr(tok, "image_token", None) or "<image>"
+    tok_id = tok.convert_tokens_to_ids(image_token)
+    if tok_id != spec.image_token_id:
+        raise CheckpointError(f"config image_token_id {spec.image_token_id} but the tokenizer maps "
+                              f"{image_token!r} to {tok_id}")
+    if not 0 <= spec.image_token_id < spec.text.vocab_size:
+        raise CheckpointError(f"image_token_id {spec.image_token_id} is outside the vocabulary (size "
+                              f"{spec.text.vocab_size})")
+    return image_token
 
 
 def _describe_llava(model_dir: Path, comps: HFComponents, *, context_length: int | None, image_start: str,
                     image_end: str) -> ModelInfo:
-    from transformers import AutoConfig, LlavaConfig
-
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise CheckpointError(f"{model_dir}: cannot parse config.json ({type(e).__name__}: {e})") from None
-    if not isinstance(config, LlavaConfig):
-        raise CheckpointError(f"{model_dir}: expected a LlavaConfig, got {type(config).__name__}")
-    tok, vision, text = comps.tokenizer, config.vision_config, config.text_config
-
-    strategy = config.vision_feature_select_strategy
-    if strategy not in FEATURE_STRATEGIES:
-        raise CheckpointError(f"vision_feature_select_strategy {strategy!r} is unsupported; use one of "
-                              f"{FEATURE_STRATEGIES}")
+    spec = CheckpointSpec.load(model_dir)
+    if spec.vision is None or spec.image_token_id is None:
+        raise CheckpointError(f"{model_dir}: expected a LLaVA checkpoint (vision_config and image_token_id)")
+    tok, text_cfg = comps.tokenizer, spec.hf_config.text_config
     image_size = _processor_output_size(comps.image_processor)
-    vision_size = getattr(vision, "image_size", None)
-    if vision_size is not None and image_size != (int(vision_size), int(vision_size)):
-        raise CheckpointError(f"the image processor produces {image_size[0]}x{image_size[1]} images but the "
-                              f"vision tower expects {vision_size}x{vision_size}")
-    patch = int(vision.patch_size)
-    if "num_additional_image_tokens" in comps.processor_config:
-        extra = int(comps.processor_config["num_additional_image_tokens"])
-    elif vision.model_type in VISION_TOWERS_WITHOUT_CLS:
-        extra = 0
-    elif vision.model_type in VISION_TOWERS_WITH_CLS:
-        extra = 1
-    else:
-        raise CheckpointError(f"vision tower {vision.model_type!r}: unknown number of extra (CLS) tokens; set "
-                              "num_additional_image_tokens in processor_config.json")
-    n_image = (image_size[0] // patch) * (image_size[1] // patch) + extra - (1 if strategy == "default" else 0)
-    if n_image <= 0:
-        raise CheckpointError(f"computed {n_image} image tokens per image (image {image_size}, patch {patch})")
-    proc = comps.processor
-    proc_patch = getattr(proc, "patch_size", None)
-    if proc is not None and proc_patch and int(proc_patch) != patch:
-        raise CheckpointError(f"processor patch_size {proc_patch} differs from the vision tower's {patch}")
-
-    image_token = getattr(proc, "image_token", None) or getattr(tok, "image_token", None) or "<image>"
-    image_token_id = int(config.image_token_id)
-    tok_id = tok.convert_tokens_to_ids(image_token)
-    if tok_id != image_token_id:
-        raise CheckpointError(f"config image_token_id {image_token_id} but the tokenizer maps {image_token!r} "
-                              f"to {tok_id}")
-
-    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(text, "bos_token_id", None)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(text_cfg, "bos_token_id", None)
     with_special = tok("x", add_special_tokens=True)["input_ids"]
-    add_bos = bos is not None and bool(with_special) and with_special[0] == bos
     pad = tok.pad_token_id
     if pad is None:
-        pad = _read_json(model_dir / "generation_config.json").get("pad_token_id", getattr(text, "pad_token_id", None))
-    max_pos = int(getattr(text, "max_position_embeddings", 0) or 0)
-    ctx = int(context_length) if context_length is not None else max_pos
+        pad = _read_json(model_dir / "generation_config.json").get("pad_token_id",
+                                                                   getattr(text_cfg, "pad_token_id", None))
+    ctx = int(context_length) if context_length is not None else spec.context_length
     if ctx <= 0:
-        raise CheckpointError(f"context length must be positive, got {ctx} (text_config.max_position_embeddings "
-                              f"{max_pos}); pass context_length")
-    vocab = int(text.vocab_size)
-    if not 0 <= image_token_id < vocab:
-        raise CheckpointError(f"image_token_id {image_token_id} is outside the vocabulary (size {vocab})")
+        raise CheckpointError(f"context length must be positive, got {ctx}; pass context_length")
     return ModelInfo(
-        model_dir=str(model_dir),
-        pipeline="llava",
-        model_class="LlavaForConditionalGeneration",
-        image_token=image_token,
-        image_token_id=image_token_id,
-        num_image_tokens=n_image,
-        image_size=image_size,
-        patch_size=patch,
-        vision_feature_select_strategy=strategy,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_eos_ids(model_dir, text, tok),
+        model_dir=str(model_dir), pipeline="llava", model_class="LlavaForConditionalGeneration",
+        image_token=_image_token(spec, comps), image_token_id=spec.image_token_id,
+        num_image_tokens=_image_tokens(spec, comps, image_size), image_size=image_size,
+        patch_size=spec.vision.patch_size, vision_feature_select_strategy=spec.vision.select_strategy,
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=spec.eos_ids,
         pad_token_id=None if pad is None else int(pad),
-        add_bos=add_bos,
-        context_length=ctx,
-        image_start=image_start,
-        image_end=image_end,
-        vocab_size=vocab,
-        hidden_size=int(text.hidden_size),
-    )
+        add_bos=bos is not None and bool(with_special) and with_special[0] == bos,
+        context_length=ctx, image_start=image_start, image_end=image_end,
+        vocab_size=spec.text.vocab_size, hidden_size=spec.text.hidden_size)
 
 
 PIPELINES: dict[str, Pipeline] = {

@@ -16,6 +16,7 @@ import torch
 
 from .engine.merge import merge_image_embeds
 from .errors import VLMError
+from .spec import CheckpointSpec
 from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
 
 log = logging.getLogger("triton_vlm")
@@ -49,16 +50,13 @@ class HFGenerator:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         cfg = self.model.config
         self.image_token_id = int(cfg.image_token_id)
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        spec = CheckpointSpec.load(model_dir)  # the same end ids and context as every other process
+        self.eos_ids = list(spec.eos_ids)
         self.pad_id = self.model.generation_config.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.limits = ModelLimits(vocab_size=int(cfg.text_config.vocab_size),
-                                  context_length=int(cfg.text_config.max_position_embeddings),
-                                  eos_ids=tuple(self.eos_ids))
+        self.limits = ModelLimits(vocab_size=spec.text.vocab_size, context_length=spec.context_length,
+                                  eos_ids=spec.eos_ids)
         self._queue: queue.Queue = queue.Queue()
         self._cancelled: dict[str, threading.Event] = {}
         self._lock = threading.Lock()

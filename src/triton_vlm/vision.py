@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .errors import InvalidArgument
-from .checkpoint import CheckpointError, describe_pipelines, get_pipeline, pipeline_for_config
+from .checkpoint import describe_pipelines, get_pipeline, pipeline_for_config
+from .spec import CheckpointError, CheckpointSpec, TensorSource
 
 _DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
 
@@ -51,48 +52,25 @@ class VisionSettings:
     pipeline: str = "auto"
 
 
-def _state_dict(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose key starts with one of `prefixes`, prefix stripped; reads only the shards that hold them."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
-    elif (model_dir / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
-    out = {}
-    for fname in files:
-        with safe_open(str(model_dir / fname), framework="pt") as f:
-            for k in f.keys():
-                for p in prefixes:
-                    if k.startswith(p):
-                        out[k[len(p):]] = f.get_tensor(k)
-    return out
-
-
 class VisionEncoder(nn.Module):
     def __init__(self, model_dir: str | Path, settings: VisionSettings = VisionSettings()):
         super().__init__()
-        from transformers import AutoConfig, AutoModel  # noqa: PLC0415
+        from transformers import AutoModel  # noqa: PLC0415
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector  # noqa: PLC0415
 
         model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
-        if not hasattr(config, "vision_config"):
-            raise ValueError(f"{model_dir} is not a LLaVA-style checkpoint (no vision_config)")
+        spec = CheckpointSpec.load(model_dir)
+        if spec.vision is None:
+            raise CheckpointError(f"{model_dir} is not a LLaVA-style checkpoint (no vision_config)")
+        config = spec.hf_config
         raw = json.loads((model_dir / "config.json").read_text())
         pipe = pipeline_for_config(raw) if settings.pipeline in ("", "auto") else get_pipeline(settings.pipeline)
         if pipe is None or not pipe.matches(raw):
             raise CheckpointError(f"{model_dir}: no vision pipeline for model_type {raw.get('model_type')!r}; "
                                   f"available: {describe_pipelines()}")
         self.pipeline = pipe.name
-        self.feature_layer = config.vision_feature_layer
-        self.select_strategy = config.vision_feature_select_strategy
-        if self.select_strategy not in ("default", "full"):
-            raise ValueError(f"unsupported vision_feature_select_strategy {self.select_strategy!r}")
+        self.feature_layer = spec.vision.feature_layer
+        self.select_strategy = spec.vision.select_strategy
         self.tower_device = torch.device(settings.vision_device)
         self.proj_device = torch.device(settings.projector_device)
         self.tower_dtype = parse_bits(settings.vision_bits)
@@ -100,20 +78,19 @@ class VisionEncoder(nn.Module):
 
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = LlavaMultiModalProjector(config)
+        weights = TensorSource(model_dir)
         for module, names in ((self.tower, ("model.vision_tower.", "vision_tower.")),
                               (self.projector, ("model.multi_modal_projector.", "multi_modal_projector."))):
-            sd = _state_dict(model_dir, names)
+            sd = weights.with_prefixes(names)
             missing, unexpected = module.load_state_dict(sd, strict=False)
             missing = [m for m in missing if "position_ids" not in m]
             if missing:
                 raise ValueError(f"{model_dir}: weights missing for {names[1]}: {missing[:5]}")
         self.tower.to(self.tower_device, self.tower_dtype).eval()
         self.projector.to(self.proj_device, self.proj_dtype).eval()
-        vc = config.vision_config
-        self.image_size = int(vc.image_size)
-        n = (vc.image_size // vc.patch_size) ** 2
-        self.tokens_per_image = n + (1 if self.select_strategy == "full" else 0)
-        self.hidden_size = int(config.text_config.hidden_size)
+        self.image_size = spec.vision.image_size
+        self.tokens_per_image = spec.vision.num_image_tokens
+        self.hidden_size = spec.text.hidden_size
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

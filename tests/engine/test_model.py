@@ -14,6 +14,7 @@ from triton_vlm.engine.merge import merge_image_embeds
 from triton_vlm.engine.model import LM_HEAD, LlamaModel
 from triton_vlm.engine.weights import MODULES, load_config
 from triton_vlm.errors import InvalidArgument
+from triton_vlm.spec import CheckpointError
 
 ATOL = 1e-5
 VOCAB = 96
@@ -165,7 +166,7 @@ def test_unsupported_rope_scaling_is_rejected(tmp_path):
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     cfg.pop("rope_scaling", None)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InvalidArgument, match="yarn"):
+    with pytest.raises(CheckpointError, match="yarn"):
         load_config(tmp_path)
 
 

@@ -28,6 +28,7 @@ from transformers import (
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from triton_vlm.errors import InvalidArgument
+from triton_vlm.spec import image_token_count
 
 UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IMAGE]  # ids 0..4 in this order
@@ -258,8 +259,9 @@ def build_random_llava_objects(
 
 
 def num_image_tokens(config: LlavaConfig) -> int:
-    """Image placeholder tokens per image the model expects for `config`."""
+    """Image placeholder tokens per image the model expects for `config` (`spec.image_token_count`; the demo's
+    tower is CLIP, one CLS token)."""
     v = config.vision_config
-    n = (v.image_size // v.patch_size) ** 2 + 1
-    return n - 1 if config.vision_feature_select_strategy == "default" else n
+    return image_token_count((v.image_size, v.image_size), v.patch_size, 1, config.vision_feature_select_strategy)
+
 

@@ -1,0 +1,252 @@
+"""One description of a checkpoint, read once, built the same way in every process (gpt-fast's `ModelArgs`).
+
+`CheckpointSpec.load(model_dir)` parses `config.json` (through transformers' `AutoConfig`, local files only:
+it fills the defaults llava-1.5's sparse `text_config` relies on and normalises old rope keys) and
+`generation_config.json`, and returns plain values:
+- `text` (`TextSpec`): what the decoder forward needs (Llama family: Llama, Vicuna, Mistral);
+- `vision` (`VisionSpec`, None for a plain Llama): tower type, image and patch size, feature layer and select
+  strategy, and the image token count, by one formula (`image_token_count`) that preprocess, the vision
+  encoder, the engine and the demo build all use;
+- `eos_ids`: `generation_config.json`'s `eos_token_id`, else the text config's, else the top config's;
+- `context_length`: `max_position_embeddings`, clamped to `sliding_window` (Mistral v0.1: a sequence never
+  outgrows the window, instead of masking by window);
+- `image_token_id`.
+`TensorSource` is the one weight loader: `model.safetensors`, shards listed in `model.safetensors.index.json`,
+or (older checkpoints) `pytorch_model.bin` / its index.
+A checkpoint that cannot be served raises `CheckpointError` (a deployment error, not a request error).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+FEATURE_STRATEGIES = ("default", "full")
+VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
+VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be served (missing files, unsupported model, inconsistent configs)."""
+
+
+def image_token_count(image_hw: tuple[int, int], patch: int, extra_tokens: int, strategy: str) -> int:
+    """Placeholders per image = the tower's output tokens (patches + CLS-like extras), less the CLS token that
+    the "default" feature select strategy drops (as transformers' LLaVA does)."""
+    n = (image_hw[0] // patch) * (image_hw[1] // patch) + extra_tokens - (1 if strategy == "default" else 0)
+    if n <= 0:
+        raise CheckpointError(f"computed {n} image tokens per image (image {image_hw}, patch {patch})")
+    return n
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """What the decoder forward needs, read from the (text) config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int  # the context length (sliding window applied): prompt + max_tokens must fit
+    rope: dict = field(default_factory=dict)  # rope_type, rope_theta (+ llama3 / linear fields)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    image_token_id: Optional[int] = None  # LLaVA placeholder id; None for a plain Llama
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    model_type: str  # e.g. "clip_vision_model"
+    image_size: int  # the tower's square input size
+    patch_size: int
+    feature_layer: Any  # int or list of ints (hidden states concatenated)
+    select_strategy: str  # "default" (drop CLS) or "full"
+    extra_tokens: Optional[int]  # CLS-like tokens the tower outputs besides the patches (None: unknown tower)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return image_token_count((self.image_size, self.image_size), self.patch_size, self.known_extra_tokens(),
+                                 self.select_strategy)
+
+    def known_extra_tokens(self, override: Optional[int] = None) -> int:
+        """The tower's extra tokens; `override` (the processor config's `num_additional_image_tokens`) wins."""
+        if override is not None:
+            return int(override)
+        if self.extra_tokens is None:
+            raise CheckpointError(f"vision tower {self.model_type!r}: unknown number of extra (CLS) tokens; set "
+                                  "num_additional_image_tokens in processor_config.json")
+        return self.extra_tokens
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    model_dir: Path
+    text: TextSpec
+    vision: Optional[VisionSpec]
+    eos_ids: tuple[int, ...]
+    image_token_id: Optional[int]
+    context_length: int
+    hf_config: Any = field(repr=False, compare=False)  # the parsed transformers config (for the vision tower)
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "CheckpointSpec":
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        d = Path(model_dir)
+        if not (d / "config.json").is_file():
+            raise CheckpointError(f"{d} has no config.json (expected a Hugging Face checkpoint directory)")
+        try:
+            top = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{d}: cannot parse config.json ({type(e).__name__}: {e})") from None
+        text_cfg = getattr(top, "text_config", None) or top
+        eos = _eos_ids(d, text_cfg, top)
+        image_token_id = getattr(top, "image_token_id", None)
+        if image_token_id is None:
+            image_token_id = getattr(top, "image_token_index", None)
+        image_token_id = None if image_token_id is None else int(image_token_id)
+        text = _text_spec(text_cfg, top, eos, image_token_id)
+        vision = _vision_spec(top) if getattr(top, "vision_config", None) is not None else None
+        return cls(model_dir=d, text=text, vision=vision, eos_ids=eos, image_token_id=image_token_id,
+                   context_length=text.max_position_embeddings, hf_config=top)
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(dict.fromkeys(int(v) for v in value))
+    return (int(value),)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def _eos_ids(d: Path, text_cfg: Any, top: Any) -> tuple[int, ...]:
+    eos = _ids(_read_json(d / "generation_config.json").get("eos_token_id"))
+    eos = eos or _ids(getattr(text_cfg, "eos_token_id", None)) or _ids(getattr(top, "eos_token_id", None))
+    if not eos:
+        raise CheckpointError(f"{d}: no eos_token_id in generation_config.json or config.json")
+    return eos
+
+
+def _rope(text: Any) -> dict:
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if not rope:  # very old configs without the normalised form
+        rope = dict(getattr(text, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(text, "rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"rope scaling type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1.0 is not supported")
+    return rope
+
+
+def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Optional[int]) -> TextSpec:
+    if text.model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"language model type {text.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(text, "hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {text.hidden_act!r} is not supported; only 'silu' (Llama family)")
+    max_pos = int(text.max_position_embeddings)
+    window = getattr(text, "sliding_window", None)
+    if window:
+        max_pos = min(max_pos, int(window))
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    tie = bool(getattr(top, "tie_word_embeddings", False)) or bool(getattr(text, "tie_word_embeddings", False))
+    return TextSpec(
+        vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size),
+        intermediate_size=int(text.intermediate_size), num_layers=int(text.num_hidden_layers),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=int(getattr(text, "head_dim", None) or
+                                                             text.hidden_size // heads),
+        rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
+        tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
+        mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id)
+
+
+def _vision_spec(top: Any) -> VisionSpec:
+    vision = top.vision_config
+    strategy = getattr(top, "vision_feature_select_strategy", "default")
+    if strategy not in FEATURE_STRATEGIES:
+        raise CheckpointError(f"vision_feature_select_strategy {strategy!r} is unsupported; use one of "
+                              f"{FEATURE_STRATEGIES}")
+    extra = 1 if vision.model_type in VISION_TOWERS_WITH_CLS else 0 if vision.model_type in VISION_TOWERS_WITHOUT_CLS \
+        else None
+    return VisionSpec(model_type=vision.model_type, image_size=int(vision.image_size),
+                      patch_size=int(vision.patch_size), feature_layer=getattr(top, "vision_feature_layer", -2),
+                      select_strategy=strategy, extra_tokens=extra)
+
+
+class TensorSource:
+    """Lazy access to a checkpoint's tensors by key, whatever the file layout."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.model_dir = model_dir
+        self.files: dict[str, Path] = {}  # key -> file
+        self._open: dict[Path, Any] = {}
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = model_dir / index_name
+            if index.is_file():
+                for key, fname in json.loads(index.read_text())["weight_map"].items():
+                    self.files[key] = model_dir / fname
+                return
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            path = model_dir / single
+            if path.is_file():
+                for key in self._handle(path).keys():
+                    self.files[key] = path
+                return
+        raise CheckpointError(f"{model_dir} holds no model.safetensors, safetensors index or pytorch_model.bin")
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open  # noqa: PLC0415
+
+                self._open[path] = safe_open(str(path), framework="pt")
+            else:
+                self._open[path] = torch.load(str(path), map_location="cpu", weights_only=True)
+        return self._open[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def get(self, key: str) -> torch.Tensor:
+        h = self._handle(self.files[key])
+        return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+
+    def with_prefixes(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Every tensor under one of `prefixes`, keyed without it."""
+        out = {}
+        for key in self.files:
+            for p in prefixes:
+                if key.startswith(p):
+                    out[key[len(p):]] = self.get(key)
+        return out
