@@ -103,7 +103,7 @@ class HFGenerator:
     # --- one request -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, req: GenerationRequest, on_result: OnResult) -> None:
-        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+        from transformers import StoppingCriteriaList  # noqa: PLC0415
 
         p = req.params
         ids = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)  # [T]
@@ -112,30 +112,6 @@ class HFGenerator:
         embeds = merge_image_embeds(ids, embeds, img, self.image_token_id)
         eos_ids = list(p.end_ids) or self.eos_ids
         cancelled = self._cancelled.get(req.request_id) or threading.Event()
-        from transformers import StoppingCriteriaList  # noqa: PLC0415
-
-        streamer = None
-        if p.stream and p.beam_width == 1 and p.num_return_sequences == 1:
-            from .engine.detok import IncrementalDetokenizer  # noqa: PLC0415
-
-            detok = IncrementalDetokenizer(self.tokenizer)
-            rid = req.request_id
-
-            class _Streamer(BaseStreamer):
-                first = True
-
-                def put(self, value):
-                    if self.first:  # the prompt
-                        self.first = False
-                        return
-                    toks = [int(t) for t in value.reshape(-1)]
-                    text = detok.push(toks)
-                    on_result(GenerationResult(rid, [Sequence_(toks, text)], False))
-
-                def end(self):
-                    pass
-
-            streamer = _Streamer()
         sample = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) if p.do_sample \
             else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
         if p.do_sample:
@@ -147,12 +123,43 @@ class HFGenerator:
             early_stopping=p.early_stopping, repetition_penalty=p.repetition_penalty,
             no_repeat_ngram_size=p.no_repeat_ngram_size or None, bad_words_ids=req.bad_words_ids or None,
             eos_token_id=eos_ids, pad_token_id=self.pad_id, output_scores=True, output_logits=True,
-            return_dict_in_generate=True, streamer=streamer,
+            return_dict_in_generate=True, streamer=self._streamer(req, on_result),
             stopping_criteria=StoppingCriteriaList([_StopWords(req.stop_words_ids, cancelled)]), **sample)
         if cancelled.is_set():
             return
+        on_result(GenerationResult(req.request_id, self._sequences(req, out, eos_ids), True))
+
+    def _streamer(self, req: GenerationRequest, on_result: OnResult):
+        """A transformers streamer sending each new token as a streamed piece (greedy / sampling, one sequence)."""
+        p = req.params
+        if not (p.stream and p.beam_width == 1 and p.num_return_sequences == 1):
+            return None
+        from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
+
+        from .engine.detok import IncrementalDetokenizer  # noqa: PLC0415
+
+        detok = IncrementalDetokenizer(self.tokenizer)
+        rid = req.request_id
+
+        class _Streamer(BaseStreamer):
+            first = True
+
+            def put(self, value):
+                if self.first:  # the prompt
+                    self.first = False
+                    return
+                toks = [int(t) for t in value.reshape(-1)]
+                on_result(GenerationResult(rid, [Sequence_(toks, detok.push(toks))], False))
+
+            def end(self):
+                pass
+
+        return _Streamer()
+
+    def _sequences(self, req: GenerationRequest, out, eos_ids: list[int]) -> list[Sequence_]:
+        """generate()'s output -> the returned sequences, each cut at its EOS or stop word, with scores."""
         new = out.sequences[:, len(req.input_ids):]  # [n, new]
-        if p.beam_width > 1:
+        if req.params.beam_width > 1:
             step_lp = self.model.compute_transition_scores(out.sequences, out.scores, out.beam_indices,
                                                            normalize_logits=False)
             cums = out.sequences_scores.tolist()
@@ -172,4 +179,4 @@ class HFGenerator:
             lps = step_lp[i, :n].tolist()
             cum = cums[i] if cums is not None else float(sum(lps))
             seqs.append(Sequence_(toks, self.tokenizer.decode(toks, skip_special_tokens=True), cum, lps))
-        on_result(GenerationResult(req.request_id, seqs, True))
+        return seqs
