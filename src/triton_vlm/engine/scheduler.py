@@ -5,14 +5,14 @@
     runner.decode(plan.decode) -> logits [rows, vocab] -> advance each request on its slice
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
-Every request ends through `_end`, which gives its budgets back (`policy.retire`) and emits its final result:
-completed, failed (its error) or cancelled. Any exception while handling one request ends that request only;
+Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
+shutdown); both give its budgets back first (`policy.retire`). Any exception while handling one request ends that request only;
 a failed decode forward ends the requests in it; the others go on.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -57,7 +57,7 @@ class Scheduler:
         plan = self.policy.schedule(cancelled)
         out: list[Output] = []
         for a in plan.cancelled:
-            self._end(a, out, Cancelled(f"request {a.id} was cancelled"))
+            self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
         self._prefill(plan, out)
         self._decode([a for a in plan.decode if a.admitted], out)
         return out
@@ -66,7 +66,7 @@ class Scheduler:
         """End every request (shutdown)."""
         out: list[Output] = []
         for a in list(self.policy.waiting) + list(self.policy.running):
-            self._end(a, out, error)
+            self._fail(a, out, error)
         return out
 
     # --- phases -------------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ class Scheduler:
                 if logits is not None:
                     self._advance(a, logits, out)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                self._end(a, out, _as_error(e))
+                self._fail(a, out, _as_error(e))
 
     def _decode(self, batch: list[Active], out: list[Output]) -> None:
         if not batch:
@@ -88,7 +88,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             log.exception("decode step failed")
             for a in batch:
-                self._end(a, out, _as_error(e))
+                self._fail(a, out, _as_error(e))
             return
         start = 0
         for a in batch:
@@ -96,7 +96,7 @@ class Scheduler:
             try:
                 self._advance(a, logits[start:start + n], out)
             except Exception as e:  # noqa: BLE001
-                self._end(a, out, _as_error(e))
+                self._fail(a, out, _as_error(e))
             start += n
 
     # --- per request ----------------------------------------------------------------------------------------
@@ -108,18 +108,21 @@ class Scheduler:
         self.runner.reorder(a, res.parents)
         a.kv.next_tokens = list(res.tokens)
         if res.done:
-            self._end(a, out)
+            self._complete(a, out)
         elif a.req.params.stream:
             out.extend(self.output.stream(a))
 
-    def _end(self, a: Active, out: list[Output], error: Optional[Exception] = None) -> None:
+    def _complete(self, a: Active, out: list[Output]) -> None:
+        """The decoder finished: budgets back, then the final result (or the error building it raised)."""
         self.policy.retire(a)
-        if error is None:
-            try:
-                out.extend(self.output.complete(a))
-                return
-            except Exception as e:  # noqa: BLE001
-                error = _as_error(e)
+        try:
+            out.extend(self.output.complete(a))
+        except Exception as e:  # noqa: BLE001
+            out.extend(self.output.fail(a, _as_error(e)))
+
+    def _fail(self, a: Active, out: list[Output], error: VLMError) -> None:
+        """Failed, cancelled or shut down: budgets back, then a final result carrying `error`."""
+        self.policy.retire(a)
         out.extend(self.output.fail(a, error))
 
 
