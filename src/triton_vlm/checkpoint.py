@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .spec import CheckpointError, CheckpointSpec, image_token_count
+from .spec import read_json as _read_json
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,6 @@ class HFComponents:
     image_processor: Any
     processor: Any = None  # the LlavaProcessor when the checkpoint saved one
     processor_config: dict = field(default_factory=dict)  # raw processor_config.json (may be empty)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
 def load_components(model_dir: str | Path) -> HFComponents:

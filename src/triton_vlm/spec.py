@@ -134,7 +134,8 @@ def _ids(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON file of the checkpoint; {} when absent."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -144,7 +145,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _eos_ids(d: Path, text_cfg: Any, top: Any) -> tuple[int, ...]:
-    eos = _ids(_read_json(d / "generation_config.json").get("eos_token_id"))
+    eos = _ids(read_json(d / "generation_config.json").get("eos_token_id"))
     eos = eos or _ids(getattr(text_cfg, "eos_token_id", None)) or _ids(getattr(top, "eos_token_id", None))
     if not eos:
         raise CheckpointError(f"{d}: no eos_token_id in generation_config.json or config.json")
