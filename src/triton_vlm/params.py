@@ -168,6 +168,7 @@ class GenerationRequest:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0
+    adapter: Any = None  # a `lora.format.Adapter` applied to every row of this request, or None (base model)
 
     def end_ids(self, limits: ModelLimits) -> tuple[int, ...]:
         return tuple(self.params.end_ids or limits.eos_ids)

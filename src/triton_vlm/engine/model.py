@@ -49,9 +49,9 @@ class Linear:
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [rows, q_len, out]
         if adapters is not None:
-            delta = adapters.delta(x, self.layer, self.module)
-            if delta is not None:
-                y = y + delta
+            delta = adapters.delta(x, self.layer, self.module)  # fp32
+            if delta is not None:  # as PEFT: the sum in the adapter's dtype, then back to the model's
+                y = (y.to(delta.dtype) + delta).to(y.dtype)
         return y
 
 

@@ -9,7 +9,8 @@
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
-A per-row adapter map for LoRA belongs here: built once per forward from the rows' requests.
+The per-row adapter map (`lora.LoraBatch`) is built here for every forward from the rows' requests: rows of
+different requests may use different LoRA adapters, or none.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 
 from .kv_cache import KVCache, RowKV
+from .lora import LoraBatch
 from .merge import merge_image_embeds
 from .model import LlamaModel
 from .policy import PrefillChunk
@@ -35,7 +37,8 @@ class ModelRunner:
             kv.embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds,
                                            self.model.config.image_token_id)  # [P, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
-        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache)  # [1, vocab]
+        adapters = LoraBatch.build([a.req.adapter], self.model.device)
+        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
         kv.prefilled = chunk.start + chunk.length
         if not chunk.completes:
             return None
@@ -46,7 +49,9 @@ class ModelRunner:
         rows = [r for a in actives for r in a.kv.rows]
         tokens = torch.tensor([t for a in actives for t in a.kv.next_tokens], dtype=torch.long)
         x = self.model.embed(tokens)[:, None]  # [rows, 1, hidden]
-        return self.model.forward(x, self.cache.plan(rows, 1), self.cache)  # [rows, vocab]
+        # the per-row adapter map: every row (beam / sample) of a request uses the request's adapter
+        adapters = LoraBatch.build([a.req.adapter for a in actives for _ in a.kv.rows], self.model.device)
+        return self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
 
     def reorder(self, active: Active, parents: list[int]) -> None:
         rows: list[RowKV] = active.kv.rows

@@ -1,0 +1,108 @@
+"""One LoRA adapter in memory, and TensorRT-LLM's tensor format for it.
+
+TensorRT-LLM (`examples/hf_lora_convert.py`, `lora_manager.py`) carries an adapter as two tensors:
+- `lora_config` INT32 [N, 3]: rows `[module_id, layer, r]`;
+- `lora_weights` [N, W]: row = flatten(A [r, in]) then flatten(scale * B [out, r]), zero padded to the longest
+  row (W). The scale (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B.
+Module ids of the Llama projections, as TensorRT-LLM's converter maps Hugging Face names: q_proj 1, k_proj 2,
+v_proj 3, o_proj 4, gate_proj 5, down_proj 6, up_proj 7.
+
+In memory an `Adapter` keeps, per (layer, module), A and B in fp32 and the scale apart (PEFT applies it after
+B: `base(x) + B(A(x)) * scale`), so an adapter read from PEFT computes exactly what PEFT computes; one read
+from TensorRT-LLM tensors has its scale folded into B already (scale 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+from ..spec import TextSpec
+
+MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+MODULE_NAMES = {v: k for k, v in MODULE_IDS.items()}
+MAX_RANK = 256
+
+
+def module_shape(spec: TextSpec, module: str) -> tuple[int, int]:
+    """(in, out) features of a projection of the language model."""
+    h, q, kv, ff = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ff),
+            "up_proj": (h, ff), "down_proj": (ff, h)}[module]
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    a: torch.Tensor  # [r, in] fp32
+    b: torch.Tensor  # [out, r] fp32
+    scale: float  # applied after B (1.0 when folded into B)
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    modules: dict[tuple[int, str], LoraModule] = field(default_factory=dict)  # (layer, module) -> weights
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    def to(self, device: torch.device | str) -> "Adapter":
+        mods = {k: LoraModule(m.a.to(device), m.b.to(device), m.scale) for k, m in self.modules.items()}
+        return Adapter(self.name, mods)
+
+
+def to_trtllm(adapter: Adapter, dtype=np.float16) -> tuple[np.ndarray, np.ndarray]:
+    """-> (lora_weights [N, W] in `dtype`, lora_config INT32 [N, 3]), rows in (layer, module id) order."""
+    rows, config = [], []
+    for (layer, module), m in sorted(adapter.modules.items(), key=lambda kv: (kv[0][0], MODULE_IDS[kv[0][1]])):
+        rows.append(np.concatenate([m.a.reshape(-1).numpy(), (m.b * m.scale).reshape(-1).numpy()]))
+        config.append([MODULE_IDS[module], layer, m.rank])
+    width = max((len(r) for r in rows), default=0)
+    weights = np.zeros((len(rows), width), dtype=dtype)
+    for i, r in enumerate(rows):
+        weights[i, :len(r)] = r
+    return weights, np.asarray(config, dtype=np.int32).reshape(-1, 3)
+
+
+def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec) -> Adapter:
+    """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) -> Adapter; every
+    problem raises InvalidArgument naming the input, the value and what is allowed."""
+    weights, config = np.asarray(weights), np.asarray(config)
+    if weights.ndim != 2 or config.ndim != 2 or config.shape[1] != 3:
+        raise InvalidArgument(f"lora_weights must be [N, W] and lora_config [N, 3]; got {list(weights.shape)} and "
+                              f"{list(config.shape)}")
+    if weights.shape[0] != config.shape[0]:
+        raise InvalidArgument(f"Expected dim1 lora_weights and lora_config to have the same size: "
+                              f"{weights.shape[0]} != {config.shape[0]}")
+    if not np.isfinite(weights).all():
+        raise InvalidArgument("lora_weights holds NaN or infinite values")
+    mods: dict[tuple[int, str], LoraModule] = {}
+    for i, (module_id, layer, r) in enumerate(config.tolist()):
+        module = MODULE_NAMES.get(int(module_id))
+        if module is None:
+            raise InvalidArgument(f"lora_config row {i}: lora module {module_id} not enabled for this model; "
+                                  f"allowed: {MODULE_IDS}")
+        if not 0 <= layer < spec.num_layers:
+            raise InvalidArgument(f"lora_config row {i}: Expected layerId to be in the range [0, "
+                                  f"{spec.num_layers}), got {layer}")
+        if not 1 <= r <= MAX_RANK:
+            raise InvalidArgument(f"lora_config row {i}: Invalid low_rank (r) {r}; must be in [1, {MAX_RANK}]")
+        n_in, n_out = module_shape(spec, module)
+        need = r * (n_in + n_out)
+        if need > weights.shape[1]:
+            raise InvalidArgument(f"lora_weights row {i} has to few values for {module} of layer {layer} with r "
+                                  f"{r}: {weights.shape[1]} < {need}")
+        if (layer, module) in mods:
+            raise InvalidArgument(f"lora_config row {i}: {module} of layer {layer} appears twice")
+        row = torch.from_numpy(weights[i, :need].astype(np.float32))
+        mods[(layer, module)] = LoraModule(row[:r * n_in].reshape(r, n_in).clone(),
+                                           row[r * n_in:].reshape(n_out, r).clone(), 1.0)
+    return Adapter(name, mods)

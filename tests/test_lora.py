@@ -1,0 +1,154 @@
+"""LoRA: PEFT adapters and TensorRT-LLM tensors -> the engine's per-row LoRA, token-exact to `transformers` + `peft`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from triton_vlm.errors import InvalidArgument
+from triton_vlm.lora.format import MODULE_IDS, from_trtllm, to_trtllm
+from triton_vlm.lora.peft import load_peft, peft_to_trtllm
+from triton_vlm.params import GenerationParams, GenerationRequest
+
+LM_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
+
+    model, processor = build_random_llava_objects(seed=11, max_position_embeddings=256)
+    d = tmp_path_factory.mktemp("lora-base")
+    save_checkpoint(model, processor, d)
+    return d
+
+
+def make_adapter(base_dir, out_dir, seed: int, **lora_kw):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration.from_pretrained(base_dir)
+    cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": LM_TARGETS, "init_lora_weights": False,
+                        **lora_kw})
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # large enough deltas that the adapters change the generated tokens
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(20.0)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    a = make_adapter(base, root / "plain", 1)
+    b = make_adapter(base, root / "patterns", 2, r=8, lora_alpha=16, use_rslora=True,
+                     rank_pattern={"q_proj": 2}, alpha_pattern={r"layers\.1\.mlp\.down_proj": 3})
+    return {"plain": a, "patterns": b}
+
+
+def reference(base_dir, adapter_dir, prompt: list[int], **gen_kw) -> list[int]:
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(base_dir).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                                                                           dtype=torch.long),
+                             do_sample=False, **gen_kw)
+    new = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return new[:new.index(eos) + 1] if eos in new else new
+
+
+PROMPTS = [[1, 45, 88, 102, 33, 7], [1, 200, 17, 17, 300, 52, 9, 140], [1, 60, 61, 62]]
+
+
+def test_engine_matches_peft_with_mixed_adapters_in_one_batch(base, adapters):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(max_rows=16, kv_cache_tokens=2048))
+    spec = eng.model_config
+    loaded = {name: load_peft(d, spec) for name, d in adapters.items()}
+    cases = [("plain", 1), ("patterns", 1), (None, 1), ("plain", 3), ("patterns", 2), (None, 3)]
+    reqs, expected = [], {}
+    for i, (name, beam) in enumerate(cases):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        rid = f"r{i}"
+        reqs.append(GenerationRequest(rid, prompt, GenerationParams(max_tokens=12, beam_width=beam),
+                                      adapter=None if name is None else loaded[name]))
+        expected[rid] = reference(base, None if name is None else adapters[name], prompt, max_new_tokens=12,
+                                  num_beams=beam)
+    out = eng.generate(reqs)  # all six in one engine: different adapters (and none) share the decode batches
+    got = {rid: res[-1].sequences[0].token_ids for rid, res in out.items()}
+    assert got == expected
+    # the adapters matter: the same prompt without them answers differently
+    assert expected["r0"] != reference(base, None, PROMPTS[0], max_new_tokens=12, num_beams=1)
+
+
+def test_trtllm_tensors_layout_and_round_trip(base, adapters):
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base).text
+    adapter = load_peft(adapters["patterns"], spec)
+    weights, config = peft_to_trtllm(adapters["patterns"], spec, np.float32)
+    assert config.dtype == np.int32 and config.shape[1] == 3 and weights.shape[0] == config.shape[0]
+    assert {MODULE_IDS[m] for _, m in adapter.modules} == set(config[:, 0].tolist()) == set(range(1, 8))
+    assert MODULE_IDS["gate_proj"] == 5 and MODULE_IDS["down_proj"] == 6 and MODULE_IDS["up_proj"] == 7
+    for (module_id, layer, r), row in zip(config.tolist(), weights):
+        name = {v: k for k, v in MODULE_IDS.items()}[module_id]
+        m = adapter.modules[(layer, name)]
+        assert r == m.rank == (2 if name == "q_proj" else 8)  # rank_pattern
+        n_a = m.a.numel()
+        np.testing.assert_array_equal(row[:n_a], m.a.reshape(-1).numpy())  # A first, as PEFT stores it
+        np.testing.assert_allclose(row[n_a:n_a + m.b.numel()], (m.b * m.scale).reshape(-1).numpy(), rtol=1e-6)
+        assert not row[n_a + m.b.numel():].any()  # zero padded
+        alpha = 3 if (layer, name) == (1, "down_proj") else 16  # alpha_pattern honoured
+        assert m.scale == pytest.approx(alpha / np.sqrt(r))  # rsLoRA
+    back = from_trtllm("t", weights, config, spec)
+    for key, m in adapter.modules.items():
+        torch.testing.assert_close(back.modules[key].b, m.b * m.scale)
+        assert back.modules[key].scale == 1.0
+
+
+def test_refused_adapters_say_why(base, tmp_path):
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base).text
+    vision = make_adapter(base, tmp_path / "vision", 3, target_modules=["q_proj", "v_proj"])  # hits CLIP too
+    with pytest.raises(InvalidArgument, match="vision tower"):
+        load_peft(vision, spec)
+    good = make_adapter(base, tmp_path / "good", 4)
+    for field, value, match in [("use_dora", True, "DoRA"), ("bias", "all", "biases"),
+                                ("modules_to_save", ["lm_head"], "modules_to_save")]:
+        cfg = json.loads((good / "adapter_config.json").read_text())
+        bad = tmp_path / f"bad-{field}"
+        bad.mkdir()
+        (bad / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(InvalidArgument, match=match):
+            load_peft(bad, spec)
+
+
+def test_trtllm_tensor_errors_name_the_problem(base, adapters):
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base).text
+    weights, config = to_trtllm(load_peft(adapters["plain"], spec), np.float32)
+    bad_layer = config.copy()
+    bad_layer[0, 1] = spec.num_layers
+    bad_module = config.copy()
+    bad_module[0, 0] = 0  # attn_qkv: a fused module Llama does not have
+    for w, c, match in [(weights, bad_layer, "Expected layerId to be in the range"),
+                        (weights, bad_module, "not enabled for this model"),
+                        (weights[:, :10], config, "has to few values"),
+                        (weights[:-1], config, "same size")]:
+        with pytest.raises(InvalidArgument, match=match):
+            from_trtllm("t", w, c, spec)
