@@ -111,7 +111,9 @@ def test_build_json_body():
 
 def test_protocol_tables_are_consistent():
     assert len({t.name for t in P.INPUTS}) == len(P.INPUTS)
-    assert set(P.PARAM_NAMES) == {t.name for t in P.INPUTS} - {"text_input", "images", "stream"}
+    # LoRA tensors and names are not keyword parameters (yet): the client does not send them
+    assert set(P.PARAM_NAMES) == {t.name for t in P.INPUTS} - {"text_input", "images", "stream", "lora_weights",
+                                                               "lora_config", "lora_name"}
     assert P.INPUTS_BY_NAME["early_stopping"] == ("early_stopping", "INT32", (1,))
     assert P.OUTPUTS_BY_NAME["output_ids"].dims == (-1, -1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-BYTES, BOOL, INT32, UINT64, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP32"
+BYTES, BOOL, INT32, UINT64, FP16, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP16", "FP32"
 
 MODEL = "ensemble"
 
@@ -44,6 +44,10 @@ RANDOM_SEED = "random_seed"  # older name of seed
 RETURN_LOG_PROBS = "return_log_probs"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
+LORA_TASK_ID = "lora_task_id"
+LORA_WEIGHTS = "lora_weights"
+LORA_CONFIG = "lora_config"
+LORA_NAME = "lora_name"
 
 # --- outputs --------------------------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"
@@ -82,6 +86,10 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(RETURN_LOG_PROBS, BOOL, (1,)),
     TensorInfo(EXCLUDE_INPUT_IN_OUTPUT, BOOL, (1,)),
     TensorInfo(STREAM, BOOL, (1,)),
+    TensorInfo(LORA_TASK_ID, UINT64, (1,)),
+    TensorInfo(LORA_WEIGHTS, FP16, (-1, -1)),
+    TensorInfo(LORA_CONFIG, INT32, (-1, 3)),
+    TensorInfo(LORA_NAME, BYTES, (1,)),
 )
 
 OUTPUTS: tuple[TensorInfo, ...] = (
@@ -101,4 +109,4 @@ OUTPUTS_BY_NAME: dict[str, TensorInfo] = {t.name: t for t in OUTPUTS}
 # The generation parameters a caller may pass as keyword arguments (everything but the prompt, the images
 # and `stream`, which the client sets itself).
 PARAM_NAMES: tuple[str, ...] = tuple(
-    t.name for t in INPUTS if t.name not in (TEXT_INPUT, IMAGES, STREAM))
+    t.name for t in INPUTS if t.name not in (TEXT_INPUT, IMAGES, STREAM, LORA_WEIGHTS, LORA_CONFIG, LORA_NAME))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Triton data types as the client names them; `config.pbtxt` uses "TYPE_" + these, except BYTES -> TYPE_STRING.
-BYTES, BOOL, INT32, UINT64, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP32"
+BYTES, BOOL, INT32, UINT64, FP16, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP16", "FP32"
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ RANDOM_SEED = "random_seed"  # older TensorRT-LLM name of seed
 RETURN_LOG_PROBS = "return_log_probs"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
+LORA_TASK_ID = "lora_task_id"
+LORA_WEIGHTS = "lora_weights"
+LORA_CONFIG = "lora_config"
+LORA_NAME = "lora_name"
 
 TEXT_OUTPUT = "text_output"
 OUTPUT_IDS = "output_ids"
@@ -112,13 +116,21 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _in(STREAM, BOOL, default=False, doc="send tokens as they are generated (decoupled responses)"),
 )
 
+# --- LoRA: TensorRT-LLM's tensors, plus an adapter of the server's registry by name (llm resolves them) -------
+LORA_INPUTS: tuple[TensorSpec, ...] = (
+    _in(LORA_TASK_ID, UINT64, default=None, doc="LoRA adapter id; send lora_weights + lora_config with it once"),
+    _in(LORA_WEIGHTS, FP16, (-1, -1), doc="[N, W] rows A then scale * B, zero padded (TensorRT-LLM format)"),
+    _in(LORA_CONFIG, INT32, (-1, 3), doc="[N, 3] rows [module_id, layer, rank]"),
+    _in(LORA_NAME, BYTES, default=None, doc="an adapter of the server's registry (--lora-dir) by name"),
+)
+
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False,
         doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
     _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
     _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
     _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
-) + GENERATION_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS
 
 ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(TEXT_OUTPUT, BYTES, (-1,), doc="one string per returned sequence (the new piece when streaming)"),
@@ -154,7 +166,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(BAD_WORDS_IDS, INT32, (-1,)),
     _in(STOP_WORDS_IDS, INT32, (-1,)),
     _in(DROPPED_IMAGES, INT32),
-) + GENERATION_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 
 MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {

@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tritonserver", default=os.environ.get("TRITONSERVER"),
                     help="use this tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's\n"
                          "container) instead of the one in nvidia-pytriton")
+    ap.add_argument("--lora-dir", default=os.environ.get("LORA_DIR"),
+                    help="LoRA adapter registry: one adapter per subfolder (PEFT, or TensorRT-LLM's .npy pair);\n"
+                         "clients select one with lora_name (or its task id)")
     ap.add_argument("--log-verbose", type=int, default=0)
     ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
                     help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
@@ -332,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     params = _parse_set(args.set)
     if args.device:
         params.setdefault("*", {})["device"] = args.device
+    if args.lora_dir:
+        lora_dir = Path(args.lora_dir).expanduser().resolve()
+        if not lora_dir.is_dir():
+            raise SystemExit(f"--lora-dir {lora_dir} is not a folder")
+        params.setdefault("llm", {})["lora_dir"] = str(lora_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,

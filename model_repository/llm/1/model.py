@@ -21,6 +21,7 @@ class TritonPythonModel:
         device = p.get("device") or "cpu"
         dtype = p.get("dtype") or "float32"
         kind = p.get("backend") or "engine"
+        adapters = None
         if kind == "hf":
             from triton_vlm.hf_generate import HFGenerator
 
@@ -39,13 +40,14 @@ class TritonPythonModel:
                 cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0
             backend = Engine(model_dir, cfg)
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
+            adapters = _adapter_cache(backend.model_config, p)
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
         override = config.parse_int(p, "context_length", 0)
         if override:  # a shorter context than the checkpoint's (e.g. to bound KV memory per request)
             context = min(context, override)
             backend.limits = dataclasses.replace(backend.limits, context_length=context)
-        self.service = LLMService(backend, tokenizer, image_token_id, context)
+        self.service = LLMService(backend, tokenizer, image_token_id, context, adapters=adapters)
         self.service.start()
 
     def execute(self, requests):
@@ -54,3 +56,12 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+
+
+def _adapter_cache(spec, p):
+    """LoRA adapters by task id, with the registry of `lora_dir` (a folder of adapters, or none)."""
+    from triton_vlm.lora.cache import AdapterCache
+    from triton_vlm.lora.registry import Registry
+
+    registry = Registry(p.get("lora_dir") or None, spec)
+    return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20)

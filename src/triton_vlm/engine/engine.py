@@ -141,6 +141,8 @@ class Engine:
 
     def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
         need = self.validate(req)
+        if req.adapter is not None and self.model.device.type != "cpu":
+            req.adapter = req.adapter.to(self.model.device)
         p = req.params
         decoder = Decoder(
             p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,

@@ -42,7 +42,7 @@ class _Live:
 
 class LLMService:
     def __init__(self, backend, tokenizer, image_token_id: int, context_length: int, *,
-                 make_response=None, make_error=None):
+                 make_response=None, make_error=None, adapters=None):
         """`make_response(outputs)` / `make_error(exc)` build Triton responses (defaults: `tensors.response`,
         `errors.error_response`; unit tests pass plain-Python fakes)."""
         self.backend = backend
@@ -52,6 +52,7 @@ class LLMService:
         self._response = make_response or tensors.response
         self._error = make_error or error_response
         self._ids = itertools.count()
+        self.adapters = adapters  # lora.cache.AdapterCache, or None when the backend applies no adapters
         self.metrics = LLMMetrics(enabled=False)  # the real ones are created once, in start()
         self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
 
@@ -103,6 +104,7 @@ class LLMService:
         dropped = tensors.input_array(request, N.DROPPED_IMAGES)
         return GenerationRequest(
             request_id=f"r{next(self._ids)}",
+            adapter=self._adapter(request),
             input_ids=[int(t) for t in ids.reshape(-1)],
             params=params,
             image_embeds=None if emb is None or emb.size == 0 else np.ascontiguousarray(emb),
@@ -110,6 +112,20 @@ class LLMService:
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
         )
+
+    def _adapter(self, request):
+        """The LoRA adapter the request asks for (task id, wire tensors, or a registry name), or None."""
+        task = tensors.scalar(request, N.spec(N.LORA_TASK_ID, N.LORA_INPUTS))
+        name = tensors.scalar(request, N.spec(N.LORA_NAME, N.LORA_INPUTS))
+        weights = tensors.input_array(request, N.LORA_WEIGHTS)  # [N, W]
+        config = tensors.input_array(request, N.LORA_CONFIG)  # [N, 3]
+        weights = None if weights is None or weights.size == 0 else weights
+        config = None if config is None or config.size == 0 else config
+        if task is None and name is None and weights is None and config is None:
+            return None
+        if self.adapters is None:
+            raise InvalidArgument("this llm backend does not apply LoRA adapters (use backend 'engine')")
+        return self.adapters.resolve(None if task is None else int(task), weights, config, name or None)
 
     # --- results (the responder's thread) ------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:

@@ -1,0 +1,180 @@
+"""LoRA through the live server with stock `tritonclient`: by registry name, by TensorRT-LLM tensors then id
+alone, from a registry task-id folder, mixed with the base model in concurrent requests; each answer token-exact
+to `transformers` + `peft` on the same weights, and every refusal an INVALID_ARG that says why."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from triton_vlm.lora.format import to_trtllm
+from triton_vlm.lora.peft import load_peft
+from triton_vlm.spec import CheckpointSpec
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["USER: Say hello. ASSISTANT:", "USER: What colors do you know? ASSISTANT:"]
+LM = r".*language_model.*\.({})"
+
+
+def make_adapter(base_dir, out_dir, seed, modules, r, alpha):
+    """A PEFT adapter with fp16-exact weights and a power-of-two scale, so the fp16 wire tensors carry exactly
+    the numbers PEFT computes with."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration.from_pretrained(base_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=False,
+                                                  target_modules=LM.format("|".join(modules))))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_((p * (8.0 if "lora_B" in n else 1.0)).half().float())
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def reference(base_dir, adapter_dir, prompt: str, max_new_tokens: int = 8) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(base_dir).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens)
+    new = out[0, ids.shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    return new[:new.index(eos) + 1] if eos in new else new
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, demo_model):
+    from conftest import _start_server, _stop_server
+
+    root = tmp_path_factory.mktemp("lora-dir")
+    a = make_adapter(demo_model, root / "tenant-a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"], r=4, alpha=8)
+    b_peft = make_adapter(demo_model, tmp_path_factory.mktemp("b") / "b", 2, ["q_proj", "v_proj"], r=2, alpha=4)
+    spec = CheckpointSpec.load(demo_model).text
+    (root / "4242").mkdir()  # TensorRT-LLM's prefetch layout: the folder name is the task id
+    w, c = to_trtllm(load_peft(b_peft, spec), np.float16)
+    np.save(root / "4242" / "model.lora_weights.npy", w)
+    np.save(root / "4242" / "model.lora_config.npy", c)
+    refs = {(name, p): reference(demo_model, d, p) for name, d in (("base", None), ("a", a), ("b", b_peft))
+            for p in PROMPTS}
+    assert refs[("a", PROMPTS[0])] != refs[("base", PROMPTS[0])], "the adapter must change the answer"
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(root)}}, "lora-server")
+    yield server, refs, to_trtllm(load_peft(a, spec), np.float16)
+    _stop_server(server)
+
+
+def http(server, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate",
+                                 json.dumps({"max_tokens": 8, "exclude_input_in_output": True, **body}).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+            ids = out["output_ids"]  # the generate extension answers a one-element tensor as a scalar
+            out["output_ids"] = ids if isinstance(ids, list) else [ids]
+            return r.status, out
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def grpc_ids(server, prompt: str, **lora) -> list[int]:
+    """One request on a stream with stock tritonclient; returns the new token ids (raises on an error)."""
+    arrays = {"text_input": (np.array([[prompt.encode()]], dtype=object), "BYTES"),
+              "max_tokens": (np.array([[8]], np.int32), "INT32"),
+              "exclude_input_in_output": (np.array([[True]]), "BOOL")}
+    if "task_id" in lora:
+        arrays["lora_task_id"] = (np.array([[lora["task_id"]]], np.uint64), "UINT64")
+    if "weights" in lora:
+        arrays["lora_weights"] = (lora["weights"][None].astype(np.float16), "FP16")
+        arrays["lora_config"] = (lora["config"][None].astype(np.int32), "INT32")
+    inputs = []
+    for name, (arr, dtype) in arrays.items():
+        x = grpcclient.InferInput(name, list(arr.shape), dtype)
+        x.set_data_from_numpy(arr)
+        inputs.append(x)
+    client, got, done = grpcclient.InferenceServerClient(server.grpc_url), [], threading.Event()
+    client.start_stream(callback=lambda result, error: (got.append((result, error)), done.set()))
+    try:
+        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        assert done.wait(60)
+        result, error = got[0]
+        if error is not None:
+            raise RuntimeError(error.message())
+        n = int(result.as_numpy("sequence_length").reshape(-1)[0])
+        return result.as_numpy("output_ids").reshape(-1)[:n].tolist()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def test_by_registry_name_matches_peft(lora_setup):
+    server, refs, _ = lora_setup
+    for p in PROMPTS:
+        status, out = http(server, {"text_input": p, "lora_name": "tenant-a"})
+        assert status == 200, out
+        assert out["output_ids"] == refs[("a", p)]
+
+
+def test_weights_first_then_id_alone_and_a_registry_task_id_folder(lora_setup):
+    server, refs, (weights, config) = lora_setup
+    assert grpc_ids(server, PROMPTS[0], task_id=77, weights=weights, config=config) == refs[("a", PROMPTS[0])]
+    assert grpc_ids(server, PROMPTS[1], task_id=77) == refs[("a", PROMPTS[1])]  # cached: the id alone
+    assert grpc_ids(server, PROMPTS[0], task_id=4242) == refs[("b", PROMPTS[0])]  # loaded from the registry
+    assert grpc_ids(server, PROMPTS[0]) == refs[("base", PROMPTS[0])]
+
+
+def test_adapters_and_base_mixed_in_concurrent_requests(lora_setup):
+    server, refs, _ = lora_setup
+    jobs = [(["base", "a", "b"][i % 3], PROMPTS[i % 2]) for i in range(12)]
+    results: dict[int, tuple[int, dict]] = {}
+
+    def run(i, who, prompt):
+        body = {"text_input": prompt, **({"lora_name": "tenant-a"} if who == "a" else
+                                         {"lora_task_id": 4242} if who == "b" else {})}
+        results[i] = http(server, body)
+
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, (who, prompt) in enumerate(jobs):
+        status, out = results[i]
+        assert status == 200 and out["output_ids"] == refs[(who, prompt)], (who, prompt, out)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"lora_task_id": 999}, "LoRA task 999 not found in cache. Please send LoRA weights with request"),
+    ({"lora_name": "nobody"}, "lora_name 'nobody' is not in the registry"),
+    ({"lora_name": "../etc"}, "is not a valid adapter name"),
+    ({"lora_name": "tenant-a", "lora_task_id": 5}, "but lora_task_id 5 was sent"),
+])
+def test_lora_errors_are_invalid_arg(lora_setup, body, message):
+    server, _, _ = lora_setup
+    status, out = http(server, {"text_input": PROMPTS[0], **body})
+    assert status == 400 and message in out["error"], out
+
+
+def test_wire_tensor_errors(lora_setup):
+    server, _, (weights, config) = lora_setup
+    bad = config.copy()
+    bad[0, 1] = 99
+    with pytest.raises(RuntimeError, match="Expected layerId to be in the range"):
+        grpc_ids(server, PROMPTS[0], task_id=78, weights=weights, config=bad)
+    with pytest.raises(RuntimeError, match="need a lora_task_id"):
+        grpc_ids(server, PROMPTS[0], weights=weights, config=config)
