@@ -94,9 +94,16 @@ def _stop_server(server) -> None:
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, demo_model):
-    """The model repository as shipped (our engine), serving the demo model."""
-    server = _start_server(tmp_path_factory, demo_model, {}, "server")
+def demo_adapters(demo_model) -> Path:
+    from triton_vlm.demo import ensure_demo_adapters
+
+    return ensure_demo_adapters()
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, demo_model, demo_adapters):
+    """The model repository as shipped (our engine), serving the demo model and its LoRA adapters."""
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(demo_adapters)}}, "server")
     yield server
     _stop_server(server)
 

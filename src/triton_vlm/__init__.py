@@ -1,4 +1,4 @@
-"""triton-vlm: a LLaVA-style vision-language model served by Triton (per-request LoRA is the next step).
+"""triton-vlm: a LLaVA-style vision-language model with per-request LoRA adapters, served by Triton.
 
 Everything here is plain Python + torch; only `triton_vlm.triton` knows about Triton.
 """

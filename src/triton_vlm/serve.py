@@ -291,6 +291,25 @@ def smoke_request(grpc_url: str, demo: bool) -> str:
         return f"{prompt!r} -> {res.texts[0]!r}"
 
 
+def adapter_smoke_request(http_url: str, lora_name: str) -> str:
+    """The demo question again, with one of the demo LoRA adapters (by name, over HTTP /generate)."""
+    import base64  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import random  # noqa: PLC0415
+
+    from .demo.shapes import draw  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
+    prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
+    body = {"text_input": prompt, "images": [base64.b64encode(buf.getvalue()).decode()], "max_tokens": 12,
+            "exclude_input_in_output": True, "lora_name": lora_name}
+    req = urllib.request.Request(f"http://{http_url}/v2/models/ensemble/generate", json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = json.loads(r.read())["text_output"]
+    return f"{prompt!r} + a blue triangle, lora_name {lora_name!r} -> {text!r}"
+
+
 def _parse_set(items: list[str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for item in items:
@@ -329,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (model / "config.json").exists():
             raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
     else:
-        from .demo import ensure_demo_model  # noqa: PLC0415
+        from .demo import ensure_demo_adapters, ensure_demo_model  # noqa: PLC0415
 
         model = ensure_demo_model()
+        args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
     params = _parse_set(args.set)
     if args.device:
         params.setdefault("*", {})["device"] = args.device
@@ -373,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
 def _print_banner(args, model: Path, log_file: Path | None) -> None:
     try:
         answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model)
+        if not args.model:  # the demo adapters too
+            for name in ("french", "sentence"):
+                answer += "\n  request " + adapter_smoke_request(f"localhost:{args.http_port}", name)
     except Exception as e:  # noqa: BLE001 - report, keep serving
         answer = f"FAILED: {e}"
     print(f"triton-vlm: serving {model}\n"
@@ -380,7 +403,8 @@ def _print_banner(args, model: Path, log_file: Path | None) -> None:
           f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"
-          + (f"  log     {log_file}\n" if log_file else "") +
+          + (f"  log     {log_file}\n" if log_file else "")
+          + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "") +
           "  restart tritonserver is restarted if it or one of its models' processes dies\n"
           f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
           f"the shape? ASSISTANT:\" --image some.png", flush=True)

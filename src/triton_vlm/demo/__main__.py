@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     info = read_info(out)
     print(json.dumps({k: v for k, v in info.items() if k != "recipe"}, indent=2))
     print(out)
+    if args.out is None:  # the LoRA adapters of the cached demo model
+        from triton_vlm.demo import ensure_demo_adapters  # noqa: PLC0415
+
+        print(ensure_demo_adapters(progress=not args.quiet))
     return 0
 
 
