@@ -152,3 +152,38 @@ def test_trtllm_tensor_errors_name_the_problem(base, adapters):
                         (weights[:-1], config, "same size")]:
         with pytest.raises(InvalidArgument, match=match):
             from_trtllm("t", w, c, spec)
+
+
+def test_convert_cli_reproduces_the_tensorrt_llm_example_layout(tmp_path):
+    """TensorRT-LLM's documented example: 4 layers, hidden 4, a q adapter of rank 2 (rank 8 in the last layer)
+    and a k adapter of rank 4 in the first two layers -> config rows and [6, 64] weights exactly so."""
+    import subprocess
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=4, intermediate_size=8, num_hidden_layers=4,
+                                        num_attention_heads=2, num_key_value_heads=2))
+    cfg = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
+                     target_modules=r"model\.layers\.(\d+\.self_attn\.q_proj|[01]\.self_attn\.k_proj)",
+                     rank_pattern={r"layers\.3\.self_attn\.q_proj": 8, "k_proj": 4})
+    get_peft_model(base, cfg).save_pretrained(tmp_path / "peft")
+    out = tmp_path / "npy"
+    run = subprocess.run([sys.executable, "-m", "triton_vlm.lora.convert", "-i", str(tmp_path / "peft"), "-o",
+                          str(out), "--dtype", "float32"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    config, weights = np.load(out / "model.lora_config.npy"), np.load(out / "model.lora_weights.npy")
+    assert config.tolist() == [[1, 0, 2], [2, 0, 4], [1, 1, 2], [2, 1, 4], [1, 2, 2], [1, 3, 8]]
+    assert weights.shape == (6, 64) and weights.dtype == np.float32  # 8 * (4 + 4) for the rank-8 row
+    tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    for row, (module_id, layer, r) in zip(weights, config.tolist()):
+        name = "q_proj" if module_id == 1 else "k_proj"
+        key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+        a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+        scale = 4 / r  # lora_alpha 4 for every module: alpha / r
+        np.testing.assert_array_equal(row[:a.numel()], a.reshape(-1).numpy())
+        np.testing.assert_allclose(row[a.numel():a.numel() + b.numel()], (b * scale).reshape(-1).numpy(), rtol=1e-6)
+        assert not row[a.numel() + b.numel():].any()

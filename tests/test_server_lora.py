@@ -178,3 +178,22 @@ def test_wire_tensor_errors(lora_setup):
         grpc_ids(server, PROMPTS[0], task_id=78, weights=weights, config=bad)
     with pytest.raises(RuntimeError, match="need a lora_task_id"):
         grpc_ids(server, PROMPTS[0], weights=weights, config=config)
+
+
+def test_adapter_cache_metrics(lora_setup):
+    import re
+    import time
+
+    server, refs, _ = lora_setup
+    for body in ({"lora_name": "tenant-a"}, {"lora_task_id": 4242}, {"lora_name": "tenant-a"}):
+        assert http(server, {"text_input": PROMPTS[0], **body})[0] == 200  # loads (first time), then hits
+    assert http(server, {"text_input": PROMPTS[0], "lora_task_id": 999})[0] == 400  # a miss
+    time.sleep(1.2)  # gauges and counters are refreshed every 0.5 s
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^(triton_vlm_lora_cache_\w+)\{[^}]*\} ([0-9.e+]+)$", text, re.M)}
+    assert values["triton_vlm_lora_cache_registry_loads_total"] >= 2  # tenant-a and task 4242 from disk
+    assert values["triton_vlm_lora_cache_hits_total"] >= 1
+    assert values["triton_vlm_lora_cache_misses_total"] >= 3  # the two loads and the unknown id 999
+    assert values["triton_vlm_lora_cache_adapters"] >= 2 and values["triton_vlm_lora_cache_bytes"] > 0

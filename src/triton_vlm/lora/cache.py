@@ -40,6 +40,9 @@ class AdapterCache:
     _items: "OrderedDict[int, Adapter]" = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def resolve(self, task_id: Optional[int], weights: Optional[np.ndarray], config: Optional[np.ndarray],
                 name: Optional[str]) -> Optional[Adapter]:
         """The adapter a request asks for (None: the base model); InvalidArgument says what is wrong."""

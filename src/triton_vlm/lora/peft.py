@@ -76,7 +76,9 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[str, int,
     return pairs
 
 
-def load_peft(adapter_dir: str | Path, spec: TextSpec, name: str | None = None) -> Adapter:
+def load_peft(adapter_dir: str | Path, spec: TextSpec | None, name: str | None = None) -> Adapter:
+    """`spec` checks layers and shapes against the served model; None takes them from the tensors (the
+    converter CLI, which has no base model)."""
     d = Path(adapter_dir)
     where = f"adapter {name or d.name}"
     try:
@@ -88,12 +90,13 @@ def load_peft(adapter_dir: str | Path, spec: TextSpec, name: str | None = None) 
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     modules: dict[tuple[int, str], LoraModule] = {}
     for (mod_name, layer, module), ab in _pairs(_read_tensors(d), where).items():
-        if set(ab) != {"A", "B"} or not 0 <= layer < spec.num_layers:
-            raise InvalidArgument(f"{where}: {mod_name} needs lora_A and lora_B of a layer in [0, {spec.num_layers})")
+        n_layers = spec.num_layers if spec is not None else layer + 1
+        if set(ab) != {"A", "B"} or not 0 <= layer < n_layers:
+            raise InvalidArgument(f"{where}: {mod_name} needs lora_A and lora_B of a layer in [0, {n_layers})")
         r = int(pattern_value(rank_pattern, mod_name, r0))
         alpha = float(pattern_value(alpha_pattern, mod_name, alpha0))
         a, b = ab["A"].to(torch.float32), ab["B"].to(torch.float32)
-        n_in, n_out = module_shape(spec, module)
+        n_in, n_out = module_shape(spec, module) if spec is not None else (a.shape[1], b.shape[0])
         if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
             raise InvalidArgument(f"{where}: {mod_name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "
                                   f"expected [{r}, {n_in}] and [{n_out}, {r}] (r {r})")
@@ -104,7 +107,7 @@ def load_peft(adapter_dir: str | Path, spec: TextSpec, name: str | None = None) 
     return Adapter(name or d.name, modules)
 
 
-def peft_to_trtllm(adapter_dir: str | Path, spec: TextSpec, dtype=None):
+def peft_to_trtllm(adapter_dir: str | Path, spec: TextSpec | None = None, dtype=None):
     """PEFT adapter -> (lora_weights [N, W], lora_config [N, 3]) as TensorRT-LLM's converter writes them
     (A, then scale * B, zero padded), but honouring `alpha_pattern` and refusing what it would mis-map."""
     import numpy as np  # noqa: PLC0415

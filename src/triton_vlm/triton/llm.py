@@ -57,7 +57,7 @@ class LLMService:
         self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
 
     def start(self) -> None:
-        self.metrics = LLMMetrics(getattr(self.backend, "stats", None))
+        self.metrics = LLMMetrics(getattr(self.backend, "stats", None), lora=self.adapters)
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
         self.responder.start()

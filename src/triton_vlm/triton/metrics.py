@@ -7,6 +7,8 @@ Histograms (seconds, measured inside the llm model from the moment it received t
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
 `triton_vlm_time_per_output_token_seconds` (mean after the first), `triton_vlm_request_seconds` (end to end).
+LoRA adapter cache: `triton_vlm_lora_cache_{hits,misses,registry_loads,evictions}_total` counters and
+`triton_vlm_lora_cache_{adapters,bytes}` gauges.
 
 Without the python backend (unit tests) every method is a no-op. A Metric is only valid while its
 MetricFamily lives, so the families are kept here and dropped after the metrics in `close()`.
@@ -38,10 +40,15 @@ HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
 
 
 class LLMMetrics:
-    def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True):
+    def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
+                 lora=None):
         """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
         the first is dropped, free) the first one's families."""
         self._stats = stats
+        self._lora = lora  # lora.cache.AdapterCache or None
+        self._lora_counters: dict = {}
+        self._lora_seen: dict[str, int] = {}
+        self._lora_gauges: dict = {}
         self._families: list = []
         self._gauges: dict = {}
         self._outcomes: dict = {}
@@ -76,13 +83,28 @@ class LLMMetrics:
         for name, (description, buckets, attr) in HISTOGRAMS.items():
             fam = self._family(name, description, F.HISTOGRAM)
             self._hist[attr] = fam.Metric(labels=labels, buckets=buckets)
+        if self._lora is not None:
+            for field in ("hits", "misses", "registry_loads", "evictions"):
+                fam = self._family(f"triton_vlm_lora_cache_{field}_total", f"LoRA adapter cache {field}", F.COUNTER)
+                self._lora_counters[field] = fam.Metric(labels=labels)
+            for field, what in (("adapters", "adapters held"), ("bytes", "bytes held")):
+                fam = self._family(f"triton_vlm_lora_cache_{field}", f"LoRA adapter cache: {what}", F.GAUGE)
+                self._lora_gauges[field] = fam.Metric(labels=labels)
 
     def update_gauges(self) -> None:
-        if not self._gauges:
-            return
-        snap = self._stats()
-        for name, gauge in self._gauges.items():
-            gauge.set(float(getattr(snap, name)))
+        if self._gauges:
+            snap = self._stats()
+            for name, gauge in self._gauges.items():
+                gauge.set(float(getattr(snap, name)))
+        if self._lora_counters:  # cumulative counts of the cache -> counter increments
+            stats = self._lora.stats
+            for field, metric in self._lora_counters.items():
+                now = getattr(stats, field)
+                if now > self._lora_seen.get(field, 0):
+                    metric.increment(now - self._lora_seen.get(field, 0))
+                    self._lora_seen[field] = now
+            self._lora_gauges["adapters"].set(float(len(self._lora)))
+            self._lora_gauges["bytes"].set(float(self._lora.used_bytes))
 
     def outcome(self, code: str) -> None:
         """One request answered: `code` is "success" or a `VLMError.code` (INVALID_ARG, ...)."""
@@ -102,4 +124,5 @@ class LLMMetrics:
 
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
+        self._lora_counters, self._lora_gauges = {}, {}
         self._families = []
