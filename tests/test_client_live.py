@@ -178,3 +178,28 @@ def test_cli_exit_codes(triton_server, protocol, image_file, tmp_path):
     assert proc.returncode == 1 and "max_tokens" in proc.stderr and proc.stdout == ""
     proc = _cli(triton_server, protocol, PROMPT, "--image", str(tmp_path / "missing.png"))
     assert proc.returncode == 2 and "missing.png" in proc.stderr
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_lora_name_from_the_client_and_the_cli(triton_server, protocol, tmp_path):
+    """The demo's `french` adapter by name, from the Python API (streamed too) and the CLI."""
+    import io
+    import random
+
+    from triton_vlm.demo.shapes import draw
+
+    buf = io.BytesIO()
+    draw("square", "red", (96, 96), random.Random(5)).save(buf, "PNG")
+    question = "USER: <image>\nWhat color is the shape? ASSISTANT:"
+    client = _client(triton_server, protocol)
+    assert client.generate(question, [buf.getvalue()], max_tokens=8).text.strip() == "red"
+    assert client.generate(question, [buf.getvalue()], max_tokens=8, lora_name="french").text.strip() == "rouge"
+    pieces = client.stream(question, [buf.getvalue()], max_tokens=8, lora_name="sentence")
+    assert "".join(p.text for p in pieces).strip() == "The color is red."
+    image = tmp_path / "red.png"
+    image.write_bytes(buf.getvalue())
+    proc = _cli(triton_server, protocol, question, "--image", str(image), "--max-tokens", "8", "--lora-name",
+                "french")
+    assert proc.returncode == 0 and proc.stdout.strip() == "rouge", proc.stderr
+    proc = _cli(triton_server, protocol, question, "--image", str(image), "--lora-task-id", "999")
+    assert proc.returncode == 1 and "LoRA task 999 not found in cache" in proc.stderr

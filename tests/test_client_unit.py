@@ -111,9 +111,9 @@ def test_build_json_body():
 
 def test_protocol_tables_are_consistent():
     assert len({t.name for t in P.INPUTS}) == len(P.INPUTS)
-    # LoRA tensors and names are not keyword parameters (yet): the client does not send them
+    # LoRA weight tensors are not keyword parameters (yet); lora_name and lora_task_id are
     assert set(P.PARAM_NAMES) == {t.name for t in P.INPUTS} - {"text_input", "images", "stream", "lora_weights",
-                                                               "lora_config", "lora_name"}
+                                                               "lora_config"}
     assert P.INPUTS_BY_NAME["early_stopping"] == ("early_stopping", "INT32", (1,))
     assert P.OUTPUTS_BY_NAME["output_ids"].dims == (-1, -1)
 

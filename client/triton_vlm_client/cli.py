@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True, help="output only the answer (default)")
     x.add_argument("--include-input", dest="exclude_input_in_output", action="store_false",
                    help="output the prompt followed by the answer")
+    lo = p.add_argument_group("LoRA adapter")
+    lo.add_argument("--lora-name", help="an adapter of the server's registry, e.g. french")
+    lo.add_argument("--lora-task-id", type=int, help="an adapter id the server has cached or on disk")
     o = p.add_argument_group("output and connection")
     o.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     o.add_argument("--json", action="store_true",
@@ -78,6 +81,10 @@ def params_from_args(ns: argparse.Namespace) -> dict[str, Any]:
             params[name] = value
     if ns.early_stopping is not None:
         params[P.EARLY_STOPPING] = _EARLY[ns.early_stopping]
+    if ns.lora_name:
+        params[P.LORA_NAME] = ns.lora_name
+    if ns.lora_task_id is not None:
+        params[P.LORA_TASK_ID] = ns.lora_task_id
     if ns.bad_word:
         params[P.BAD_WORDS] = list(ns.bad_word)
     if ns.stop_word:

@@ -109,4 +109,4 @@ OUTPUTS_BY_NAME: dict[str, TensorInfo] = {t.name: t for t in OUTPUTS}
 # The generation parameters a caller may pass as keyword arguments (everything but the prompt, the images
 # and `stream`, which the client sets itself).
 PARAM_NAMES: tuple[str, ...] = tuple(
-    t.name for t in INPUTS if t.name not in (TEXT_INPUT, IMAGES, STREAM, LORA_WEIGHTS, LORA_CONFIG, LORA_NAME))
+    t.name for t in INPUTS if t.name not in (TEXT_INPUT, IMAGES, STREAM, LORA_WEIGHTS, LORA_CONFIG))
