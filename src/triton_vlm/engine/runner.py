@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .kv_cache import KVCache, RowKV
-from .lora import LoraBatch
+from .lora import LoraBatch, StackCache
 from .merge import merge_image_embeds
 from .model import LlamaModel
 from .policy import PrefillChunk
@@ -29,6 +29,7 @@ from .state import Active
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache):
         self.model, self.cache = model, cache
+        self.lora_stacks = StackCache()  # the adapters of recent batches, stacked per projection
 
     def prefill(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
         a, kv = chunk.active, chunk.active.kv
@@ -37,7 +38,7 @@ class ModelRunner:
             kv.embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds,
                                            self.model.config.image_token_id)  # [P, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
-        adapters = LoraBatch.build([a.req.adapter], self.model.device)
+        adapters = LoraBatch.build([a.req.adapter], self.lora_stacks, self.model.device)
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
         kv.prefilled = chunk.start + chunk.length
         if not chunk.completes:
@@ -50,7 +51,8 @@ class ModelRunner:
         tokens = torch.tensor([t for a in actives for t in a.kv.next_tokens], dtype=torch.long)
         x = self.model.embed(tokens)[:, None]  # [rows, 1, hidden]
         # the per-row adapter map: every row (beam / sample) of a request uses the request's adapter
-        adapters = LoraBatch.build([a.req.adapter for a in actives for _ in a.kv.rows], self.model.device)
+        adapters = LoraBatch.build([a.req.adapter for a in actives for _ in a.kv.rows], self.lora_stacks,
+                                   self.model.device)
         return self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
 
     def reorder(self, active: Active, parents: list[int]) -> None:

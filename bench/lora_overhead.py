@@ -1,0 +1,67 @@
+"""What per-request LoRA costs the engine: tok/s with adapters mixed in every batch / tok/s without.
+
+    python -m bench.lora_overhead            # the benchmark model (bench.model), in-process, no Triton
+
+16 concurrent requests (a 29-token prompt each, `max_tokens = min_tokens = 32`), beam_width 1 and 4, run
+through `Engine.generate` twice: once on the base model, once with 4 distinct adapters (ranks 8, 16, 8, 16 on
+all seven projections of every layer) cycling over the requests, so every prefill and decode batch mixes them.
+Best of `--repeats` runs each; one torch thread (as the served stubs). Prints both and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from triton_vlm.lora.format import Adapter, LoraModule, module_shape
+
+from .model import ensure_bench_model
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(name: str, spec, rank: int, seed: int) -> Adapter:
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    for layer in range(spec.num_layers):
+        for m in MODULES:
+            n_in, n_out = module_shape(spec, m)
+            mods[(layer, m)] = LoraModule(torch.randn(rank, n_in, generator=g) * 0.02,
+                                          torch.randn(n_out, rank, generator=g) * 0.02, 2.0)
+    return Adapter(name, mods)
+
+
+def run(engine, adapters, beam: int, n: int, tag: str) -> float:
+    from triton_vlm.params import GenerationParams, GenerationRequest  # noqa: PLC0415
+
+    reqs = [GenerationRequest(f"{tag}{i}", [1] + [100 + (7 * i + j) % 4000 for j in range(28)],
+                              GenerationParams(max_tokens=32, min_tokens=32, beam_width=beam),
+                              adapter=adapters[i % len(adapters)] if adapters else None) for i in range(n)]
+    t0 = time.perf_counter()
+    engine.generate(reqs)
+    return n * 32 / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    engine = Engine(ensure_bench_model(), EngineConfig(max_rows=64, kv_cache_tokens=16384))
+    spec = engine.model_config
+    adapters = [random_adapter(f"a{i}", spec, r, i) for i, r in enumerate((8, 16, 8, 16))]
+    run(engine, adapters, 1, 4, "warm")
+    print(f"{'beam':>4} {'base tok/s':>11} {'lora tok/s':>11} {'lora/base':>9}")
+    for beam in (1, 4):
+        base = max(run(engine, None, beam, args.concurrency, f"b{beam}{k}") for k in range(args.repeats))
+        lora = max(run(engine, adapters, beam, args.concurrency, f"l{beam}{k}") for k in range(args.repeats))
+        print(f"{beam:>4} {base:>11.1f} {lora:>11.1f} {lora / base:>8.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
