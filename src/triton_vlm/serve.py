@@ -6,7 +6,9 @@
 2. copies `model_repository/` into a run folder, filling each model's parameters (model path, device, limits);
 3. starts the server with the environment the python stub needs (venv `bin` first on PATH, pyenv's shared
    libpython and pytriton's bundled libs on LD_LIBRARY_PATH);
-4. waits for readiness, prints where it listens, forwards SIGINT/SIGTERM and shuts down cleanly.
+4. waits for readiness, answers a demo request (with each demo LoRA adapter too), prints where it listens;
+5. supervises the server (`supervisor.py`: restarts it when it or one of its stubs dies) and on SIGINT / SIGTERM
+   shuts it down cleanly; the server gets SIGTERM if the launcher dies, even by SIGKILL (`procs.py`).
 
 `TritonServer` is the same thing as a context manager, used by the tests and the benchmark.
 """
