@@ -187,3 +187,63 @@ def test_convert_cli_reproduces_the_tensorrt_llm_example_layout(tmp_path):
         np.testing.assert_array_equal(row[:a.numel()], a.reshape(-1).numpy())
         np.testing.assert_allclose(row[a.numel():a.numel() + b.numel()], (b * scale).reshape(-1).numpy(), rtol=1e-6)
         assert not row[a.numel() + b.numel():].any()
+
+
+def peft_beam(base_dir, adapter_dir, prompt, beams, n):
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    model = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(base_dir), adapter_dir).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, num_beams=beams, num_return_sequences=n, max_new_tokens=10,
+                             output_scores=True, return_dict_in_generate=True)
+    eos = model.base_model.model.generation_config.eos_token_id
+    seqs = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        seqs.append(row[:row.index(eos) + 1] if eos in row else [t for t in row if t != eos])
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("module", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+def test_each_module_alone_beam_search_tokens_and_scores(base, tmp_path, module):
+    """One adapted projection at a time, beam 3 returning 2 sequences: tokens equal, scores within 1e-4."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    adapter_dir = make_adapter(base, tmp_path / module, 5, target_modules=LM_TARGETS.replace(
+        "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj", module))
+    eng = Engine(base, EngineConfig(max_rows=8, kv_cache_tokens=1024))
+    adapter = load_peft(adapter_dir, eng.model_config)
+    assert {m for _, m in adapter.modules} == {module}
+    prompt = PROMPTS[1]
+    req = GenerationRequest("r", prompt, GenerationParams(max_tokens=10, beam_width=3, num_return_sequences=2),
+                            adapter=adapter)
+    final = eng.generate([req])["r"][-1]
+    seqs, scores = peft_beam(base, adapter_dir, prompt, 3, 2)
+    assert [s.token_ids for s in final.sequences] == seqs
+    np.testing.assert_allclose([s.cum_log_prob for s in final.sequences], scores, atol=1e-4)
+
+
+def test_batch_invariance_among_sixteen_requests(base, adapters):
+    """A request with an adapter gives the same tokens alone and among 15 others using other adapters or none,
+    submitted while the engine is already running them."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(max_rows=64, kv_cache_tokens=4096))
+    loaded = [load_peft(d, eng.model_config) for d in adapters.values()] + [None]
+    target = GenerationRequest("x", PROMPTS[0], GenerationParams(max_tokens=12, beam_width=2), adapter=loaded[0])
+    alone = eng.generate([target])["x"][-1].sequences[0].token_ids
+    others = [GenerationRequest(f"o{i}", PROMPTS[i % 3] + [50 + i], GenerationParams(max_tokens=12 + i % 5),
+                                adapter=loaded[i % 3]) for i in range(15)]
+    results = {}
+    for r in others[:8]:
+        eng.submit(r, lambda res: results.setdefault(res.request_id, []).append(res))
+    for _ in range(3):  # the first eight are mid-generation when the target and the rest arrive
+        eng.step()
+    again = dataclasses.replace(target, request_id="x2")
+    for r in [again] + others[8:]:
+        eng.submit(r, lambda res: results.setdefault(res.request_id, []).append(res))
+    while eng.step():
+        pass
+    assert results["x2"][-1].sequences[0].token_ids == alone
+    assert all(results[r.request_id][-1].final for r in others)
