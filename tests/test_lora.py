@@ -247,3 +247,83 @@ def test_batch_invariance_among_sixteen_requests(base, adapters):
         pass
     assert results["x2"][-1].sequences[0].token_ids == alone
     assert all(results[r.request_id][-1].final for r in others)
+
+
+def _tiny(name: str, rank: int = 2, scale: float = 1.0):
+    from triton_vlm.lora.format import Adapter, LoraModule
+
+    return Adapter(name, {(0, "q_proj"): LoraModule(torch.ones(rank, 4), torch.ones(4, rank), scale)})
+
+
+def test_device_slots_evict_only_idle_adapters_least_recent_first():
+    from triton_vlm.engine.adapter_slots import DeviceAdapters
+
+    evicted = []
+    slots = DeviceAdapters(max_adapters=2, max_bytes=10**6, on_evict=lambda a: evicted.append(a.name))
+    a, b, c = _tiny("a"), _tiny("b"), _tiny("c")
+    assert slots.acquire(a) is not None and slots.acquire(b) is not None
+    assert slots.acquire(c) is None  # both slots used by running requests: c waits, nothing is evicted
+    assert evicted == [] and len(slots) == 2
+    slots.release(b)
+    slots.release(a)  # both idle now; a was used less recently than... b was acquired after a
+    assert slots.acquire(c) is not None and evicted == ["a"]
+    assert slots.acquire(b) is not None and slots.stats.hits == 1  # b stayed resident
+    assert slots.stats.misses == 3 and slots.stats.evictions == 1
+    with pytest.raises(InvalidArgument, match=r"needs \d+ bytes; the device adapter cache holds 100 bytes"):
+        DeviceAdapters(max_adapters=4, max_bytes=100).check(_tiny("big", rank=64))
+
+
+def test_engine_with_more_adapters_than_device_slots(base, adapters):
+    """Six adapters through two device slots: requests wait for a slot instead of failing, a running request's
+    adapter is never evicted, and every request's tokens equal those it gets alone."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.lora.format import Adapter, LoraModule
+
+    eng = Engine(base, EngineConfig(max_rows=32, kv_cache_tokens=4096, max_loras=2))
+    plain = load_peft(adapters["plain"], eng.model_config)
+    # six distinct adapters: the plain one with its B scaled differently
+    variants = [Adapter(f"v{k}", {key: LoraModule(m.a, m.b, m.scale * (1 + k / 4)) for key, m in plain.modules.items()})
+                for k in range(6)]
+    reqs = [GenerationRequest(f"r{i}", PROMPTS[i % 3], GenerationParams(max_tokens=8), adapter=variants[i % 6])
+            for i in range(12)]
+    alone = {}
+    ref = Engine(base, EngineConfig(max_rows=32, kv_cache_tokens=4096, max_loras=16))
+    for r in reqs:
+        alone[r.request_id] = ref.generate([dataclasses.replace(r)])[r.request_id][-1].sequences[0].token_ids
+    seen_running = []
+    results = {}
+    for r in reqs:
+        eng.submit(r, lambda res: results.setdefault(res.request_id, []).append(res))
+    while eng.step():
+        info = eng.lora_info()
+        seen_running.append(len(info.running))
+        assert len(info.running) <= 2 and info.max_lora == 2
+    assert {rid: res[-1].sequences[0].token_ids for rid, res in results.items()} == alone
+    assert all(res[-1].error is None for res in results.values())
+    assert max(seen_running) == 2 and eng.lora_slots.stats.evictions >= 4
+    assert len(set(map(tuple, alone.values()))) > 1  # the variants really differ
+
+
+def test_adapter_larger_than_the_device_level_is_refused_at_submit(base, adapters):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(max_rows=8, kv_cache_tokens=1024, lora_cache_device_mb=1))
+    spec = eng.model_config
+    big = from_trtllm("7", *_big_rows(spec), spec)
+    with pytest.raises(InvalidArgument, match=r"LoRA adapter '7' needs \d+ bytes; the device adapter cache holds "
+                                              r"1048576 bytes \(lora_cache_device_mb\)"):
+        eng.submit(GenerationRequest("r", PROMPTS[0], GenerationParams(max_tokens=4), adapter=big), print)
+
+
+def _big_rows(spec):
+    """Rank-256 q/k/v/o/gate/up/down on every layer: more than 1 MiB in fp32 for the test model."""
+    from triton_vlm.lora.format import module_shape
+
+    rows, config = [], []
+    for layer in range(spec.num_layers):
+        for module, mid in MODULE_IDS.items():
+            n_in, n_out = module_shape(spec, module)
+            rows.append(np.full(256 * (n_in + n_out), 0.001, np.float16))
+            config.append([mid, layer, 256])
+    width = max(len(r) for r in rows)
+    return np.stack([np.pad(r, (0, width - len(r))) for r in rows]), np.array(config, np.int32)

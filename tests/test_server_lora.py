@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -74,7 +75,9 @@ def lora_setup(tmp_path_factory, demo_model):
     refs = {(name, p): reference(demo_model, d, p) for name, d in (("base", None), ("a", a), ("b", b_peft))
             for p in PROMPTS}
     assert refs[("a", PROMPTS[0])] != refs[("base", PROMPTS[0])], "the adapter must change the answer"
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(root)}}, "lora-server")
+    # one device slot: requests of different adapters take turns (they wait in the queue, never fail)
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(root), "max_loras": "1"}},
+                           "lora-server")
     yield server, refs, to_trtllm(load_peft(a, spec), np.float16)
     _stop_server(server)
 
@@ -138,24 +141,46 @@ def test_weights_first_then_id_alone_and_a_registry_task_id_folder(lora_setup):
     assert grpc_ids(server, PROMPTS[0]) == refs[("base", PROMPTS[0])]
 
 
+def scrape(server) -> str:
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def test_adapters_and_base_mixed_in_concurrent_requests(lora_setup):
+    """Two adapters and the base model at once through one device slot: every answer equals PEFT's, and the
+    Gateway API LoRA gauge stays one series while its labels change."""
+    import re
+
     server, refs, _ = lora_setup
     jobs = [(["base", "a", "b"][i % 3], PROMPTS[i % 2]) for i in range(12)]
     results: dict[int, tuple[int, dict]] = {}
+    series, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            series.append(re.findall(r"^triton_vlm_lora_requests_info\{([^}]*)\}", scrape(server), re.M))
+            time.sleep(0.05)
 
     def run(i, who, prompt):
         body = {"text_input": prompt, **({"lora_name": "tenant-a"} if who == "a" else
                                          {"lora_task_id": 4242} if who == "b" else {})}
         results[i] = http(server, body)
 
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    time.sleep(0.6)  # one more refresh
+    done.set()
+    watcher.join(30)
     for i, (who, prompt) in enumerate(jobs):
         status, out = results[i]
         assert status == 200 and out["output_ids"] == refs[(who, prompt)], (who, prompt, out)
+    assert all(len(s) <= 1 for s in series), series
+    assert 'max_lora="1"' in series[-1][0] and 'running_lora_adapters=""' in series[-1][0]
 
 
 @pytest.mark.parametrize("body,message", [
@@ -189,11 +214,20 @@ def test_adapter_cache_metrics(lora_setup):
         assert http(server, {"text_input": PROMPTS[0], **body})[0] == 200  # loads (first time), then hits
     assert http(server, {"text_input": PROMPTS[0], "lora_task_id": 999})[0] == 400  # a miss
     time.sleep(1.2)  # gauges and counters are refreshed every 0.5 s
-    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    values = {m.group(1): float(m.group(2)) for m in
-              re.finditer(r"^(triton_vlm_lora_cache_\w+)\{[^}]*\} ([0-9.e+]+)$", text, re.M)}
-    assert values["triton_vlm_lora_cache_registry_loads_total"] >= 2  # tenant-a and task 4242 from disk
-    assert values["triton_vlm_lora_cache_hits_total"] >= 1
-    assert values["triton_vlm_lora_cache_misses_total"] >= 3  # the two loads and the unknown id 999
-    assert values["triton_vlm_lora_cache_adapters"] >= 2 and values["triton_vlm_lora_cache_bytes"] > 0
+    text = scrape(server)
+    values = {(m.group(1), m.group(2)): float(m.group(3)) for m in
+              re.finditer(r'^(triton_vlm_lora_cache_\w+)\{[^}]*level="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M)}
+    assert values[("triton_vlm_lora_cache_registry_loads_total", "host")] >= 2  # tenant-a, task 4242 from disk
+    assert values[("triton_vlm_lora_cache_hits_total", "host")] >= 1
+    assert values[("triton_vlm_lora_cache_misses_total", "host")] >= 3  # the two loads and the unknown id 999
+    assert values[("triton_vlm_lora_cache_adapters", "host")] >= 2
+    assert values[("triton_vlm_lora_cache_bytes", "host")] > 0
+    assert values[("triton_vlm_lora_cache_misses_total", "device")] >= 2  # copied into a device slot
+    assert values[("triton_vlm_lora_cache_adapters", "device")] >= 1  # idle adapters stay resident
+    assert values[("triton_vlm_lora_cache_evictions_total", "device")] >= 2  # one slot: a, 4242, a
+    # the Gateway API Inference Extension's LoRA gauge: one series, value the time of the last update
+    info = re.findall(r"^triton_vlm_lora_requests_info\{([^}]*)\} ([0-9.e+]+)$", text, re.M)
+    assert len(info) == 1, info
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0][0]))
+    assert labels["max_lora"] == "1" and labels["running_lora_adapters"] == ""
+    assert labels["waiting_lora_adapters"] == "" and abs(float(info[0][1]) - time.time()) < 30

@@ -34,7 +34,9 @@ class TritonPythonModel:
             cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64),
                                kv_cache_mb=config.parse_int(p, "kv_cache_mb", 1024),
                                prefill_chunk=config.parse_int(p, "prefill_chunk", 512),
-                               max_queue=config.parse_int(p, "max_queue", 1024))
+                               max_queue=config.parse_int(p, "max_queue", 1024),
+                               max_loras=config.parse_int(p, "max_loras", 16),
+                               lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256))
             kv = config.parse_int(p, "kv_cache_tokens", 0)
             if kv:  # an explicit token budget wins over kv_cache_mb
                 cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0
@@ -64,4 +66,5 @@ def _adapter_cache(spec, p):
     from triton_vlm.lora.registry import Registry
 
     registry = Registry(p.get("lora_dir") or None, spec)
-    return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20)
+    return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20,
+                        max_rank=config.parse_int(p, "max_lora_rank", 64))

@@ -8,8 +8,8 @@ What one step does (admission, prefill, decode, results) is in `scheduler.py`; m
 
 Validation at `submit()` (raises `InvalidArgument` synchronously): `GenerationRequest.validate` (non-empty
 prompt of in-vocabulary ids, prompt + max_tokens <= the context length, end ids, bad/stop words, beam width vs
-vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a request
-id not in use.
+vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a LoRA
+adapter that fits the device level (`adapter_slots`), a request id not in use.
 A full queue (`max_queue`) or a shut-down engine raises `Unavailable`. Image placeholder/feature count
 mismatches surface at prefill as a final result with `error=InvalidArgument`.
 """
@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
+from .adapter_slots import DeviceAdapters
 from .decoder import Decoder
 from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
@@ -45,11 +46,14 @@ class EngineConfig:
     block_size: int = 16
     prefill_chunk: int = 512  # max prompt tokens prefilled per step
     max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
+    # LoRA device level: distinct adapters resident at once (vLLM's max_loras) and their bytes
+    max_loras: int = 16
+    lora_cache_device_mb: int = 256
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue"):
+        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens < self.block_size:
@@ -68,6 +72,18 @@ class EngineStats:
     kv_blocks_total: int
     steps: int  # scheduler iterations since start
     decoded_rows: int  # sum of running rows over all steps (tokens computed)
+    lora_running_adapters: int  # distinct LoRA adapters of running requests
+    lora_device_adapters: int  # adapters resident in device slots (running ones and idle ones)
+    lora_device_bytes: int
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """Adapters of running and waiting requests, by name (the Gateway API Inference Extension's LoRA gauge)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_lora: int
 
 
 class Engine:
@@ -90,7 +106,8 @@ class Engine:
             per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPES[config.dtype].itemsize
             config.kv_cache_tokens = max(config.block_size, min(1 << 20, config.kv_cache_mb * 2**20 // per_token))
         self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.scheduler = Scheduler(self.model, self.cache, max_rows=config.max_rows,
+        self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
+        self.scheduler = Scheduler(self.model, self.cache, self.lora_slots, max_rows=config.max_rows,
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
@@ -110,7 +127,18 @@ class Engine:
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
-            kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows)
+            kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows,
+            lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
+            lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes)
+
+    def lora_info(self) -> LoraInfo:
+        with self._cond:
+            inbox = [a.req.adapter for a in self._inbox]
+        running = [a.req.adapter for a in list(self.scheduler.running)]
+        waiting = inbox + [a.req.adapter for a in list(self.scheduler.waiting)]
+        return LoraInfo(running=tuple(sorted({x.name for x in running if x is not None})),
+                        waiting=tuple(sorted({x.name for x in waiting if x is not None})),
+                        max_lora=self.config.max_loras)
 
     def _make_detok(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
@@ -141,8 +169,8 @@ class Engine:
 
     def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
         need = self.validate(req)
-        if req.adapter is not None and self.model.device.type != "cpu":
-            req.adapter = req.adapter.to(self.model.device)
+        if req.adapter is not None:
+            self.lora_slots.check(req.adapter)  # larger than the whole device level: it could never run
         p = req.params
         decoder = Decoder(
             p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,

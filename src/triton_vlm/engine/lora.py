@@ -32,32 +32,44 @@ from ..lora.format import Adapter
 
 
 class StackCache:
-    """(adapters of a batch, layer, module) -> (A_cat [R, in], B_cat [out, R], owner [R], scale [R]); LRU.
+    """The stacks of the adapter sets of recent batches: set -> {(layer, module): (A_cat [R, in], B_cat [out, R],
+    owner [R], scale [R])}, built lazily, at most `max_sets` sets (least recently used dropped).
 
-    Entries hold the adapters themselves, so an adapter's id cannot be reused by another while cached."""
+    Consecutive decode steps of the same requests reuse one set's stacks. `drop(adapter)` forgets every set
+    holding an adapter the device level evicted, so its memory is freed with it."""
 
-    def __init__(self, max_entries: int = 4096):
-        self.max_entries = max_entries
-        self._items: "OrderedDict[tuple, tuple]" = OrderedDict()
+    def __init__(self, max_sets: int = 4):
+        self.max_sets = max_sets
+        self._sets: "OrderedDict[tuple[int, ...], tuple[tuple[Adapter, ...], dict]]" = OrderedDict()
 
     def get(self, adapters: tuple[Adapter, ...], layer: int, module: str, device):
-        key = (tuple(id(a) for a in adapters), layer, module)
-        hit = self._items.get(key)
-        if hit is not None and all(x is y for x, y in zip(hit[0], adapters)):
-            self._items.move_to_end(key)
-            return hit[1]
-        parts = [(j, adapters[j].modules[(layer, module)]) for j in range(len(adapters))
-                 if (layer, module) in adapters[j].modules]
-        value = None
-        if parts:
-            value = (torch.cat([m.a for _, m in parts]).to(device),  # [R, in]
-                     torch.cat([m.b for _, m in parts], dim=1).to(device),  # [out, R]
-                     torch.tensor([j for j, m in parts for _ in range(m.rank)], device=device),  # [R]
-                     torch.tensor([m.scale for _, m in parts for _ in range(m.rank)], device=device))  # [R]
-        self._items[key] = (adapters, value)
-        while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
-        return value
+        key = tuple(id(a) for a in adapters)
+        entry = self._sets.get(key)
+        if entry is None or any(x is not y for x, y in zip(entry[0], adapters)):
+            entry = (adapters, {})
+            self._sets[key] = entry
+            while len(self._sets) > self.max_sets:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(key)
+        stacks = entry[1]
+        if (layer, module) not in stacks:
+            stacks[(layer, module)] = _stack(adapters, layer, module, device)
+        return stacks[(layer, module)]
+
+    def drop(self, adapter: Adapter) -> None:
+        for key in [k for k, (adapters, _) in self._sets.items() if any(a is adapter for a in adapters)]:
+            del self._sets[key]
+
+
+def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device):
+    parts = [(j, adapters[j].modules[(layer, module)]) for j in range(len(adapters))
+             if (layer, module) in adapters[j].modules]
+    if not parts:
+        return None
+    return (torch.cat([m.a for _, m in parts]).to(device),  # [R, in]
+            torch.cat([m.b for _, m in parts], dim=1).to(device),  # [out, R]
+            torch.tensor([j for j, m in parts for _ in range(m.rank)], device=device),  # [R]
+            torch.tensor([m.scale for _, m in parts for _ in range(m.rank)], device=device))  # [R]
 
 
 class LoraBatch:

@@ -4,12 +4,14 @@ First come first served. `schedule()`:
 1. retires cancelled requests (queued or running) and lists them in the plan, to be ended with CANCELLED;
 2. admits the head of the queue while it fits every budget (`_fits`, one place: rows it can ever use,
    `max(beam_width, num_return_sequences)`, within `max_rows`; its worst-case KV blocks,
-   `kv_cache.blocks_needed`, reservable). The head is never overtaken (no starvation of long or wide requests),
-   and reservation makes every later block allocation succeed: nothing is ever preempted or evicted;
+   `kv_cache.blocks_needed`, reservable; its LoRA adapter, if any, resident in a device slot
+   (`adapter_slots.DeviceAdapters`: only idle adapters are evicted for it). The head is never overtaken (no
+   starvation of long or wide requests, nor of rare adapters), and reservation makes every later block
+   allocation succeed: nothing is ever preempted;
 3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first;
 4. decodes every running request whose prompt is complete after this step's prefill.
 
-`retire()` gives a finished request's budgets back (rows, blocks, reservation; idempotent). The policy never
+`retire()` gives a finished request's budgets back (rows, blocks, reservation, adapter slot; idempotent). The policy never
 runs the model.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .adapter_slots import DeviceAdapters
 from .kv_cache import KVCache
 from .state import Active
 
@@ -43,8 +46,8 @@ class StepPlan:
 
 
 class Policy:
-    def __init__(self, cache: KVCache, *, max_rows: int, prefill_chunk: int):
-        self.cache = cache
+    def __init__(self, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int, prefill_chunk: int):
+        self.cache, self.adapters = cache, adapters
         self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
         self.waiting: deque[Active] = deque()
         self.running: list[Active] = []
@@ -81,7 +84,14 @@ class Policy:
         """Every budget a request needs, checked in one place; reserves its KV blocks when it fits."""
         if self.rows_reserved + a.width > self.max_rows:
             return False
-        return self.cache.try_reserve(a.kv.reserved)
+        if not self.cache.try_reserve(a.kv.reserved):
+            return False
+        if a.req.adapter is not None:
+            a.lora = self.adapters.acquire(a.req.adapter)
+            if a.lora is None:  # every slot holds an adapter a running request uses: wait for one to finish
+                self.cache.release(a.kv.reserved)
+                return False
+        return True
 
     def _admit(self) -> list[Active]:
         admitted = []
@@ -103,6 +113,9 @@ class Policy:
         if a.admitted:
             self.cache.release(a.kv.reserved)
             self.rows_reserved -= a.width
+            if a.lora is not None:
+                self.adapters.release(a.req.adapter)
+                a.lora = None
             self.running.remove(a)
             a.admitted = False
         elif a in self.waiting:

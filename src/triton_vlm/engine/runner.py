@@ -10,7 +10,8 @@
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
 The per-row adapter map (`lora.LoraBatch`) is built here for every forward from the rows' requests: rows of
-different requests may use different LoRA adapters, or none.
+different requests may use different LoRA adapters, or none. Each row reads its request's device copy
+(`Active.lora`, taken at admission), so an adapter replaced meanwhile never changes a running request.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class ModelRunner:
             kv.embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds,
                                            self.model.config.image_token_id)  # [P, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
-        adapters = LoraBatch.build([a.req.adapter], self.lora_stacks, self.model.device)
+        adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
         kv.prefilled = chunk.start + chunk.length
         if not chunk.completes:
@@ -51,7 +52,7 @@ class ModelRunner:
         tokens = torch.tensor([t for a in actives for t in a.kv.next_tokens], dtype=torch.long)
         x = self.model.embed(tokens)[:, None]  # [rows, 1, hidden]
         # the per-row adapter map: every row (beam / sample) of a request uses the request's adapter
-        adapters = LoraBatch.build([a.req.adapter for a in actives for _ in a.kv.rows], self.lora_stacks,
+        adapters = LoraBatch.build([a.lora for a in actives for _ in a.kv.rows], self.lora_stacks,
                                    self.model.device)
         return self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
 

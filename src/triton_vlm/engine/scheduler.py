@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..errors import Cancelled, Internal, VLMError
+from .adapter_slots import DeviceAdapters
 from .kv_cache import KVCache
 from .model import LlamaModel
 from .output import OutputProcessor
@@ -28,10 +29,11 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, model: LlamaModel, cache: KVCache, *, max_rows: int, prefill_chunk: int,
-                 decode_text: Callable[[list[int]], str]):
-        self.policy = Policy(cache, max_rows=max_rows, prefill_chunk=prefill_chunk)
+    def __init__(self, model: LlamaModel, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int,
+                 prefill_chunk: int, decode_text: Callable[[list[int]], str]):
+        self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk)
         self.runner = ModelRunner(model, cache)
+        adapters.on_evict = self.runner.lora_stacks.drop  # an evicted adapter's stacks go with it
         self.output = OutputProcessor(decode_text)
 
     # the policy's queue and budgets, for the engine's stats and the tests

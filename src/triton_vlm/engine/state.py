@@ -3,7 +3,7 @@
 - `Active.kv` (`KVState`): the rows and the prompt progress, owned by the runner (`runner.py`);
 - `Active.streams` (`StreamState` per sequence index): what was streamed, owned by the output step
   (`output.py`);
-- the budgets it holds (`width` rows, `kv.reserved` blocks) are taken and given back by the policy
+- the budgets it holds (`width` rows, `kv.reserved` blocks, its adapter's device slot) are taken and given back by the policy
   (`policy.py`).
 `Active` itself is the request, its decoder and the callback its results go to.
 """
@@ -56,6 +56,7 @@ class Active:
     streams: dict[int, StreamState] = field(default_factory=dict)  # sequence index -> what was streamed
     timing: Timing = field(default_factory=Timing)
     admitted: bool = False
+    lora: Any = None  # the device copy of req.adapter while admitted (`adapter_slots.DeviceAdapters`)
 
     @property
     def id(self) -> str:

@@ -1,8 +1,10 @@
 """Adapters by `lora_task_id`, as TensorRT-LLM's LoRA cache: the first request carries id + weights + config,
 later ones the id alone; ids the server's registry knows are loaded from disk on a miss.
 
-One level (host memory, `max_bytes`), least recently used evicted first. A running request holds its own
-reference to its adapter, so evicting or replacing an id never changes a request already admitted.
+This is the host level (`lora_cache_host_mb`), least recently used evicted first; the device level, the slots the
+batched adapter math reads, is the engine's (`engine/adapter_slots.py`). A request holds its own reference to
+its adapter, so evicting or replacing an id never changes a request already resolved. Wire adapters are named
+by their task id, registry adapters by their folder name (the names metrics and the LoRA gauge show).
 """
 from __future__ import annotations
 
@@ -14,13 +16,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..spec import TextSpec
-from .format import Adapter, from_trtllm
+from .format import MAX_RANK, Adapter, from_trtllm
 from .registry import Registry
-
-
-def adapter_bytes(adapter: Adapter) -> int:
-    return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
-               for m in adapter.modules.values())
 
 
 @dataclass
@@ -36,6 +33,7 @@ class AdapterCache:
     spec: TextSpec
     registry: Registry
     max_bytes: int
+    max_rank: int = MAX_RANK  # max_lora_rank: adapters of a higher rank are refused
     stats: CacheStats = field(default_factory=CacheStats)
     _items: "OrderedDict[int, Adapter]" = field(default_factory=OrderedDict)
     used_bytes: int = 0
@@ -58,7 +56,7 @@ class AdapterCache:
         if weights is not None:
             if task_id is None:
                 raise InvalidArgument("lora_weights and lora_config need a lora_task_id to cache them under")
-            adapter = from_trtllm(f"task {task_id}", weights, config, self.spec)
+            adapter = from_trtllm(str(task_id), weights, config, self.spec, self.max_rank)
             self._put(task_id, adapter)
             return adapter
         if task_id is None:
@@ -75,21 +73,24 @@ class AdapterCache:
         if name is None:
             raise InvalidArgument(f"LoRA task {task_id} not found in cache. Please send LoRA weights with request")
         adapter = self.registry.load(name)
+        if adapter.max_rank > self.max_rank:
+            raise InvalidArgument(f"LoRA adapter {name!r} has rank {adapter.max_rank}; Invalid low_rank (r): must be "
+                                  f"<= {self.max_rank} (max_lora_rank)")
         self.stats.registry_loads += 1
         self._put(task_id, adapter)
         return adapter
 
     def _put(self, task_id: int, adapter: Adapter) -> None:
-        size = adapter_bytes(adapter)
+        size = adapter.nbytes
         if size > self.max_bytes:
             raise InvalidArgument(f"LoRA task {task_id} needs {size} bytes, more than the whole adapter cache "
                                   f"({self.max_bytes} bytes, lora_cache_host_mb)")
         old = self._items.pop(task_id, None)
         if old is not None:
-            self.used_bytes -= adapter_bytes(old)
+            self.used_bytes -= old.nbytes
         while self.used_bytes + size > self.max_bytes:
             _, evicted = self._items.popitem(last=False)
-            self.used_bytes -= adapter_bytes(evicted)
+            self.used_bytes -= evicted.nbytes
             self.stats.evictions += 1
         self._items[task_id] = adapter
         self.used_bytes += size

@@ -54,6 +54,11 @@ class Adapter:
     def max_rank(self) -> int:
         return max((m.rank for m in self.modules.values()), default=0)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
+                   for m in self.modules.values())
+
     def to(self, device: torch.device | str) -> "Adapter":
         mods = {k: LoraModule(m.a.to(device), m.b.to(device), m.scale) for k, m in self.modules.items()}
         return Adapter(self.name, mods)
@@ -72,7 +77,8 @@ def to_trtllm(adapter: Adapter, dtype=np.float16) -> tuple[np.ndarray, np.ndarra
     return weights, np.asarray(config, dtype=np.int32).reshape(-1, 3)
 
 
-def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec) -> Adapter:
+def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec, max_rank: int = MAX_RANK
+                ) -> Adapter:
     """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) -> Adapter; every
     problem raises InvalidArgument naming the input, the value and what is allowed."""
     weights, config = np.asarray(weights), np.asarray(config)
@@ -93,8 +99,9 @@ def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSp
         if not 0 <= layer < spec.num_layers:
             raise InvalidArgument(f"lora_config row {i}: Expected layerId to be in the range [0, "
                                   f"{spec.num_layers}), got {layer}")
-        if not 1 <= r <= MAX_RANK:
-            raise InvalidArgument(f"lora_config row {i}: Invalid low_rank (r) {r}; must be in [1, {MAX_RANK}]")
+        if not 1 <= r <= max_rank:
+            raise InvalidArgument(f"lora_config row {i}: Invalid low_rank (r) {r}; must be in [1, {max_rank}] "
+                                  "(max_lora_rank)")
         n_in, n_out = module_shape(spec, module)
         need = r * (n_in + n_out)
         if need > weights.shape[1]:

@@ -57,7 +57,10 @@ class LLMService:
         self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
 
     def start(self) -> None:
-        self.metrics = LLMMetrics(getattr(self.backend, "stats", None), lora=self.adapters)
+        lora = self.adapters is not None
+        self.metrics = LLMMetrics(getattr(self.backend, "stats", None), lora=self.adapters,
+                                  lora_slots=getattr(self.backend, "lora_slots", None) if lora else None,
+                                  lora_info=getattr(self.backend, "lora_info", None) if lora else None)
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         self.backend.start()
         self.responder.start()

@@ -7,8 +7,13 @@ Histograms (seconds, measured inside the llm model from the moment it received t
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
 `triton_vlm_time_per_output_token_seconds` (mean after the first), `triton_vlm_request_seconds` (end to end).
-LoRA adapter cache: `triton_vlm_lora_cache_{hits,misses,registry_loads,evictions}_total` counters and
-`triton_vlm_lora_cache_{adapters,bytes}` gauges.
+LoRA adapter cache, per `level` ("host": adapters by task id; "device": the slots running requests read):
+`triton_vlm_lora_cache_{hits,misses,evictions}_total{level}` and `triton_vlm_lora_cache_registry_loads_total`
+counters, `triton_vlm_lora_cache_{adapters,bytes}{level}` gauges. And the LoRA gauge of the Kubernetes Gateway
+API Inference Extension's model-server protocol, with vLLM's `lora_requests_info` semantics:
+`triton_vlm_lora_requests_info{running_lora_adapters="a,b",waiting_lora_adapters="c",max_lora="16"}`, value the
+Unix time of the last update (one series at a time: the previous label set is removed when the adapters change).
+An endpoint picker reads it with `--lora-info-metric triton_vlm_lora_requests_info`.
 
 Without the python backend (unit tests) every method is a no-op. A Metric is only valid while its
 MetricFamily lives, so the families are kept here and dropped after the metrics in `close()`.
@@ -16,6 +21,7 @@ MetricFamily lives, so the families are kept here and dropped after the metrics 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional
 
 try:
@@ -41,14 +47,17 @@ HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
 
 class LLMMetrics:
     def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
-                 lora=None):
+                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None):
         """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
-        the first is dropped, free) the first one's families."""
+        the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
+        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters)."""
         self._stats = stats
-        self._lora = lora  # lora.cache.AdapterCache or None
-        self._lora_counters: dict = {}
-        self._lora_seen: dict[str, int] = {}
-        self._lora_gauges: dict = {}
+        self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
+        self._lora_info = lora_info
+        self._lora_counters: dict = {}  # (field, level) -> counter
+        self._lora_seen: dict = {}
+        self._lora_gauges: dict = {}  # (field, level) -> gauge
+        self._info_family, self._info_metric, self._info_labels = None, None, None
         self._families: list = []
         self._gauges: dict = {}
         self._outcomes: dict = {}
@@ -83,28 +92,55 @@ class LLMMetrics:
         for name, (description, buckets, attr) in HISTOGRAMS.items():
             fam = self._family(name, description, F.HISTOGRAM)
             self._hist[attr] = fam.Metric(labels=labels, buckets=buckets)
-        if self._lora is not None:
-            for field in ("hits", "misses", "registry_loads", "evictions"):
-                fam = self._family(f"triton_vlm_lora_cache_{field}_total", f"LoRA adapter cache {field}", F.COUNTER)
-                self._lora_counters[field] = fam.Metric(labels=labels)
-            for field, what in (("adapters", "adapters held"), ("bytes", "bytes held")):
-                fam = self._family(f"triton_vlm_lora_cache_{field}", f"LoRA adapter cache: {what}", F.GAUGE)
-                self._lora_gauges[field] = fam.Metric(labels=labels)
+        if self._lora_levels:
+            self._create_lora(labels)
+
+    def _create_lora(self, labels: dict) -> None:
+        F = pb_utils.MetricFamily
+        for field in ("hits", "misses", "evictions", "registry_loads"):
+            fam = self._family(f"triton_vlm_lora_cache_{field}_total", f"LoRA adapter cache {field}", F.COUNTER)
+            for level, cache in self._lora_levels.items():
+                if hasattr(cache.stats, field):
+                    self._lora_counters[(field, level)] = fam.Metric(labels={**labels, "level": level})
+        for field, what in (("adapters", "adapters held"), ("bytes", "bytes held")):
+            fam = self._family(f"triton_vlm_lora_cache_{field}", f"LoRA adapter cache: {what}", F.GAUGE)
+            for level in self._lora_levels:
+                self._lora_gauges[(field, level)] = fam.Metric(labels={**labels, "level": level})
 
     def update_gauges(self) -> None:
         if self._gauges:
             snap = self._stats()
             for name, gauge in self._gauges.items():
                 gauge.set(float(getattr(snap, name)))
-        if self._lora_counters:  # cumulative counts of the cache -> counter increments
-            stats = self._lora.stats
-            for field, metric in self._lora_counters.items():
-                now = getattr(stats, field)
-                if now > self._lora_seen.get(field, 0):
-                    metric.increment(now - self._lora_seen.get(field, 0))
-                    self._lora_seen[field] = now
-            self._lora_gauges["adapters"].set(float(len(self._lora)))
-            self._lora_gauges["bytes"].set(float(self._lora.used_bytes))
+        if self._lora_levels and self._lora_counters:
+            self._update_lora()
+
+    def _update_lora(self) -> None:
+        for (field, level), metric in self._lora_counters.items():  # cumulative counts -> counter increments
+            now = getattr(self._lora_levels[level].stats, field)
+            if now > self._lora_seen.get((field, level), 0):
+                metric.increment(now - self._lora_seen.get((field, level), 0))
+                self._lora_seen[(field, level)] = now
+        for level, cache in self._lora_levels.items():
+            self._lora_gauges[("adapters", level)].set(float(len(cache)))
+            self._lora_gauges[("bytes", level)].set(float(cache.used_bytes))
+        if self._lora_info is not None:
+            self._update_lora_info()
+
+    def _update_lora_info(self) -> None:
+        """One series at a time: the python backend frees a Metric only with its family, so a new label set
+        replaces the whole family (the old one is deleted first: two live families of one name crash Triton)."""
+        info = self._lora_info()
+        labels = {"running_lora_adapters": ",".join(info.running), "waiting_lora_adapters": ",".join(info.waiting),
+                  "max_lora": str(info.max_lora)}
+        if labels != self._info_labels:
+            self._info_metric, self._info_family, self._info_labels = None, None, labels  # deletes the old one
+            self._info_family = pb_utils.MetricFamily(
+                name="triton_vlm_lora_requests_info", kind=pb_utils.MetricFamily.GAUGE,
+                description="LoRA adapters of running and waiting requests (Gateway API Inference Extension); "
+                            "value: the time of the last update")
+            self._info_metric = self._info_family.Metric(labels=labels)
+        self._info_metric.set(time.time())
 
     def outcome(self, code: str) -> None:
         """One request answered: `code` is "success" or a `VLMError.code` (INVALID_ARG, ...)."""
@@ -124,5 +160,5 @@ class LLMMetrics:
 
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
-        self._lora_counters, self._lora_gauges = {}, {}
+        self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
         self._families = []
