@@ -103,7 +103,7 @@ def demo_adapters(demo_model) -> Path:
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, demo_model, demo_adapters):
     """The model repository as shipped (our engine), serving the demo model and its LoRA adapters."""
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(demo_adapters)}}, "server")
+    server = _start_server(tmp_path_factory, demo_model, {"*": {"lora_dir": str(demo_adapters)}}, "server")
     yield server
     _stop_server(server)
 

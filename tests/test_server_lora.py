@@ -76,7 +76,7 @@ def lora_setup(tmp_path_factory, demo_model):
             for p in PROMPTS}
     assert refs[("a", PROMPTS[0])] != refs[("base", PROMPTS[0])], "the adapter must change the answer"
     # one device slot: requests of different adapters take turns (they wait in the queue, never fail)
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"lora_dir": str(root), "max_loras": "1"}},
+    server = _start_server(tmp_path_factory, demo_model, {"*": {"lora_dir": str(root)}, "llm": {"max_loras": "1"}},
                            "lora-server")
     yield server, refs, to_trtllm(load_peft(a, spec), np.float16)
     _stop_server(server)
@@ -102,8 +102,9 @@ def grpc_ids(server, prompt: str, **lora) -> list[int]:
               "exclude_input_in_output": (np.array([[True]]), "BOOL")}
     if "task_id" in lora:
         arrays["lora_task_id"] = (np.array([[lora["task_id"]]], np.uint64), "UINT64")
-    if "weights" in lora:
+    if lora.get("weights") is not None:
         arrays["lora_weights"] = (lora["weights"][None].astype(np.float16), "FP16")
+    if lora.get("config") is not None:
         arrays["lora_config"] = (lora["config"][None].astype(np.int32), "INT32")
     inputs = []
     for name, (arr, dtype) in arrays.items():
@@ -195,14 +196,54 @@ def test_lora_errors_are_invalid_arg(lora_setup, body, message):
     assert status == 400 and message in out["error"], out
 
 
-def test_wire_tensor_errors(lora_setup):
-    server, _, (weights, config) = lora_setup
-    bad = config.copy()
-    bad[0, 1] = 99
-    with pytest.raises(RuntimeError, match="Expected layerId to be in the range"):
-        grpc_ids(server, PROMPTS[0], task_id=78, weights=weights, config=bad)
-    with pytest.raises(RuntimeError, match="need a lora_task_id"):
-        grpc_ids(server, PROMPTS[0], weights=weights, config=config)
+def _bad_wire(weights, config):
+    """(name, lora kwargs, message) for every kind of bad wire tensors."""
+    def cfg(row, col, value):
+        c = config.copy()
+        c[row, col] = value
+        return c
+
+    nan = weights.copy()
+    nan[1, 0] = np.nan
+    return [
+        ("layer", dict(task_id=78, weights=weights, config=cfg(0, 1, 99)),
+         "lora_config row 0: Expected layerId to be in the range [0, 2), got 99"),
+        ("module", dict(task_id=78, weights=weights, config=cfg(2, 0, 12)),
+         "lora_config row 2: lora module 12 not enabled for this model"),
+        ("rank", dict(task_id=78, weights=weights, config=cfg(0, 2, 65)),
+         "Invalid low_rank (r) 65; must be in [1, 64] (max_lora_rank)"),
+        ("rank0", dict(task_id=78, weights=weights, config=cfg(0, 2, 0)), "Invalid low_rank (r) 0"),
+        ("short", dict(task_id=78, weights=weights[:, :10], config=config), "lora_weights row 0 has to few values"),
+        ("rows", dict(task_id=78, weights=weights[:-1], config=config),
+         "Expected dim1 lora_weights and lora_config to have the same size"),
+        ("nan", dict(task_id=78, weights=nan, config=config), "lora_weights holds NaN or infinite values"),
+        ("no id", dict(weights=weights, config=config), "need a lora_task_id"),
+        ("weights only", dict(task_id=78, weights=weights), "must be sent together (got only lora_weights)"),
+        ("config only", dict(task_id=78, config=config), "must be sent together (got only lora_config)"),
+    ]
+
+
+def test_wire_tensor_errors_are_refused_by_preprocess(lora_setup):
+    """Each bad input is INVALID_ARG naming the row and what is allowed, refused by preprocess (before vision and
+    llm run: their request counts do not move), and the server goes on answering."""
+    import re
+
+    server, refs, (weights, config) = lora_setup
+
+    def counts():  # requests vision and llm received, whatever their outcome
+        found = re.findall(r'^nv_inference_request_(?:success|failure)\{model="(\w+)"[^}]*\} ([0-9.e+]+)$',
+                           scrape(server), re.M)
+        return sum(float(v) for m, v in found if m in ("vision", "llm")), {m for m, _ in found}
+
+    cases = _bad_wire(weights, config)
+    before, models = counts()
+    assert {"vision", "llm"} <= models
+    for name, lora, message in cases:
+        with pytest.raises(RuntimeError) as e:
+            grpc_ids(server, PROMPTS[0], **lora)
+        assert message in str(e.value), (name, str(e.value))
+    assert counts()[0] == before  # neither vision nor llm saw any of them
+    assert grpc_ids(server, PROMPTS[0], task_id=79, weights=weights, config=config) == refs[("a", PROMPTS[0])]
 
 
 def test_adapter_cache_metrics(lora_setup):

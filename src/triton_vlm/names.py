@@ -116,7 +116,8 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _in(STREAM, BOOL, default=False, doc="send tokens as they are generated (decoupled responses)"),
 )
 
-# --- LoRA: TensorRT-LLM's tensors, plus an adapter of the server's registry by name (llm resolves them) -------
+# --- LoRA: TensorRT-LLM's tensors, plus an adapter of the server's registry by name (preprocess checks them,
+# llm resolves them) ------------------------------------------------------------------------------------------
 LORA_INPUTS: tuple[TensorSpec, ...] = (
     _in(LORA_TASK_ID, UINT64, default=None, doc="LoRA adapter id; send lora_weights + lora_config with it once"),
     _in(LORA_WEIGHTS, FP16, (-1, -1), doc="[N, W] rows A then scale * B, zero padded (TensorRT-LLM format)"),
@@ -150,7 +151,7 @@ PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (
     _in(MAX_TOKENS, INT32, optional=False),
     _in(BAD_WORDS, BYTES, (-1,)),
     _in(STOP_WORDS, BYTES, (-1,)),
-)
+) + LORA_INPUTS  # checked here (a bad adapter is refused before any image is encoded), used by llm
 PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(INPUT_IDS, INT32, (-1,)),  # prompt ids with N placeholder ids per image
     TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),  # [images, 3, H, W], processor-normalised

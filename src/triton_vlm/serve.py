@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_dir = Path(args.lora_dir).expanduser().resolve()
         if not lora_dir.is_dir():
             raise SystemExit(f"--lora-dir {lora_dir} is not a folder")
-        params.setdefault("llm", {})["lora_dir"] = str(lora_dir)
+        params.setdefault("*", {})["lora_dir"] = str(lora_dir)  # llm loads adapters, preprocess checks names
     run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,

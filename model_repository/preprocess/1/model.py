@@ -33,12 +33,15 @@ class TritonPythonModel:
             image_cache_size=config.parse_int(p, "image_cache_size", 64),
             max_text_chars=config.parse_int(p, "max_text_chars", 0),
         )
+        self.lora = _LoraCheck(self.pre.info.model_dir, p.get("lora_dir") or None,
+                               config.parse_int(p, "max_lora_rank", 64))
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
 
     def _one(self, request):
         try:
+            self.lora(request)
             res = self.pre(
                 tensors.scalar(request, _IN[N.TEXT_INPUT]),
                 tensors.blobs(request, N.IMAGES),
@@ -55,3 +58,21 @@ class TritonPythonModel:
             })
         except Exception as e:  # noqa: BLE001 - each request gets its own error; the others are unaffected
             return error_response(e)
+
+
+class _LoraCheck:
+    """Refuses bad LoRA inputs (`lora.request.parse_request`) before the images are decoded and encoded."""
+
+    def __init__(self, model_dir, lora_dir, max_rank: int):
+        from triton_vlm.lora.registry import Registry
+        from triton_vlm.spec import CheckpointSpec
+
+        self.spec = CheckpointSpec.load(model_dir).text
+        self.registry, self.max_rank = Registry(lora_dir, self.spec), max_rank
+
+    def __call__(self, request) -> None:
+        from triton_vlm.lora.request import parse_request
+
+        inputs = tensors.lora_inputs(request)
+        if inputs is not None:
+            parse_request(*inputs, self.spec, self.registry, self.max_rank)

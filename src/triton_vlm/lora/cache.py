@@ -12,12 +12,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
-
 from ..errors import InvalidArgument
 from ..spec import TextSpec
-from .format import MAX_RANK, Adapter, from_trtllm
+from .format import MAX_RANK, Adapter
 from .registry import Registry
+from .request import LoraRequest
 
 
 @dataclass
@@ -41,27 +40,15 @@ class AdapterCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def resolve(self, task_id: Optional[int], weights: Optional[np.ndarray], config: Optional[np.ndarray],
-                name: Optional[str]) -> Optional[Adapter]:
-        """The adapter a request asks for (None: the base model); InvalidArgument says what is wrong."""
-        if (weights is None) != (config is None):
-            raise InvalidArgument("lora_weights and lora_config must be sent together (got only "
-                                  f"{'lora_weights' if weights is not None else 'lora_config'})")
-        if name is not None:
-            self.registry.path(name)  # a name outside the registry is refused before anything is cached
-            tid = self.registry.task_id(name)
-            if task_id is not None and task_id != tid:
-                raise InvalidArgument(f"lora_name {name!r} is task id {tid} but lora_task_id {task_id} was sent")
-            return self._get_or_load(tid, name)
-        if weights is not None:
-            if task_id is None:
-                raise InvalidArgument("lora_weights and lora_config need a lora_task_id to cache them under")
-            adapter = from_trtllm(str(task_id), weights, config, self.spec, self.max_rank)
-            self._put(task_id, adapter)
-            return adapter
-        if task_id is None:
+    def resolve(self, req: Optional[LoraRequest]) -> Optional[Adapter]:
+        """The adapter of a checked request (`request.parse_request`); None: the base model. Weights sent with
+        the request (re)place their task id's entry; an id alone is a hit, or loaded from the registry."""
+        if req is None:
             return None
-        return self._get_or_load(task_id, self.registry.find_id(task_id))
+        if req.wire is not None:
+            self._put(req.task_id, req.wire)
+            return req.wire
+        return self._get_or_load(req.task_id, req.name)
 
     def _get_or_load(self, task_id: int, name: Optional[str]) -> Adapter:
         adapter = self._items.get(task_id)

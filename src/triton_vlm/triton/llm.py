@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import names as N
 from ..errors import InvalidArgument
+from ..lora.request import parse_request
 from ..params import GenerationParams, GenerationRequest, GenerationResult, words_from_flat
 from . import tensors
 from .errors import error_response
@@ -118,17 +119,13 @@ class LLMService:
 
     def _adapter(self, request):
         """The LoRA adapter the request asks for (task id, wire tensors, or a registry name), or None."""
-        task = tensors.scalar(request, N.spec(N.LORA_TASK_ID, N.LORA_INPUTS))
-        name = tensors.scalar(request, N.spec(N.LORA_NAME, N.LORA_INPUTS))
-        weights = tensors.input_array(request, N.LORA_WEIGHTS)  # [N, W]
-        config = tensors.input_array(request, N.LORA_CONFIG)  # [N, 3]
-        weights = None if weights is None or weights.size == 0 else weights
-        config = None if config is None or config.size == 0 else config
-        if task is None and name is None and weights is None and config is None:
+        inputs = tensors.lora_inputs(request)
+        if inputs is None:
             return None
         if self.adapters is None:
             raise InvalidArgument("this llm backend does not apply LoRA adapters (use backend 'engine')")
-        return self.adapters.resolve(None if task is None else int(task), weights, config, name or None)
+        cache = self.adapters
+        return cache.resolve(parse_request(*inputs, cache.spec, cache.registry, cache.max_rank))
 
     # --- results (the responder's thread) ------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:

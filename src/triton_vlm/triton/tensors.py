@@ -15,6 +15,7 @@ except ImportError:  # pragma: no cover - unit tests import this module outside 
     pb_utils = None
 
 from ..errors import InvalidArgument
+from .. import names as N
 from ..names import BOOL, BYTES, FP32, INT32, UINT64, TensorSpec
 
 _NUMPY = {BOOL: np.bool_, BYTES: np.object_, FP32: np.float32, INT32: np.int32, UINT64: np.uint64}
@@ -92,3 +93,17 @@ def output_tensor(spec: TensorSpec, value) -> "pb_utils.Tensor":
 
 def response(outputs: dict[str, tuple[TensorSpec, Any]]) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=[output_tensor(s, v) for s, v in outputs.values()])
+
+
+def lora_inputs(request) -> tuple | None:
+    """(lora_task_id, lora_weights [N, W], lora_config [N, 3], lora_name), each None when absent or empty; None
+    when the request sent none of them."""
+    task = scalar(request, N.spec(N.LORA_TASK_ID, N.LORA_INPUTS))
+    name = scalar(request, N.spec(N.LORA_NAME, N.LORA_INPUTS))
+    weights = input_array(request, N.LORA_WEIGHTS)
+    config = input_array(request, N.LORA_CONFIG)
+    weights = None if weights is None or weights.size == 0 else weights
+    config = None if config is None or config.size == 0 else config
+    if task is None and name is None and weights is None and config is None:
+        return None
+    return None if task is None else int(task), weights, config, name or None

@@ -1,0 +1,46 @@
+"""A request's LoRA inputs, checked: TensorRT-LLM's `lora_task_id` / `lora_weights` / `lora_config` and our
+`lora_name`. One function, `parse_request`, used where a request enters: preprocess (so a bad adapter is refused
+before any image is encoded) and llm (which can also be called directly). Every problem is an InvalidArgument
+naming the input, the value and what is allowed; TensorRT-LLM's texts where it has one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..spec import TextSpec
+from .format import Adapter, from_trtllm
+from .registry import Registry
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    task_id: int  # the cache key (a registry name's task id when only the name was sent)
+    name: Optional[str] = None  # registry adapter name, when sent by name
+    wire: Optional[Adapter] = None  # the adapter the request carries (weights + config), else None
+
+
+def parse_request(task_id: Optional[int], weights: Optional[np.ndarray], config: Optional[np.ndarray],
+                  name: Optional[str], spec: TextSpec, registry: Registry, max_rank: int) -> Optional[LoraRequest]:
+    """None when the request asks for no adapter (the base model)."""
+    if (weights is None) != (config is None):
+        raise InvalidArgument("lora_weights and lora_config must be sent together (got only "
+                              f"{'lora_weights' if weights is not None else 'lora_config'})")
+    if name is not None:
+        if weights is not None:
+            raise InvalidArgument(f"lora_name {name!r} selects a registry adapter; do not send lora_weights with it")
+        registry.path(name)  # refuses names outside the registry
+        tid = registry.task_id(name)
+        if task_id is not None and task_id != tid:
+            raise InvalidArgument(f"lora_name {name!r} is task id {tid} but lora_task_id {task_id} was sent")
+        return LoraRequest(tid, name=name)
+    if weights is not None:
+        if task_id is None:
+            raise InvalidArgument("lora_weights and lora_config need a lora_task_id to cache them under")
+        return LoraRequest(task_id, wire=from_trtllm(str(task_id), weights, config, spec, max_rank))
+    if task_id is None:
+        return None
+    return LoraRequest(task_id, name=registry.find_id(task_id))
