@@ -203,3 +203,36 @@ def test_lora_name_from_the_client_and_the_cli(triton_server, protocol, tmp_path
     assert proc.returncode == 0 and proc.stdout.strip() == "rouge", proc.stderr
     proc = _cli(triton_server, protocol, question, "--image", str(image), "--lora-task-id", "999")
     assert proc.returncode == 1 and "LoRA task 999 not found in cache" in proc.stderr
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_lora_dir_sends_the_adapter_then_the_id_alone(triton_server, protocol, demo_adapters, tmp_path):
+    """--lora-dir: the client reads the adapter (PEFT folder, or TensorRT-LLM's .npy pair) with numpy only and
+    sends it with the task id; the id alone then finds it in the server's cache."""
+    import io
+    import random
+
+    from triton_vlm.demo.shapes import draw
+    from triton_vlm.lora.convert import main as convert
+
+    buf = io.BytesIO()
+    draw("circle", "blue", (96, 96), random.Random(7)).save(buf, "PNG")
+    question = "USER: <image>\nWhat color is the shape? ASSISTANT:"
+    task = {"grpc": 5001, "http": 5002}[protocol]
+    client = _client(triton_server, protocol)
+    if protocol == "http":  # the generate extension cannot carry FP16 tensors: gRPC sends, HTTP uses the id
+        with pytest.raises(ValueError, match="lora_dir needs protocol 'grpc'"):
+            client.generate(question, [buf.getvalue()], lora_dir=demo_adapters / "french", lora_task_id=task)
+    sender = _client(triton_server, "grpc")
+    assert sender.generate(question, [buf.getvalue()], max_tokens=8, lora_dir=demo_adapters / "french",
+                           lora_task_id=task).text.strip() == "bleu"
+    assert client.generate(question, [buf.getvalue()], max_tokens=8, lora_task_id=task).text.strip() == "bleu"
+    npy = tmp_path / "npy"
+    assert convert(["-i", str(demo_adapters / "sentence"), "-o", str(npy)]) == 0
+    image = tmp_path / "blue.png"
+    image.write_bytes(buf.getvalue())
+    proc = _cli(triton_server, "grpc", question, "--image", str(image), "--max-tokens", "12", "--lora-dir",
+                str(npy), "--lora-task-id", str(task + 10))
+    assert proc.returncode == 0 and proc.stdout.strip() == "The color is blue.", proc.stderr
+    with pytest.raises(ValueError, match="lora_dir needs a lora_task_id"):
+        client.generate(question, [buf.getvalue()], lora_dir=npy)

@@ -327,3 +327,24 @@ def _big_rows(spec):
             config.append([mid, layer, 256])
     width = max(len(r) for r in rows)
     return np.stack([np.pad(r, (0, width - len(r))) for r in rows]), np.array(config, np.int32)
+
+
+def test_client_reads_adapters_as_the_server_converts_them(base, adapters, tmp_path):
+    """The client's numpy-only reader gives TensorRT-LLM tensors equal to the server's converter (rank_pattern,
+    alpha_pattern, rsLoRA included) and refuses what the server refuses."""
+    from triton_vlm_client.adapter import read_adapter
+
+    for d in adapters.values():
+        w, c = read_adapter(d)
+        w_ref, c_ref = peft_to_trtllm(d)
+        np.testing.assert_array_equal(c, c_ref)
+        np.testing.assert_array_equal(w, w_ref)
+    out = tmp_path / "npy"
+    out.mkdir()
+    np.save(out / "model.lora_weights.npy", w_ref[None])  # the converter's batch dimension of 1
+    np.save(out / "model.lora_config.npy", c_ref[None])
+    w, c = read_adapter(out)
+    assert w.shape == w_ref.shape and c.shape == c_ref.shape
+    bad = make_adapter(base, tmp_path / "dora", 3, use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        read_adapter(bad)

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     lo = p.add_argument_group("LoRA adapter")
     lo.add_argument("--lora-name", help="an adapter of the server's registry, e.g. french")
     lo.add_argument("--lora-task-id", type=int, help="an adapter id the server has cached or on disk")
+    lo.add_argument("--lora-dir", help="send this adapter (a PEFT folder or TensorRT-LLM's .npy pair) with\n"
+                                       "--lora-task-id; later requests may send the id alone")
     o = p.add_argument_group("output and connection")
     o.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     o.add_argument("--json", action="store_true",
@@ -85,6 +87,8 @@ def params_from_args(ns: argparse.Namespace) -> dict[str, Any]:
         params[P.LORA_NAME] = ns.lora_name
     if ns.lora_task_id is not None:
         params[P.LORA_TASK_ID] = ns.lora_task_id
+    if ns.lora_dir:
+        params["lora_dir"] = ns.lora_dir
     if ns.bad_word:
         params[P.BAD_WORDS] = list(ns.bad_word)
     if ns.stop_word:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from . import protocol as P
 from .errors import VLMClientError
-from .request import ImageLike, build_json, build_tensors, load_image, normalize_params
+from .request import ImageLike, build_json, build_tensors, load_image, wire_params
 from .response import GenerateResult, Outputs, PieceDecoder, StreamPiece, flat, iter_sse, json_error, parse_result
 
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
@@ -56,8 +56,9 @@ class VLMClient:
 
     def generate(self, prompt: str, images: Iterable[ImageLike] = (), **params: Any) -> GenerateResult:
         """Generate a complete answer. `images`: file paths or encoded bytes, one per `<image>` marker in
-        the prompt; `params`: generation parameters named as the ensemble's inputs (see README)."""
-        wire, imgs = normalize_params(params), [load_image(i) for i in images]
+        the prompt; `params`: generation parameters named as the ensemble's inputs (see README), and
+        `lora_dir`: a LoRA adapter folder whose tensors are sent with `lora_task_id`."""
+        wire, imgs = self._wire(params), [load_image(i) for i in images]
         want_lp = bool(wire.get(P.RETURN_LOG_PROBS))
         if self.protocol == "grpc":
             last: Optional[Outputs] = None
@@ -69,10 +70,17 @@ class VLMClient:
             return parse_result(last, want_lp)
         return parse_result(self._http_generate(prompt, imgs, wire), want_lp)
 
+    def _wire(self, params: dict) -> dict:
+        wire = wire_params(params)
+        if P.LORA_WEIGHTS in wire and self.protocol != "grpc":
+            raise ValueError("lora_dir needs protocol 'grpc': Triton's HTTP generate extension cannot carry the "
+                             "FP16 lora_weights; send the adapter once over gRPC, then its lora_task_id over HTTP")
+        return wire
+
     def stream(self, prompt: str, images: Iterable[ImageLike] = (), **params: Any) -> Iterator[StreamPiece]:
         """Generate, yielding `StreamPiece`s as the server produces them (the `stream` input is set).
         Closing the iterator early cancels the request."""
-        wire, imgs = normalize_params(params), [load_image(i) for i in images]
+        wire, imgs = self._wire(params), [load_image(i) for i in images]
         decoder = PieceDecoder(bool(wire.get(P.RETURN_LOG_PROBS)))
         source = (self._grpc_responses(prompt, imgs, wire, stream=True) if self.protocol == "grpc"
                   else self._http_stream(prompt, imgs, wire))

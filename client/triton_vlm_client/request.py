@@ -26,7 +26,7 @@ ImageLike = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
 _EARLY_STOPPING = {False: P.EARLY_STOPPING_FALSE, True: P.EARLY_STOPPING_TRUE, "never": P.EARLY_STOPPING_NEVER,
                    "false": P.EARLY_STOPPING_FALSE, "true": P.EARLY_STOPPING_TRUE}
 _INT_RANGE = {P.INT32: (-(2**31), 2**31 - 1), P.UINT64: (0, 2**64 - 1)}
-_NUMPY = {P.INT32: np.int32, P.UINT64: np.uint64, P.FP32: np.float32, P.BOOL: np.bool_}
+_NUMPY = {P.INT32: np.int32, P.UINT64: np.uint64, P.FP32: np.float32, P.FP16: np.float16, P.BOOL: np.bool_}
 
 
 # ---------------------------------------------------------------- images
@@ -135,6 +135,24 @@ def normalize_params(params: Mapping[str, Any], defaults: Mapping[str, Any] = CL
     return out
 
 
+def wire_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`normalize_params`, plus `lora_dir`: an adapter folder (TensorRT-LLM's .npy pair or a PEFT adapter) read
+    into `lora_weights` [N, W] / `lora_config` [N, 3], sent with the `lora_task_id` the caller picks (the server
+    caches the adapter under it: later requests may send the id alone)."""
+    params = dict(params)
+    lora_dir = params.pop("lora_dir", None)
+    out = normalize_params(params)
+    if lora_dir is not None:
+        if P.LORA_TASK_ID not in out:
+            raise ValueError("lora_dir needs a lora_task_id to cache the adapter under")
+        if P.LORA_NAME in out:
+            raise ValueError("send either lora_dir or lora_name, not both")
+        from .adapter import read_adapter  # noqa: PLC0415
+
+        out[P.LORA_WEIGHTS], out[P.LORA_CONFIG] = read_adapter(lora_dir)
+    return out
+
+
 # ---------------------------------------------------------------- wire formats
 
 
@@ -166,7 +184,9 @@ def build_tensors(prompt: str, images: Iterable[bytes], params: Mapping[str, Any
         if info.name not in values:
             continue
         v = values[info.name]
-        if info.dtype == P.BYTES:
+        if isinstance(v, np.ndarray):  # lora_weights / lora_config
+            arr = v[None].astype(_NUMPY[info.dtype])  # [1, N, W]
+        elif info.dtype == P.BYTES:
             arr = _bytes_row(x if isinstance(x, bytes) else x.encode("utf-8") for x in v)  # [1, n]
         else:
             arr = np.array([[v]], dtype=_NUMPY[info.dtype])  # [1, 1]
