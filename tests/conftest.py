@@ -109,8 +109,9 @@ def triton_server(tmp_path_factory, demo_model, demo_adapters):
 
 
 @pytest.fixture(scope="session")
-def hf_server(tmp_path_factory, demo_model):
-    """The same repository with the `transformers` generate() backend (the baseline)."""
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"backend": "hf"}}, "hf-server")
+def hf_server(tmp_path_factory, demo_model, demo_adapters):
+    """The same repository with the `transformers` generate() backend (the baseline; adapters through peft)."""
+    server = _start_server(tmp_path_factory, demo_model,
+                           {"*": {"lora_dir": str(demo_adapters)}, "llm": {"backend": "hf"}}, "hf-server")
     yield server
     _stop_server(server)

@@ -348,3 +348,37 @@ def test_client_reads_adapters_as_the_server_converts_them(base, adapters, tmp_p
     bad = make_adapter(base, tmp_path / "dora", 3, use_dora=True)
     with pytest.raises(ValueError, match="DoRA"):
         read_adapter(bad)
+
+
+def test_engine_equals_hf_peft_with_images_beams_and_sampling(base, adapters):
+    """The engine against the `hf` baseline running the same adapters through `peft` (itself checked against
+    `PeftModel.from_pretrained`): images merged into the prompt, beam search with several sequences, seeded
+    sampling, a wire adapter, and the base model, one engine batch for all."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.hf_generate import HFGenerator
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base)
+    hf = HFGenerator(base)
+    eng = Engine(base, EngineConfig(max_rows=32, kv_cache_tokens=4096))
+    loaded = {name: load_peft(d, eng.model_config) for name, d in adapters.items()}
+    loaded["wire"] = from_trtllm("9", *to_trtllm(loaded["plain"], np.float16), eng.model_config)
+    n_img = spec.vision.num_image_tokens
+    g = torch.Generator().manual_seed(3)
+    embeds = (torch.randn(1, n_img, spec.text.hidden_size, generator=g) * 0.5).numpy()
+    with_image = [1, 45] + [spec.image_token_id] * n_img + [88, 102, 33]
+    cases = [("plain", dict(), True), ("patterns", dict(beam_width=3, num_return_sequences=2), True),
+             ("plain", dict(temperature=0.8, top_k=20, seed=5, do_sample=True), False),
+             ("patterns", dict(temperature=1.2, top_p=0.9, seed=11, num_return_sequences=2, do_sample=True), True),
+             ("wire", dict(beam_width=2), False), (None, dict(beam_width=2), True)]
+    reqs = [GenerationRequest(f"r{i}", with_image if img else PROMPTS[i % 3], GenerationParams(max_tokens=10, **kw),
+                              adapter=None if name is None else loaded[name], image_embeds=embeds if img else None)
+            for i, (name, kw, img) in enumerate(cases)]
+    got = {rid: [s.token_ids for s in res[-1].sequences] for rid, res in eng.generate(reqs).items()}
+    for r in reqs:
+        out = []
+        hf.run(dataclasses.replace(r), out.append)
+        assert [s.token_ids for s in out[-1].sequences] == got[r.request_id], r.request_id
+    out = []  # the baseline's adapters are PEFT's own
+    hf.run(GenerationRequest("p", PROMPTS[0], GenerationParams(max_tokens=12), adapter=loaded["plain"]), out.append)
+    assert out[-1].sequences[0].token_ids == reference(base, adapters["plain"], PROMPTS[0], max_new_tokens=12)

@@ -68,6 +68,33 @@ def test_engine_matches_transformers_under_load(triton_server, hf_server):
                 np.testing.assert_allclose(x, y, atol=1e-4)
 
 
+LORA_CASES = [  # the demo adapters (and none) mixed: images, beams with several sequences, sampling, stop words
+    (D, ("circle", "red"), dict(max_tokens=12, lora_name="french")),
+    (D, ("square", "blue"), dict(max_tokens=14, lora_name="sentence", beam_width=3, num_return_sequences=2,
+                                 return_log_probs=True)),
+    ("USER: <image>\nWhat shape is this? ASSISTANT:", ("triangle", "green"),
+     dict(max_tokens=10, lora_name="french", beam_width=2, return_log_probs=True)),
+    (D, ("triangle", "yellow"), dict(max_tokens=12, lora_name="sentence", temperature=0.9, top_k=20, seed=77,
+                                     num_return_sequences=2)),
+    (D, ("circle", "blue"), dict(max_tokens=8, beam_width=2)),
+    ("USER: <image>\n<image>\nDescribe the image. ASSISTANT:", ("square", "red"),
+     dict(max_tokens=12, lora_name="sentence", stop_words=["red"], return_log_probs=True)),
+]
+
+
+def test_engine_with_adapters_matches_hf_peft(triton_server, hf_server):
+    """Adapters and the base model in concurrent requests on the engine, one by one on the `hf` baseline whose
+    adapters run through `peft`: identical tokens, scores within 1e-4."""
+    with ThreadPoolExecutor(len(LORA_CASES)) as ex:
+        ours = list(ex.map(lambda c: _run(triton_server.grpc_url, c), LORA_CASES))
+    base = [_run(hf_server.grpc_url, c) for c in LORA_CASES]
+    for case, a, b in zip(LORA_CASES, ours, base):
+        assert a.output_ids == b.output_ids and a.texts == b.texts, case
+        if case[2].get("return_log_probs"):
+            np.testing.assert_allclose(a.cum_log_probs, b.cum_log_probs, atol=1e-4)
+    assert ours[0].texts != _run(triton_server.grpc_url, (D, ("circle", "red"), dict(max_tokens=12))).texts
+
+
 def test_batch_invariance_through_server(triton_server):
     """A request's answer is the same alone and with 15 others arriving at different times."""
     target = CASES[1]

@@ -2,7 +2,9 @@
 
 This is what a plain `transformers` python-backend model does. It stays selectable (`llm` parameter
 `backend: hf`) as the reference and the benchmark's baseline; the default backend is our engine.
-It exposes the same submit / cancel / start / shutdown interface as `triton_vlm.engine.Engine`.
+It exposes the same submit / cancel / start / shutdown interface as `triton_vlm.engine.Engine`. LoRA adapters
+(the same registry and wire tensors as the engine's, resolved by the llm adapter) run through `peft`
+(`hf_peft.py`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from .engine.merge import merge_image_embeds
 from .errors import VLMError
+from .hf_peft import PeftAdapters
 from .spec import CheckpointSpec
 from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
 
@@ -57,6 +60,7 @@ class HFGenerator:
             self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.limits = ModelLimits(vocab_size=spec.text.vocab_size, context_length=spec.context_length,
                                   eos_ids=spec.eos_ids)
+        self.lora = PeftAdapters(self.model)
         self._queue: queue.Queue = queue.Queue()
         self._cancelled: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
@@ -103,8 +107,6 @@ class HFGenerator:
     # --- one request -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, req: GenerationRequest, on_result: OnResult) -> None:
-        from transformers import StoppingCriteriaList  # noqa: PLC0415
-
         p = req.params
         ids = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)  # [T]
         embeds = self.model.get_input_embeddings()(ids)  # [T, hidden]
@@ -112,11 +114,21 @@ class HFGenerator:
         embeds = merge_image_embeds(ids, embeds, img, self.image_token_id)
         eos_ids = list(p.end_ids) or self.eos_ids
         cancelled = self._cancelled.get(req.request_id) or threading.Event()
+        with self.lora.active(req.adapter):
+            out = self._generate(req, ids, embeds, eos_ids, cancelled, on_result)
+        if cancelled.is_set():
+            return
+        on_result(GenerationResult(req.request_id, self._sequences(req, out, eos_ids), True))
+
+    def _generate(self, req: GenerationRequest, ids, embeds, eos_ids: list[int], cancelled, on_result):
+        from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+        p = req.params
         sample = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) if p.do_sample \
             else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
         if p.do_sample:
             torch.manual_seed(p.seed if p.seed is not None else torch.seed())
-        out = self.model.generate(
+        return self.model.generate(
             input_ids=ids[None], inputs_embeds=embeds[None], attention_mask=torch.ones_like(ids)[None],
             max_new_tokens=p.max_tokens, min_new_tokens=p.min_tokens or None, num_beams=p.beam_width,
             num_return_sequences=p.num_return_sequences, length_penalty=p.length_penalty,
@@ -125,9 +137,6 @@ class HFGenerator:
             eos_token_id=eos_ids, pad_token_id=self.pad_id, output_scores=True, output_logits=True,
             return_dict_in_generate=True, streamer=self._streamer(req, on_result),
             stopping_criteria=StoppingCriteriaList([_StopWords(req.stop_words_ids, cancelled)]), **sample)
-        if cancelled.is_set():
-            return
-        on_result(GenerationResult(req.request_id, self._sequences(req, out, eos_ids), True))
 
     def _streamer(self, req: GenerationRequest, on_result: OnResult):
         """A transformers streamer sending each new token as a streamed piece (greedy / sampling, one sequence)."""

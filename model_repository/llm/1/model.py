@@ -21,7 +21,6 @@ class TritonPythonModel:
         device = p.get("device") or "cpu"
         dtype = p.get("dtype") or "float32"
         kind = p.get("backend") or "engine"
-        adapters = None
         if kind == "hf":
             from triton_vlm.hf_generate import HFGenerator
 
@@ -42,9 +41,9 @@ class TritonPythonModel:
                 cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0
             backend = Engine(model_dir, cfg)
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
-            adapters = _adapter_cache(backend.model_config, p)
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
+        adapters = _adapter_cache(model_dir, p)  # both backends: the same registry and wire tensors
         override = config.parse_int(p, "context_length", 0)
         if override:  # a shorter context than the checkpoint's (e.g. to bound KV memory per request)
             context = min(context, override)
@@ -60,10 +59,13 @@ class TritonPythonModel:
         self.service.shutdown()
 
 
-def _adapter_cache(spec, p):
+def _adapter_cache(model_dir, p):
     """LoRA adapters by task id, with the registry of `lora_dir` (a folder of adapters, or none)."""
     from triton_vlm.lora.cache import AdapterCache
     from triton_vlm.lora.registry import Registry
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(model_dir).text
 
     registry = Registry(p.get("lora_dir") or None, spec)
     return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20,
