@@ -6,6 +6,10 @@
 through `Engine.generate` twice: once on the base model, once with 4 distinct adapters (ranks 8, 16, 8, 16 on
 all seven projections of every layer) cycling over the requests, so every prefill and decode batch mixes them.
 Best of `--repeats` runs each; one torch thread (as the served stubs). Prints both and the ratio.
+
+`--profile` then runs the adapter case once more with timers on the adapter code (`engine/lora.py`): the A GEMM
+(`F.linear` on the stacked A), building the stacks (`_stack`), and the rest of `LoraBatch.add` (the mask, B's
+GEMM fused with the sum (`addmm_`), lookups), as shares of the run's wall time.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="also time the parts of the adapter code")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
@@ -60,7 +65,48 @@ def main(argv: list[str] | None = None) -> int:
         base = max(run(engine, None, beam, args.concurrency, f"b{beam}{k}") for k in range(args.repeats))
         lora = max(run(engine, adapters, beam, args.concurrency, f"l{beam}{k}") for k in range(args.repeats))
         print(f"{beam:>4} {base:>11.1f} {lora:>11.1f} {lora / base:>8.2f}x", flush=True)
+    if args.profile:
+        for beam in (1, 4):
+            profile(engine, adapters, beam, args.concurrency)
     return 0
+
+
+class _Timed:
+    """Wraps a function, summing its wall time."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+def profile(engine, adapters, beam: int, n: int) -> None:
+    """Where the adapter time goes, as shares of one adapter run's wall time."""
+    import types  # noqa: PLC0415
+
+    from triton_vlm.engine import lora as L  # noqa: PLC0415
+
+    saved = (L.F, L._stack, L.LoraBatch.add)
+    linear, stack, delta = _Timed(torch.nn.functional.linear), _Timed(L._stack), _Timed(L.LoraBatch.add)
+    L.F = types.SimpleNamespace(linear=linear)
+    L._stack, L.LoraBatch.add = stack, lambda self, *a: delta(self, *a)
+    engine.scheduler.runner.lora_stacks = L.StackCache()  # stacks are built (and timed) again
+    try:
+        t0 = time.perf_counter()
+        run(engine, adapters, beam, n, f"p{beam}")
+        total = time.perf_counter() - t0
+    finally:
+        L.F, L._stack, L.LoraBatch.add = saved
+    other = delta.seconds - linear.seconds - stack.seconds
+    print(f"profile beam {beam}: run {total:.2f} s; adapters {delta.seconds / total:.1%} ({delta.calls} calls): "
+          f"A GEMM {linear.seconds / total:.1%}, stacking {stack.seconds / total:.1%} ({stack.calls} stacks), "
+          f"mask + B GEMM and sum + lookups {other / total:.1%}", flush=True)
 
 
 if __name__ == "__main__":

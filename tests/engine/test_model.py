@@ -241,11 +241,11 @@ class RecordingAdapters:
     def __init__(self, target: tuple[int, str], per_row: torch.Tensor):
         self.target, self.per_row, self.calls = target, per_row, []
 
-    def delta(self, x, layer, module):
+    def add(self, x, y, layer, module):
         self.calls.append((layer, module, tuple(x.shape)))
         if (layer, module) != self.target:
-            return None
-        return self.per_row[:, None, :].expand(x.shape[0], x.shape[1], -1)  # [rows, q_len, out]
+            return y
+        return y + self.per_row[:, None, :].expand(x.shape[0], x.shape[1], -1)  # [rows, q_len, out]
 
 
 def test_adapter_hook_sees_every_linear_and_adds_per_row(llama):

@@ -17,13 +17,14 @@ SGMV (prefill) / BGMV (decode) kernels instead, which skip the masked-out column
 scaling` with fp32 adapter weights). The scale is applied between the two GEMMs here, after B in PEFT: the
 same value up to float rounding (tests compare generated tokens and scores with PEFT). Rows without an adapter
 get a zero mask, so their delta is exactly 0; a batch without any adapter builds nothing (base rows pay nothing).
-The stacks of a set of adapters are cached across forwards (`StackCache`): consecutive decode steps of the
-same requests reuse them.
+The stacks of a set of adapters are cached across forwards (`StackCache`, the set in one order whatever the rows'
+order): consecutive decode steps of the same requests reuse them, and a set of one adapter uses its tensors as
+they are.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,18 +32,25 @@ import torch.nn.functional as F
 from ..lora.format import Adapter
 
 
+class Stack(NamedTuple):
+    a: torch.Tensor  # [R, in]: the A matrices of the set's adapters that adapt this module, stacked
+    b: torch.Tensor  # [out, R]: their B matrices, side by side
+    layout: tuple  # ((adapter index in the set, rank, scale), ...): which columns belong to whom
+
+
 class StackCache:
-    """The stacks of the adapter sets of recent batches: set -> {(layer, module): (A_cat [R, in], B_cat [out, R],
-    owner [R], scale [R])}, built lazily, at most `max_sets` sets (least recently used dropped).
+    """The stacks of the adapter sets of recent batches: set -> {(layer, module): Stack or None}, built lazily,
+    at most `max_sets` sets (least recently used dropped).
 
     Consecutive decode steps of the same requests reuse one set's stacks. `drop(adapter)` forgets every set
     holding an adapter the device level evicted, so its memory is freed with it."""
 
-    def __init__(self, max_sets: int = 4):
+    def __init__(self, max_sets: int = 8):
         self.max_sets = max_sets
         self._sets: "OrderedDict[tuple[int, ...], tuple[tuple[Adapter, ...], dict]]" = OrderedDict()
 
-    def get(self, adapters: tuple[Adapter, ...], layer: int, module: str, device):
+    def set_for(self, adapters: tuple[Adapter, ...]) -> dict:
+        """The (layer, module) -> Stack dict of this set of adapters (empty when new)."""
         key = tuple(id(a) for a in adapters)
         entry = self._sets.get(key)
         if entry is None or any(x is not y for x, y in zip(entry[0], adapters)):
@@ -51,39 +59,36 @@ class StackCache:
             while len(self._sets) > self.max_sets:
                 self._sets.popitem(last=False)
         self._sets.move_to_end(key)
-        stacks = entry[1]
-        if (layer, module) not in stacks:
-            stacks[(layer, module)] = _stack(adapters, layer, module, device)
-        return stacks[(layer, module)]
+        return entry[1]
 
     def drop(self, adapter: Adapter) -> None:
         for key in [k for k, (adapters, _) in self._sets.items() if any(a is adapter for a in adapters)]:
             del self._sets[key]
 
 
-def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device):
+def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device) -> Optional[Stack]:
     parts = [(j, adapters[j].modules[(layer, module)]) for j in range(len(adapters))
              if (layer, module) in adapters[j].modules]
     if not parts:
         return None
-    return (torch.cat([m.a for _, m in parts]).to(device),  # [R, in]
-            torch.cat([m.b for _, m in parts], dim=1).to(device),  # [out, R]
-            torch.tensor([j for j, m in parts for _ in range(m.rank)], device=device),  # [R]
-            torch.tensor([m.scale for _, m in parts for _ in range(m.rank)], device=device))  # [R]
+    if len(parts) == 1:  # one adapter (a prefill, or a batch of one tenant): its own tensors, no copy
+        m = parts[0][1]
+        return Stack(m.a.to(device), m.b.to(device), ((parts[0][0], m.rank, m.scale),))
+    return Stack(torch.cat([m.a for _, m in parts]).to(device),
+                 torch.cat([m.b for _, m in parts], dim=1).to(device),
+                 tuple((j, m.rank, m.scale) for j, m in parts))
 
 
 class LoraBatch:
     def __init__(self, row_adapters: list[Optional[Adapter]], stacks: StackCache, device):
-        uniq: list[Adapter] = []
-        for a in row_adapters:
-            if a is not None and all(a is not u for u in uniq):
-                uniq.append(a)
-        self.adapters = tuple(uniq)
+        uniq = sorted({id(a): a for a in row_adapters if a is not None}.items())  # one order for one set
+        self.adapters = tuple(a for _, a in uniq)
+        index = {k: i for i, (k, _) in enumerate(uniq)}
         # [rows] index of each row's adapter in self.adapters, -1 for none
-        self.row_adapter = torch.tensor([-1 if a is None else next(i for i, u in enumerate(uniq) if u is a)
-                                         for a in row_adapters], device=device)
-        self.stacks, self.device = stacks, device
-        self._masks: dict[int, torch.Tensor] = {}
+        self.row_adapter = torch.tensor([-1 if a is None else index[id(a)] for a in row_adapters], device=device)
+        self.device = device
+        self._stacks = stacks.set_for(self.adapters)
+        self._masks: dict[tuple, torch.Tensor] = {}  # layout -> [rows, 1, R]; one per layout, not per module
 
     @classmethod
     def build(cls, row_adapters: list[Optional[Adapter]], stacks: StackCache, device) -> Optional["LoraBatch"]:
@@ -92,15 +97,31 @@ class LoraBatch:
             return None
         return cls(row_adapters, stacks, device)
 
-    def delta(self, x: torch.Tensor, layer: int, module: str) -> Optional[torch.Tensor]:
-        """x [rows, q_len, in] -> fp32 delta [rows, q_len, out], or None when no row adapts this module."""
-        stack = self.stacks.get(self.adapters, layer, module, self.device)
-        if stack is None:
-            return None
-        a_cat, b_cat, owner, scale = stack
-        mask = self._masks.get(id(owner))
-        if mask is None:  # [rows, 1, R]: the row's own adapter's columns, scaled
+    def _mask(self, layout: tuple) -> torch.Tensor:
+        """[rows, 1, R]: row i keeps the columns of its own adapter, times that adapter's scale."""
+        mask = self._masks.get(layout)
+        if mask is None:
+            owner = torch.tensor([j for j, r, _ in layout for _ in range(r)], device=self.device)  # [R]
+            scale = torch.tensor([s for _, r, s in layout for _ in range(r)], device=self.device)  # [R]
             mask = ((self.row_adapter[:, None] == owner[None, :]).to(torch.float32) * scale[None, :])[:, None]
-            self._masks[id(owner)] = mask
-        h = F.linear(x.to(torch.float32), a_cat) * mask  # [rows, q_len, R]
-        return F.linear(h, b_cat)  # [rows, q_len, out]
+            self._masks[layout] = mask
+        return mask
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, layer: int, module: str) -> torch.Tensor:
+        """y [rows, q_len, out] (the base projection of x [rows, q_len, in]) plus every row's adapter delta,
+        computed in fp32 (as PEFT) and added in place when y is fp32 (`addmm_`: B's GEMM and the sum in one)."""
+        key = (layer, module)
+        stack = self._stacks.get(key, _MISSING)
+        if stack is _MISSING:
+            stack = self._stacks[key] = _stack(self.adapters, layer, module, self.device)
+        if stack is None:  # no adapter of the batch adapts this module
+            return y
+        h = F.linear(x.to(torch.float32), stack.a).mul_(self._mask(stack.layout))  # [rows, q_len, R]
+        if y.dtype == torch.float32:
+            y2 = y.view(-1, y.shape[-1])  # [rows * q_len, out]
+            y2.addmm_(h.view(-1, h.shape[-1]), stack.b.t())
+            return y
+        return (y.to(torch.float32) + F.linear(h, stack.b)).to(y.dtype)  # the sum in fp32, then the model's dtype
+
+
+_MISSING = object()

@@ -13,8 +13,8 @@ is floating-point blocking inside the matmuls (a different number of rows per GE
 the logit gaps that decide tokens (tests/engine/test_engine.py checks 16 mixed requests token for token).
 
 Every projection (q/k/v/o, gate/up/down, lm_head) is a `Linear`: the one place where a per-row adapter
-delta (LoRA, next issue) is added. An `AdapterBatch` knows which adapter each row of the call uses and
-returns `delta(x, layer, module)` of shape `[rows, q_len, out]` (or None when no row adapts that module).
+delta (LoRA, `lora.py`) is added. An `AdapterBatch` knows which adapter each row of the call uses and
+adds each row's delta to the projection (`add(x, y, layer, module)`).
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ LM_HEAD = "lm_head"  # module name of the output projection (layer -1)
 class AdapterBatch(Protocol):
     """Per-row adapters of one forward call (LoRA plugs in here)."""
 
-    def delta(self, x: torch.Tensor, layer: int, module: str) -> Optional[torch.Tensor]:
-        """x [rows, q_len, in] -> delta [rows, q_len, out] added to the base projection, or None."""
+    def add(self, x: torch.Tensor, y: torch.Tensor, layer: int, module: str) -> torch.Tensor:
+        """y [rows, q_len, out], the base projection of x [rows, q_len, in], plus each row's delta (y itself
+        when no row adapts this module)."""
 
 
 class Linear:
@@ -48,10 +49,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [rows, q_len, out]
-        if adapters is not None:
-            delta = adapters.delta(x, self.layer, self.module)  # fp32
-            if delta is not None:  # as PEFT: the sum in the adapter's dtype, then back to the model's
-                y = (y.to(delta.dtype) + delta).to(y.dtype)
+        if adapters is not None:  # as PEFT: the sum in the adapter's dtype (fp32), then back to the model's
+            y = adapters.add(x, y, self.layer, self.module)
         return y
 
 
