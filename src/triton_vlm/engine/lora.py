@@ -5,12 +5,13 @@ their ranks) and so are the B matrices (`B_cat` [out, R]); one forward then take
 
     h = x @ A_cat^T                      # [rows, q_len, R]
     h = h * mask                         # [rows, 1, R]: row i keeps its adapter's columns, times its scale
-    delta = h @ B_cat^T                  # [rows, q_len, out]
+    y += h @ B_cat^T                     # [rows, q_len, out], one addmm_ into the base output
 
 (the idea of punica's SGMV / BGMV kernels, as dense GEMMs with a mask on the CPU). Measured on the benchmark
 model, 16 requests with 4 adapters of ranks 8 / 16 mixed in every batch (`bench/lora_overhead.py`): 8% faster
 than grouping rows by adapter (index_select + two GEMMs + index_copy per adapter) at beam 1, 20% at beam 4,
-where the grouped form pays per-group overheads on many small GEMMs. A GPU deployment should use the punica
+where the grouped form pays per-group overheads on many small GEMMs (one A GEMM for q/k/v together was tried
+too: no measurable gain, so not kept). A GPU deployment should use the punica
 SGMV (prefill) / BGMV (decode) kernels instead, which skip the masked-out columns.
 
 `Linear` adds the delta to the base output in fp32 and casts back, as PEFT does (`base(x) + lora_B(lora_A(x)) *
