@@ -382,3 +382,32 @@ def test_engine_equals_hf_peft_with_images_beams_and_sampling(base, adapters):
     out = []  # the baseline's adapters are PEFT's own
     hf.run(GenerationRequest("p", PROMPTS[0], GenerationParams(max_tokens=12), adapter=loaded["plain"]), out.append)
     assert out[-1].sequences[0].token_ids == reference(base, adapters["plain"], PROMPTS[0], max_new_tokens=12)
+
+
+def test_wire_and_registry_paths_equal_peft_on_a_layer_subset_with_beam_4(base, tmp_path):
+    """An adapter on one layer only, weights chosen fp16-exact and scale alpha / r = 2 (a
+    power of two), so TensorRT-LLM's FP16 rows (scale folded into B) carry exactly PEFT's numbers: the wire path
+    and the registry path both give PEFT's tokens and scores, beam 4 returning 3 sequences."""
+    from safetensors.torch import load_file, save_file
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    d = make_adapter(base, tmp_path / "subset", 8, r=4, lora_alpha=8,  # the language model's layer 1 only
+                     target_modules=r".*language_model.*layers\.1\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj")
+    weights = {k: v.half().float() for k, v in load_file(str(d / "adapter_model.safetensors")).items()}
+    save_file(weights, str(d / "adapter_model.safetensors"))
+    eng = Engine(base, EngineConfig(max_rows=16, kv_cache_tokens=2048))
+    registry = load_peft(d, eng.model_config)
+    assert {layer for layer, _ in registry.modules} == {1}
+    w16, c = to_trtllm(registry, np.float16)
+    wire = from_trtllm("5", w16, c, eng.model_config)
+    for (key, m), (_, m2) in zip(sorted(registry.modules.items()), sorted(wire.modules.items())):
+        assert torch.equal(m.b * m.scale, m2.b * m2.scale)  # the same numbers on both paths
+    prompt = PROMPTS[0]
+    seqs, scores = peft_beam(base, d, prompt, 4, 3)
+    for adapter in (registry, wire):
+        req = GenerationRequest("r", prompt, GenerationParams(max_tokens=10, beam_width=4, num_return_sequences=3),
+                                adapter=adapter)
+        final = eng.generate([req])["r"][-1]
+        assert [s.token_ids for s in final.sequences] == seqs
+        np.testing.assert_allclose([s.cum_log_prob for s in final.sequences], scores, atol=1e-4)
