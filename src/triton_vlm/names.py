@@ -86,6 +86,7 @@ MODEL_CHECKED = frozenset({TEXT_INPUT, MAX_TOKENS})
 INPUT_IDS = "input_ids"
 PIXEL_VALUES = "pixel_values"
 IMAGE_EMBEDS = "image_embeds"
+IMAGE_KEYS = "image_keys"
 BAD_WORDS_IDS = "bad_words_ids"
 STOP_WORDS_IDS = "stop_words_ids"
 
@@ -158,8 +159,12 @@ PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(BAD_WORDS_IDS, INT32, (-1,)),  # length-prefixed id lists, see params.words_to_flat
     TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
     TensorSpec(DROPPED_IMAGES, INT32, (1,)),
+    TensorSpec(IMAGE_KEYS, BYTES, (-1,)),  # SHA-256 hex of each kept image's file: the embedding cache's key
 )
-VISION_INPUTS: tuple[TensorSpec, ...] = (TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),)
+VISION_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),
+    _in(IMAGE_KEYS, BYTES, (-1,)),  # optional: without keys nothing is cached
+)
 VISION_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),)  # [images, T, hidden]
 LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(INPUT_IDS, INT32, (-1,), optional=False),

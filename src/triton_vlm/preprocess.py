@@ -43,6 +43,7 @@ class PreprocessResult:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0  # images removed by truncation
+    image_keys: list[str] = field(default_factory=list)  # SHA-256 hex of each kept image's file, in order
 
     @property
     def num_images(self) -> int:
@@ -227,4 +228,5 @@ class Preprocessor:
             bad_words_ids=self.encode_words(bad_words, "bad_words"),
             stop_words_ids=self.encode_words(stop_words, "stop_words"),
             dropped_images=len(decoded) - len(kept_images),
+            image_keys=[keys[i].hex() for i in kept_images],
         )

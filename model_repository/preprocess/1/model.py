@@ -55,6 +55,7 @@ class TritonPythonModel:
                 N.BAD_WORDS_IDS: (_OUT[N.BAD_WORDS_IDS], np.asarray(words_to_flat(res.bad_words_ids), np.int32)),
                 N.STOP_WORDS_IDS: (_OUT[N.STOP_WORDS_IDS], np.asarray(words_to_flat(res.stop_words_ids), np.int32)),
                 N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [res.dropped_images]),
+                N.IMAGE_KEYS: (_OUT[N.IMAGE_KEYS], res.image_keys),
             })
         except Exception as e:  # noqa: BLE001 - each request gets its own error; the others are unaffected
             return error_response(e)

@@ -1,7 +1,8 @@
-"""vision: the vision tower + projector on all images of all requests in one forward.
+"""vision: the vision tower + projector on the images of every queued request, each image at most once.
 
-Thin adapter: the batching is `triton_vlm.vision.encode_batch` (ragged image counts; a text-only request
-carries zero images; a request with bad pixel values gets its own INVALID_ARG).
+Thin adapter: backends are `triton_vlm.vision.backends` (`vision_backend`: torch | onnxruntime | tensorrt), the
+batching and the embedding cache `triton_vlm.vision.batch.VisionService`. A text-only request carries zero
+images; a request with bad pixel values or keys gets its own INVALID_ARG.
 """
 from triton_vlm.triton import lifeline
 
@@ -11,44 +12,41 @@ from triton_vlm import names as N
 from triton_vlm.triton import config, tensors
 from triton_vlm.triton.errors import error_response
 
-_OUT = {s.name: s for s in N.VISION_OUTPUTS}
+DEFAULTS = {"vision_device": "", "vision_bits": "32", "projector_device": "", "projector_bits": "32"}
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from triton_vlm.vision import VisionEncoder, VisionSettings
+        from triton_vlm.triton.vision_metrics import VisionMetrics
+        from triton_vlm.vision.service import build
 
         config.setup_logging()
         p = config.model_parameters(args)
-        device = p.get("device") or "cpu"
-        self.encoder = VisionEncoder(config.resolve_model_path(p.get("model_path", "")), VisionSettings(
-            vision_device=p.get("vision_device") or device,
-            vision_bits=p.get("vision_bits") or 32,
-            projector_device=p.get("projector_device") or device,
-            projector_bits=p.get("projector_bits") or 32,
-            pipeline=p.get("pipeline") or "auto",
-        ))
-        self.chunk = config.parse_int(p, "max_images_per_forward", 32)
+        explicit = {k for k, default in DEFAULTS.items() if (p.get(k) or default) != default}
+        self.service = build(config.resolve_model_path(p.get("model_path", "")), p, explicit,
+                                     out_dtype=config.output_dtype(args, N.IMAGE_EMBEDS))
+        self.metrics = VisionMetrics(self.service)
 
     def execute(self, requests):
-        from triton_vlm.vision import encode_batch
-
         inputs = []
         for r in requests:
             try:
-                inputs.append(tensors.input_array(r, N.PIXEL_VALUES))  # [images, 3, H, W] or None
+                inputs.append((tensors.input_array(r, N.PIXEL_VALUES), tensors.strings(r, N.IMAGE_KEYS) or None))
             except Exception as e:  # noqa: BLE001 - its own error; the others are unaffected
                 inputs.append(e)
         valid = [x for x in inputs if not isinstance(x, Exception)]
         try:
-            encoded = iter(encode_batch(self.encoder, valid, self.chunk))
-        except Exception as e:  # noqa: BLE001 - the forward failed: every request gets the error
+            encoded = iter(self.service.encode(valid))
+        except Exception as e:  # noqa: BLE001 - the encoder failed: every request gets the error
             return [error_response(e) for _ in requests]
+        finally:
+            self.metrics.update()
         out = []
         for x in inputs:
             result = x if isinstance(x, Exception) else next(encoded)
-            if isinstance(result, Exception):
-                out.append(error_response(result))
-            else:  # [n, T, hidden]
-                out.append(tensors.response({N.IMAGE_EMBEDS: (_OUT[N.IMAGE_EMBEDS], result)}))
+            out.append(error_response(result) if isinstance(result, Exception)
+                       else tensors.torch_response(N.IMAGE_EMBEDS, result))  # [n, T, hidden]
         return out
+
+    def finalize(self):
+        self.metrics.close()

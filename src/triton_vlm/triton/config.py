@@ -63,3 +63,17 @@ def parse_int(params: dict[str, str], key: str, default: int) -> int:
     v = params.get(key, "")
     return int(v) if v.strip() else default
 
+
+
+_DTYPES = {"TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_BF16": "bfloat16"}
+
+
+def output_dtype(args: dict, name: str) -> str:
+    """The torch dtype name ("float32", "float16", "bfloat16") of output `name` as config.pbtxt declares it."""
+    for out in model_config(args).get("output", []):
+        if out.get("name") == name:
+            kind = out.get("data_type", "TYPE_FP32")
+            if kind not in _DTYPES:
+                raise ValueError(f"output {name} must be TYPE_FP32, TYPE_FP16 or TYPE_BF16, got {kind}")
+            return _DTYPES[kind]
+    raise ValueError(f"config.pbtxt declares no output {name!r}")

@@ -102,7 +102,7 @@ class LLMService:
             raise InvalidArgument("the prompt is empty: send a non-empty text_input")
         values = tensors.scalars(request, N.GENERATION_INPUTS)
         params = GenerationParams.from_inputs(values)  # the request itself is validated by backend.submit
-        emb = tensors.input_array(request, N.IMAGE_EMBEDS)  # [images, T, hidden]
+        emb = tensors.input_tensor(request, N.IMAGE_EMBEDS)  # [images, T, hidden], the device it came on
         bad = tensors.input_array(request, N.BAD_WORDS_IDS)
         stop = tensors.input_array(request, N.STOP_WORDS_IDS)
         dropped = tensors.input_array(request, N.DROPPED_IMAGES)
@@ -111,7 +111,7 @@ class LLMService:
             adapter=self._adapter(request),
             input_ids=[int(t) for t in ids.reshape(-1)],
             params=params,
-            image_embeds=None if emb is None or emb.size == 0 else np.ascontiguousarray(emb),
+            image_embeds=None if emb is None or emb.numel() == 0 else emb,
             bad_words_ids=[] if bad is None else words_from_flat(bad.reshape(-1)),
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),

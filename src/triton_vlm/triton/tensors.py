@@ -95,6 +95,29 @@ def response(outputs: dict[str, tuple[TensorSpec, Any]]) -> "pb_utils.InferenceR
     return pb_utils.InferenceResponse(output_tensors=[output_tensor(s, v) for s, v in outputs.values()])
 
 
+def input_tensor(request, name: str):
+    """A numeric input as a torch tensor without the batch dim, by DLPack: no copy, any dtype (BF16 included),
+    on the device it arrived on (a GPU tensor when the model that produced it left it there and this model
+    sets FORCE_CPU_ONLY_INPUT_TENSORS "no"); None if absent."""
+    import torch  # noqa: PLC0415
+
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    x = torch.from_dlpack(t.to_dlpack())
+    if x.dim() == 0 or x.shape[0] != 1:
+        raise InvalidArgument(f"input {name!r} must have batch size 1 per request, got shape {list(x.shape)}")
+    return x[0]
+
+
+def torch_response(name: str, x) -> "pb_utils.InferenceResponse":
+    """One output from a torch tensor (batch dim added) by DLPack: it stays on its device, in its dtype."""
+    from torch.utils.dlpack import to_dlpack  # noqa: PLC0415
+
+    tensor = pb_utils.Tensor.from_dlpack(name, to_dlpack(x[None].contiguous()))
+    return pb_utils.InferenceResponse(output_tensors=[tensor])
+
+
 def lora_inputs(request) -> tuple | None:
     """(lora_task_id, lora_weights [N, W], lora_config [N, 3], lora_name), each None when absent or empty; None
     when the request sent none of them."""

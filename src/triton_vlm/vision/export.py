@@ -1,0 +1,120 @@
+"""The vision encoder as one ONNX file: the artifact onnxruntime runs on a CPU and TensorRT compiles on a GPU.
+
+`export_onnx(model_dir, out, dtype)` writes `EncoderGraph` (the tower up to the feature layer, the select strategy,
+the projector) as TensorRT-LLM exports the LLaVA encoder: eager attention (the sdpa path breaks the exporters),
+opset 17, input `input` [batch, 3, H, W], output `encoder_output` [batch, T, hidden], a dynamic batch
+axis, the TorchScript exporter (`dynamo=False`: since PyTorch 2.9 the default dynamo exporter ignores
+`dynamic_axes`).
+
+`dtype="float16"` writes the graph TensorRT builds strongly typed: weights and activations fp16, but every
+LayerNorm and every attention softmax computes in fp32 (input cast up, output cast back): a plain fp16 ViT
+loses accuracy in TensorRT (anchors section 7). Attention is our eager function (`_eager_fp32_softmax`,
+registered with transformers' AttentionInterface): plain eager attention with an explicit fp32 softmax.
+
+`cached_onnx(model_dir, dtype)` exports once per checkpoint content: the key is a SHA-256 over config.json, the
+vision tower's and projector's tensors and this exporter's version, so a changed checkpoint is exported again
+and an unchanged one is not (the `vision` model calls it on first start).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..spec import CheckpointSpec, TensorSource
+from .encoder import EncoderGraph
+
+log = logging.getLogger("triton_vlm")
+EXPORTER_VERSION = "1"
+OPSET = 17
+INPUT, OUTPUT = "input", "encoder_output"
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class _FP32LayerNorm(nn.Module):
+    """A LayerNorm that computes in fp32 inside an fp16 graph (its weights stay fp32)."""
+
+    def __init__(self, ln: nn.LayerNorm):
+        super().__init__()
+        self.shape, self.eps = ln.normalized_shape, ln.eps
+        self.weight, self.bias = nn.Parameter(ln.weight.float()), nn.Parameter(ln.bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), self.shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+
+def _eager_fp32_softmax(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention whose softmax runs in fp32 whatever the graph's dtype (an explicit Cast in the ONNX
+    graph: `softmax(x, dtype=float32)` is exported as an fp16 Softmax)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [n, heads, T, T]
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores.to(torch.float32), dim=-1).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+ATTENTION = "triton_vlm_eager_fp32_softmax"
+
+
+def export_graph(model_dir: str | Path, dtype: str = "float32") -> EncoderGraph:
+    """The graph to export, in `dtype` (float16: LayerNorms and softmax kept fp32)."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    AttentionInterface.register(ATTENTION, _eager_fp32_softmax)
+    graph = EncoderGraph(Path(model_dir), CheckpointSpec.load(model_dir), attn_implementation=ATTENTION).eval()
+    if dtype == "float16":
+        graph.half()
+        graph.proj_dtype = torch.float16
+        for parent in list(graph.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.LayerNorm):
+                    setattr(parent, name, _FP32LayerNorm(child))
+    return graph
+
+
+def export_onnx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    spec = CheckpointSpec.load(model_dir)
+    graph = export_graph(model_dir, dtype)
+    size = spec.vision.image_size
+    dummy = torch.zeros(2, 3, size, size, dtype=DTYPES[dtype])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    with torch.no_grad():
+        torch.onnx.export(graph, (dummy,), str(tmp), opset_version=OPSET, input_names=[INPUT],
+                          output_names=[OUTPUT], dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
+                          dynamo=False)
+    os.replace(tmp, out)  # readers never see a half-written file
+    return out
+
+
+def checkpoint_key(model_dir: str | Path, dtype: str) -> str:
+    """SHA-256 over config.json, the tower's and projector's tensors (names, shapes, bytes), dtype, exporter."""
+    d = Path(model_dir)
+    h = hashlib.sha256(f"exporter {EXPORTER_VERSION} opset {OPSET} {dtype}\n".encode())
+    h.update((d / "config.json").read_bytes())
+    source = TensorSource(d)
+    for prefixes in (("model.vision_tower.", "vision_tower."),
+                     ("model.multi_modal_projector.", "multi_modal_projector.")):
+        for name, t in sorted(source.with_prefixes(prefixes).items()):
+            h.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cached_onnx(model_dir: str | Path, dtype: str = "float32", cache: str | Path | None = None) -> Path:
+    """The exported file for this checkpoint's content, exported on the first call."""
+    from ..serve import cache_dir  # noqa: PLC0415
+
+    root = Path(cache) if cache else cache_dir() / "onnx"
+    path = root / checkpoint_key(model_dir, dtype)[:32] / f"vision_{dtype}.onnx"
+    if not path.is_file():
+        log.info("vision: exporting %s to %s (first start for this checkpoint)", model_dir, path)
+        export_onnx(model_dir, path, dtype)
+    return path

@@ -1,0 +1,89 @@
+"""The vision model through the real server: the embedding cache (the same image sent 10 times is encoded once,
+with identical answers), cross-request batching, and the onnxruntime backend against torch."""
+from __future__ import annotations
+
+import io
+import random
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from triton_vlm.demo.shapes import draw
+from triton_vlm_client import VLMClient
+
+pytestmark = pytest.mark.server
+Q = "USER: <image>\nWhat color is the shape? ASSISTANT:"
+
+
+def png(shape: str, color: str, seed: int) -> bytes:
+    buf = io.BytesIO()
+    draw(shape, color, (80, 80), random.Random(seed)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def vision_metrics(server) -> dict[str, float]:
+    time.sleep(0.1)
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r'^(triton_vlm_(?:vision|embedding)_\w+)\{[^}]*model="vision"[^}]*\} ([0-9.e+]+)$', text,
+                       re.M)
+    return {name: float(v) for name, v in found}
+
+
+def test_same_image_ten_times_is_encoded_once(triton_server):
+    image = png("triangle", "green", seed=9001)  # an image no other test sends
+    before = vision_metrics(triton_server)
+    with VLMClient(triton_server.grpc_url, timeout=60) as c:
+        answers = [c.generate(Q, [image], max_tokens=6).output_ids for _ in range(10)]
+    after = vision_metrics(triton_server)
+    assert after["triton_vlm_vision_images_encoded_total"] - before["triton_vlm_vision_images_encoded_total"] == 1
+    assert after["triton_vlm_embedding_cache_hits_total"] - before["triton_vlm_embedding_cache_hits_total"] == 9
+    assert after["triton_vlm_embedding_cache_bytes"] > 0
+    assert all(a == answers[0] for a in answers)  # the first one was encoded, the other nine came from the cache
+
+
+def test_a_chat_resending_its_images_reuses_their_embeddings(triton_server):
+    a, b = png("circle", "red", seed=9002), png("square", "blue", seed=9003)
+    with VLMClient(triton_server.grpc_url, timeout=60) as c:
+        fresh = c.generate(Q.replace("<image>", "<image>\n<image>"), [b, a], max_tokens=6).output_ids
+        before = vision_metrics(triton_server)
+        # turn 1 sends a; turn 2 sends a again and b (already seen above), twice in one prompt
+        c.generate(Q, [a], max_tokens=6)
+        again = c.generate(Q.replace("<image>", "<image>\n<image>"), [b, a], max_tokens=6).output_ids
+    after = vision_metrics(triton_server)
+    assert after["triton_vlm_vision_images_encoded_total"] == before["triton_vlm_vision_images_encoded_total"]
+    assert again == fresh
+
+
+@pytest.fixture(scope="module")
+def ort_server(tmp_path_factory, demo_model):
+    from conftest import _start_server, _stop_server
+
+    server = _start_server(tmp_path_factory, demo_model, {"vision": {"vision_backend": "onnxruntime",
+                                                                     "embedding_cache_mb": "0"}}, "ort-server")
+    yield server
+    _stop_server(server)
+
+
+def test_onnxruntime_backend_answers_as_torch(triton_server, ort_server):
+    """The exported graph on onnxruntime (exported on first start) gives the torch backend's answers, with many
+    concurrent requests batched across requests (the batch-size histogram shows calls of more than one)."""
+    cases = [(png(s, col, seed=100 + i), s, col) for i, (s, col) in
+             enumerate((s, col) for s in ("circle", "square", "triangle") for col in ("red", "blue", "yellow"))]
+
+    def ask(server, img):
+        with VLMClient(server.grpc_url, timeout=120) as c:
+            return c.generate(Q, [img], max_tokens=6).output_ids
+
+    with ThreadPoolExecutor(9) as ex:
+        ours = list(ex.map(lambda case: ask(ort_server, case[0]), cases))
+    ref = [ask(triton_server, case[0]) for case in cases]
+    assert ours == ref
+    with urllib.request.urlopen(f"http://localhost:{ort_server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    count = float(re.search(r'^triton_vlm_vision_batch_size_count\{[^}]*\} ([0-9.e+]+)$', text, re.M).group(1))
+    encoded = float(re.search(r'^triton_vlm_vision_images_encoded_total\{[^}]*\} ([0-9.e+]+)$', text, re.M).group(1))
+    assert encoded >= 9 and count < encoded  # fewer encoder calls than images: requests were batched
