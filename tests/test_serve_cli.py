@@ -98,3 +98,16 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("vision.vision_backnd=onnxruntime", "model 'vision' declares no parameter 'vision_backnd'. Parameters: llm:"),
+    ("visio.vision_backend=onnxruntime", "there is no model 'visio'; models: ensemble, llm, preprocess, vision"),
+    ("no_such_key=1", "any model declares no parameter 'no_such_key'"),
+])
+def test_launcher_refuses_a_setting_no_model_declares(setting, message):
+    """A typo in --set used to start the server silently with the default; now nothing starts."""
+    proc = subprocess.run([sys.executable, "-m", "triton_vlm.serve", "--set", setting], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "vision_backend" in proc.stderr or "models:" in proc.stderr  # the keys that exist are listed

@@ -1,5 +1,6 @@
 """The vision model through the real server: the embedding cache (the same image sent 10 times is encoded once,
-with identical answers), cross-request batching, and the onnxruntime backend against torch."""
+with identical answers), cross-request batching, the onnxruntime backend (the CPU default) against torch, and
+embeddings in the language model's dtype."""
 from __future__ import annotations
 
 import io
@@ -59,18 +60,19 @@ def test_a_chat_resending_its_images_reuses_their_embeddings(triton_server):
 
 
 @pytest.fixture(scope="module")
-def ort_server(tmp_path_factory, demo_model):
+def torch_server(tmp_path_factory, demo_model):
     from conftest import _start_server, _stop_server
 
-    server = _start_server(tmp_path_factory, demo_model, {"vision": {"vision_backend": "onnxruntime",
-                                                                     "embedding_cache_mb": "0"}}, "ort-server")
+    server = _start_server(tmp_path_factory, demo_model, {"vision": {"vision_backend": "torch",
+                                                                     "embedding_cache_mb": "0"}}, "torch-server")
     yield server
     _stop_server(server)
 
 
-def test_onnxruntime_backend_answers_as_torch(triton_server, ort_server):
-    """The exported graph on onnxruntime (exported on first start) gives the torch backend's answers, with many
-    concurrent requests batched across requests (the batch-size histogram shows calls of more than one)."""
+def test_onnxruntime_backend_answers_as_torch(triton_server, torch_server):
+    """The default server's vision (onnxruntime on the exported graph, exported on first start) gives the torch
+    backend's answers; many concurrent requests are batched across requests (the batch-size histogram shows
+    fewer encoder calls than images)."""
     cases = [(png(s, col, seed=100 + i), s, col) for i, (s, col) in
              enumerate((s, col) for s in ("circle", "square", "triangle") for col in ("red", "blue", "yellow"))]
 
@@ -79,11 +81,30 @@ def test_onnxruntime_backend_answers_as_torch(triton_server, ort_server):
             return c.generate(Q, [img], max_tokens=6).output_ids
 
     with ThreadPoolExecutor(9) as ex:
-        ours = list(ex.map(lambda case: ask(ort_server, case[0]), cases))
-    ref = [ask(triton_server, case[0]) for case in cases]
+        ref = list(ex.map(lambda case: ask(torch_server, case[0]), cases))
+    ours = [ask(triton_server, case[0]) for case in cases]
     assert ours == ref
-    with urllib.request.urlopen(f"http://localhost:{ort_server.metrics_port}/metrics", timeout=10) as r:
+    assert "vision: onnxruntime on" in (triton_server.run_dir / "server.log").read_text()  # the CPU default
+    with urllib.request.urlopen(f"http://localhost:{torch_server.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
     count = float(re.search(r'^triton_vlm_vision_batch_size_count\{[^}]*\} ([0-9.e+]+)$', text, re.M).group(1))
     encoded = float(re.search(r'^triton_vlm_vision_images_encoded_total\{[^}]*\} ([0-9.e+]+)$', text, re.M).group(1))
     assert encoded >= 9 and count < encoded  # fewer encoder calls than images: requests were batched
+
+
+def test_embeddings_travel_in_the_language_models_dtype(tmp_path_factory, demo_model):
+    """With an fp16 language model, vision sends fp16 embeddings (half the bytes through shared memory), llm
+    takes them by DLPack, and the demo still answers right."""
+    from conftest import _start_server, _stop_server
+
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"dtype": "float16"}}, "fp16-server")
+    try:
+        repo = server.run_dir / "model_repository"
+        for model in ("vision", "llm"):
+            text = (repo / model / "config.pbtxt").read_text()
+            assert re.search(r'name: "image_embeds"\s*data_type: TYPE_FP16', text), model
+        with VLMClient(server.grpc_url, timeout=60) as c:
+            for shape, color in (("circle", "red"), ("square", "blue"), ("triangle", "yellow")):
+                assert c.generate(Q, [png(shape, color, seed=7)], max_tokens=4).text.strip() == color
+    finally:
+        _stop_server(server)

@@ -110,10 +110,33 @@ def fill_parameters(config_text: str, values: dict[str, str]) -> str:
     return config_text
 
 
+def declared_parameters(src: Path = DEFAULT_MODEL_REPOSITORY) -> dict[str, set[str]]:
+    """model -> the parameter keys its config.pbtxt declares."""
+    return {cfg.parent.name: set(re.findall(r'parameters\s*\{\s*key:\s*"([^"]+)"', cfg.read_text()))
+            for cfg in sorted(src.glob("*/config.pbtxt"))}
+
+
+def check_parameters(params: dict[str, dict[str, str]], src: Path = DEFAULT_MODEL_REPOSITORY) -> None:
+    """ValueError for a parameter no model declares (it would be silently ignored), listing those that exist."""
+    declared = declared_parameters(src)
+    every = set().union(*declared.values())
+    for model, values in params.items():
+        if model != "*" and model not in declared:
+            raise ValueError(f"--set {model}.*: there is no model {model!r}; models: {', '.join(declared)}")
+        for key in values:
+            known = every if model == "*" else declared[model]
+            if key not in known:
+                where = "any model" if model == "*" else f"model {model!r}"
+                listing = "; ".join(f"{m}: {', '.join(sorted(k))}" for m, k in declared.items() if k)
+                raise ValueError(f"--set {'' if model == '*' else model + '.'}{key}: {where} declares no parameter "
+                                 f"{key!r}. Parameters: {listing}")
+
+
 def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src: Path = DEFAULT_MODEL_REPOSITORY,
                              models: tuple[str, ...] | None = None) -> Path:
     """Copy the model repository to `dest`, filling parameters per model (`params[model][key] = value`;
-    `params["*"]` applies to every model that declares the key)."""
+    `params["*"]` applies to every model that declares the key). A key no model declares is refused."""
+    check_parameters(params, src)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
@@ -123,8 +146,23 @@ def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src:
             shutil.rmtree(cfg.parent)
             continue
         values = {**params.get("*", {}), **params.get(model, {})}
-        cfg.write_text(fill_parameters(cfg.read_text(), values))
+        text = fill_parameters(cfg.read_text(), values)
+        if model in ("vision", "llm"):
+            text = embeds_dtype(text, {**params.get("*", {}), **params.get("llm", {})}.get("dtype", "float32"))
+        cfg.write_text(text)
     return dest
+
+
+_EMBEDS_TYPE = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
+
+
+def embeds_dtype(config_text: str, llm_dtype: str) -> str:
+    """`image_embeds` travels from vision to llm in the language model's dtype (half the bytes of FP32 for an
+    fp16 model); vision's output and llm's input are declared alike."""
+    if llm_dtype not in _EMBEDS_TYPE:
+        raise ValueError(f"llm dtype must be one of {', '.join(_EMBEDS_TYPE)}, got {llm_dtype!r}")
+    return re.sub(r'(name:\s*"image_embeds"\s*data_type:\s*)TYPE_\w+', rf"\g<1>{_EMBEDS_TYPE[llm_dtype]}",
+                  config_text)
 
 
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
@@ -355,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         model = ensure_demo_model()
         args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
     params = _parse_set(args.set)
+    try:
+        check_parameters(params)
+    except ValueError as e:
+        raise SystemExit(f"triton-vlm: {e}") from None
     if args.device:
         params.setdefault("*", {})["device"] = args.device
     if args.lora_dir:

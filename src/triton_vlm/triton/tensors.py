@@ -26,7 +26,12 @@ def input_array(request, name: str) -> np.ndarray | None:
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
-    arr = t.as_numpy()
+    if t.is_cpu():
+        arr = t.as_numpy()
+    else:  # FORCE_CPU_ONLY_INPUT_TENSORS "no": a tensor another model left on the GPU
+        import torch  # noqa: PLC0415
+
+        arr = torch.from_dlpack(t.to_dlpack()).cpu().numpy()
     if arr.ndim == 0:
         return arr.reshape(1)
     if arr.shape[0] != 1:

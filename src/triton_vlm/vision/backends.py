@@ -32,7 +32,7 @@ TORCH_ONLY = ("vision_device", "vision_bits", "projector_device", "projector_bit
 
 @dataclass(frozen=True)
 class BackendSettings:
-    backend: str = "torch"
+    backend: str = "torch"  # never "auto" here: `service.choose_backend` resolves it
     torch: VisionSettings = field(default_factory=VisionSettings)
     onnx_path: str = ""  # "" = export (cached by checkpoint content) on first start
     plan_path: str = ""  # tensorrt: a built plan; "" = build one (cached) from the fp16 ONNX file

@@ -117,7 +117,7 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
 
     device = params.get("device") or "cpu"
     s = BackendSettings(
-        backend=params.get("vision_backend") or "torch",
+        backend=choose_backend(params.get("vision_backend") or "auto", device, explicit),
         torch=VisionSettings(vision_device=params.get("vision_device") or device,
                              vision_bits=params.get("vision_bits") or 32,
                              projector_device=params.get("projector_device") or device,
@@ -133,6 +133,14 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
         cache = EmbeddingCache(mb * 2**20, f"{checkpoint_key(model_dir, 'float32')}/{backend.name}/{backend.dtype}")
     return VisionService(backend, spec.vision.image_size, spec.vision.num_image_tokens, spec.text.hidden_size,
                          cache, out_dtype=getattr(torch, out_dtype))
+
+
+def choose_backend(name: str, device: str, explicit: set[str]) -> str:
+    """"auto": onnxruntime on a CPU (as fast as torch or faster: `bench/vision.py`), torch on a GPU or when a
+    torch-only setting (vision_bits, ...) is given; tensorrt only when asked for (it needs TensorRT)."""
+    if name != "auto":
+        return name
+    return "onnxruntime" if device == "cpu" and not explicit else "torch"
 
 
 def _int(params: dict, key: str, default: int) -> int:
