@@ -88,6 +88,15 @@ def serve(model_dir: Path, vision: dict):
                         params={"vision": vision}, log_file=run_dir / "server.log")
 
 
+def batch_sizes(server) -> tuple[float, float]:
+    """(encoder calls, images encoded) so far, from the vision model's metrics."""
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    count = re.search(r"^triton_vlm_vision_batch_size_count\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    total = re.search(r"^triton_vlm_vision_batch_size_sum\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return (float(count.group(1)), float(total.group(1))) if count and total else (0.0, 0.0)
+
+
 def vision_direct(server, concurrency: int, n: int) -> float:
     """images/s with `concurrency` clients each sending one image per request to the vision model."""
     import tritonclient.grpc as grpcclient  # noqa: PLC0415
@@ -156,9 +165,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"== through the server ({args.backend}), the vision model called directly", flush=True)
     with serve(model_dir, {"vision_backend": args.backend, "embedding_cache_mb": "0"}) as server:
         vision_direct(server, 4, 8)  # warm-up
-        c1, c8 = vision_direct(server, 1, n), vision_direct(server, 8, n)
-    result["server"] = {"c1_img_s": round(c1, 2), "c8_img_s": round(c8, 2), "c8/c1": round(c8 / c1, 2)}
-    print(f"  concurrency 1: {c1:.1f} img/s, concurrency 8: {c8:.1f} img/s ({c8 / c1:.2f}x)", flush=True)
+        c1 = vision_direct(server, 1, n)
+        calls0, images0 = batch_sizes(server)
+        c8 = vision_direct(server, 8, n)
+        time.sleep(0.2)
+        calls1, images1 = batch_sizes(server)
+    mean_batch = (images1 - images0) / max(1.0, calls1 - calls0)
+    result["server"] = {"c1_img_s": round(c1, 2), "c8_img_s": round(c8, 2), "c8/c1": round(c8 / c1, 2),
+                        "c8_mean_batch": round(mean_batch, 2)}
+    print(f"  concurrency 1: {c1:.1f} img/s, concurrency 8: {c8:.1f} img/s ({c8 / c1:.2f}x; mean encoder batch "
+          f"{mean_batch:.1f})", flush=True)
     chats = 2 if args.quick else 4
     print(f"== chat: {chats} chats x {args.turns} turns, each turn resending the earlier images", flush=True)
     runs = {}

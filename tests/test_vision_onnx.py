@@ -18,21 +18,30 @@ def ort_run(path, pixels: np.ndarray) -> np.ndarray:
     return session.run(None, {"input": pixels})[0]
 
 
-@pytest.fixture(scope="module")
-def clip_full(tmp_path_factory):
-    """A random LLaVA whose CLIP has 4 layers, feature layer -2 and the "full" strategy (CLS kept)."""
+def random_clip(tmp_path_factory, strategy: str):
+    """A random LLaVA whose CLIP has 4 layers and feature layer -2 (the top layer is never run)."""
     from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 
     model, processor = build_random_llava_objects(seed=21, vision_layers=4, vision_feature_layer=-2,
-                                                  vision_feature_select_strategy="full")
-    return save_checkpoint(model, processor, tmp_path_factory.mktemp("clip-full"))
+                                                  vision_feature_select_strategy=strategy)
+    return save_checkpoint(model, processor, tmp_path_factory.mktemp(f"clip-{strategy}"))
 
 
-@pytest.mark.parametrize("which", ["demo", "clip_full"])
-def test_onnxruntime_matches_torch_and_transformers(which, demo_model, clip_full, tmp_path):
+@pytest.fixture(scope="module")
+def clip_full(tmp_path_factory):
+    return random_clip(tmp_path_factory, "full")  # CLS kept
+
+
+@pytest.fixture(scope="module")
+def clip_default(tmp_path_factory):
+    return random_clip(tmp_path_factory, "default")  # CLS dropped
+
+
+@pytest.mark.parametrize("which", ["demo", "clip_default", "clip_full"])
+def test_onnxruntime_matches_torch_and_transformers(which, request, tmp_path):
     from transformers import LlavaForConditionalGeneration
 
-    model_dir = demo_model if which == "demo" else clip_full
+    model_dir = request.getfixturevalue("demo_model" if which == "demo" else which)
     enc = VisionEncoder(model_dir)
     path = export_onnx(model_dir, tmp_path / "v.onnx")
     rng = np.random.default_rng(0)

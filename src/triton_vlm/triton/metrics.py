@@ -45,28 +45,18 @@ HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
 }
 
 
-class LLMMetrics:
-    def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
-                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None):
-        """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
-        the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
-        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters)."""
-        self._stats = stats
-        self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
-        self._lora_info = lora_info
-        self._lora_counters: dict = {}  # (field, level) -> counter
-        self._lora_seen: dict = {}
-        self._lora_gauges: dict = {}  # (field, level) -> gauge
-        self._info_family, self._info_metric, self._info_labels = None, None, None
+class MetricsBase:
+    """Families kept alive with their metrics (a Metric is only valid while its MetricFamily lives); creation
+    failures leave the metrics off (a no-op object) instead of failing the model."""
+
+    def __init__(self):
         self._families: list = []
-        self._gauges: dict = {}
-        self._outcomes: dict = {}
-        self._hist: dict = {}
-        self._tokens: dict = {}
-        if pb_utils is None or not enabled:
+
+    def _start(self, create, *args) -> None:
+        if pb_utils is None:
             return
         try:
-            self._create(model)
+            create(*args)
         except Exception as e:  # noqa: BLE001 - metrics are optional (e.g. disabled in the server)
             log.warning("metrics unavailable: %s", e)
             self.close()
@@ -75,6 +65,31 @@ class LLMMetrics:
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
         return family
+
+    def close(self) -> None:
+        self._families = []
+
+
+class LLMMetrics(MetricsBase):
+    def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
+                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None):
+        """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
+        the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
+        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters)."""
+        super().__init__()
+        self._stats = stats
+        self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
+        self._lora_info = lora_info
+        self._lora_counters: dict = {}  # (field, level) -> counter
+        self._lora_seen: dict = {}
+        self._lora_gauges: dict = {}  # (field, level) -> gauge
+        self._info_family, self._info_metric, self._info_labels = None, None, None
+        self._gauges: dict = {}
+        self._outcomes: dict = {}
+        self._hist: dict = {}
+        self._tokens: dict = {}
+        if enabled:
+            self._start(self._create, model)
 
     def _create(self, model: str) -> None:
         F = pb_utils.MetricFamily
@@ -161,4 +176,4 @@ class LLMMetrics:
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
-        self._families = []
+        super().close()

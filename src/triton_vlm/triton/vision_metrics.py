@@ -7,33 +7,17 @@ Created once per process (Triton keys families by name); without the python back
 """
 from __future__ import annotations
 
-import logging
+from .metrics import MetricsBase, pb_utils
 
-try:
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # pragma: no cover
-    pb_utils = None
-
-log = logging.getLogger("triton_vlm")
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
-class VisionMetrics:
+class VisionMetrics(MetricsBase):
     def __init__(self, service, model: str = "vision"):
-        self.service = service  # vision.batch.VisionService
-        self._families, self._counters, self._gauges, self._seen, self._hist = [], {}, {}, {}, None
-        if pb_utils is None:
-            return
-        try:
-            self._create({"model": model})
-        except Exception as e:  # noqa: BLE001 - metrics are optional
-            log.warning("vision metrics unavailable: %s", e)
-            self.close()
-
-    def _family(self, name: str, description: str, kind):
-        fam = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-        self._families.append(fam)
-        return fam
+        super().__init__()
+        self.service = service  # vision.service.VisionService
+        self._counters, self._gauges, self._seen, self._hist = {}, {}, {}, None
+        self._start(self._create, {"model": model})
 
     def _create(self, labels: dict) -> None:
         F = pb_utils.MetricFamily
@@ -67,4 +51,4 @@ class VisionMetrics:
 
     def close(self) -> None:
         self._counters, self._gauges, self._hist = {}, {}, None  # metrics before their families
-        self._families = []
+        super().close()
