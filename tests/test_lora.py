@@ -411,3 +411,40 @@ def test_wire_and_registry_paths_equal_peft_on_a_layer_subset_with_beam_4(base, 
         final = eng.generate([req])["r"][-1]
         assert [s.token_ids for s in final.sequences] == seqs
         np.testing.assert_allclose([s.cum_log_prob for s in final.sequences], scores, atol=1e-4)
+
+
+def test_base_requests_pass_one_waiting_for_an_adapter_slot(base):
+    """One device slot held by a running request: a request for another adapter waits; a base-model request
+    behind it is admitted at once; a request for the resident adapter behind it is not (it could keep the slot
+    busy forever); all of them finish."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(max_rows=16, kv_cache_tokens=2048, max_loras=1))
+    x, y = _tiny_real("x", eng.model_config, 1), _tiny_real("y", eng.model_config, 2)
+    results: dict = {}
+
+    def submit(rid, adapter, n=12):
+        eng.submit(GenerationRequest(rid, PROMPTS[0], GenerationParams(max_tokens=n, min_tokens=n), adapter=adapter),
+                   lambda res: results.setdefault(res.request_id, []).append(res))
+
+    submit("holds-x", x, n=30)
+    eng.step()
+    submit("wants-y", y)
+    submit("base", None)
+    submit("more-x", x)
+    eng.step()
+    running = {a.id for a in eng.scheduler.running}
+    assert running == {"holds-x", "base"} and [a.id for a in eng.scheduler.waiting] == ["wants-y", "more-x"]
+    while eng.step():
+        pass
+    assert all(results[r][-1].final and results[r][-1].error is None for r in ("holds-x", "wants-y", "base", "more-x"))
+
+
+def _tiny_real(name: str, spec, seed: int):
+    """A small random adapter on q_proj of layer 0 of the test model."""
+    from triton_vlm.lora.format import Adapter, LoraModule, module_shape
+
+    g = torch.Generator().manual_seed(seed)
+    n_in, n_out = module_shape(spec, "q_proj")
+    return Adapter(name, {(0, "q_proj"): LoraModule(torch.randn(2, n_in, generator=g) * 0.1,
+                                                    torch.randn(n_out, 2, generator=g) * 0.1, 1.0)})

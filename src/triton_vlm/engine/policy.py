@@ -2,24 +2,27 @@
 
 First come first served. `schedule()`:
 1. retires cancelled requests (queued or running) and lists them in the plan, to be ended with CANCELLED;
-2. admits the head of the queue while it fits every budget (`_fits`, one place: rows it can ever use,
-   `max(beam_width, num_return_sequences)`, within `max_rows`; its worst-case KV blocks,
+2. admits waiting requests in arrival order while they fit every budget (`_fits`, one place: rows it can ever
+   use, `max(beam_width, num_return_sequences)`, within `max_rows`; its worst-case KV blocks,
    `kv_cache.blocks_needed`, reservable; its LoRA adapter, if any, resident in a device slot
-   (`adapter_slots.DeviceAdapters`: only idle adapters are evicted for it). The head is never overtaken (no
-   starvation of long or wide requests, nor of rare adapters), and reservation makes every later block
-   allocation succeed: nothing is ever preempted;
+   (`adapter_slots.DeviceAdapters`: only idle adapters are evicted for it)). A request short of rows or KV
+   blocks is never overtaken (no starvation of long or wide requests). A request waiting only for an adapter
+   slot lets base-model requests behind it pass (they hold no slot, so they cannot delay its slot), but no
+   request with an adapter, which could keep the slots busy: tenants without adapters never wait on a busy
+   adapter cache, and rare adapters are not starved. Reservation makes every later block allocation succeed:
+   nothing is ever preempted;
 3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first;
 4. decodes every running request whose prompt is complete after this step's prefill.
 
-`retire()` gives a finished request's budgets back (rows, blocks, reservation, adapter slot; idempotent). The policy never
-runs the model.
+`retire()` gives a finished request's budgets back (rows, blocks, reservation, adapter slot; idempotent). The
+policy never runs the model.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 from .adapter_slots import DeviceAdapters
 from .kv_cache import KVCache
@@ -80,29 +83,38 @@ class Policy:
             plan.decode.append(a)
         return plan
 
-    def _fits(self, a: Active) -> bool:
-        """Every budget a request needs, checked in one place; reserves its KV blocks when it fits."""
+    def _fits(self, a: Active) -> Optional[str]:
+        """Every budget a request needs, checked in one place; reserves them when it fits (None), else names
+        the one that is short: "rows", "kv" or "slot"."""
         if self.rows_reserved + a.width > self.max_rows:
-            return False
+            return "rows"
         if not self.cache.try_reserve(a.kv.reserved):
-            return False
+            return "kv"
         if a.req.adapter is not None:
             a.lora = self.adapters.acquire(a.req.adapter)
             if a.lora is None:  # every slot holds an adapter a running request uses: wait for one to finish
                 self.cache.release(a.kv.reserved)
-                return False
-        return True
+                return "slot"
+        return None
 
     def _admit(self) -> list[Active]:
-        admitted = []
-        while self.waiting and self._fits(self.waiting[0]):
-            a = self.waiting.popleft()
-            self.rows_reserved += a.width
-            a.admitted = True
-            a.timing.admitted = time.monotonic()
-            a.kv.rows = [self.cache.new_row()]
-            self.running.append(a)
-            admitted.append(a)
+        admitted, slot_wait = [], False
+        for a in list(self.waiting):
+            if slot_wait and a.req.adapter is not None:
+                continue  # only base-model requests pass one waiting for a slot
+            short = self._fits(a)
+            if short is None:
+                self.waiting.remove(a)
+                self.rows_reserved += a.width
+                a.admitted = True
+                a.timing.admitted = time.monotonic()
+                a.kv.rows = [self.cache.new_row()]
+                self.running.append(a)
+                admitted.append(a)
+            elif short == "slot" and not slot_wait:
+                slot_wait = True
+            else:
+                break  # short of rows or KV blocks: nothing behind it overtakes it
         return admitted
 
     def retire(self, a: Active) -> None:
