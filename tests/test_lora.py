@@ -448,3 +448,19 @@ def _tiny_real(name: str, spec, seed: int):
     n_in, n_out = module_shape(spec, "q_proj")
     return Adapter(name, {(0, "q_proj"): LoraModule(torch.randn(2, n_in, generator=g) * 0.1,
                                                     torch.randn(n_out, 2, generator=g) * 0.1, 1.0)})
+
+
+def test_stack_cache_is_bounded_in_bytes_and_keeps_the_current_set():
+    from triton_vlm.engine.lora import StackCache
+
+    a, b, c = _tiny("a"), _tiny("b"), _tiny("c")
+    one = a.nbytes
+    stacks = StackCache(max_sets=8, max_bytes=2 * one)
+    stacks.set_for((a,))  # one adapter: its own tensors, no copy
+    assert stacks.used_bytes == 0
+    stacks.set_for((a, b))
+    assert stacks.used_bytes == 2 * one
+    stacks.set_for((b, c))  # over budget: the least recently used sets go, never the one just asked for
+    assert stacks.used_bytes == 2 * one and len(stacks._sets) == 1
+    stacks.drop(c)
+    assert stacks.used_bytes == 0 and not stacks._sets

@@ -40,31 +40,43 @@ class Stack(NamedTuple):
 
 
 class StackCache:
-    """The stacks of the adapter sets of recent batches: set -> {(layer, module): Stack or None}, built lazily,
-    at most `max_sets` sets (least recently used dropped).
+    """The stacks of the adapter sets of recent batches: set -> {(layer, module): Stack or None}, built lazily.
 
-    Consecutive decode steps of the same requests reuse one set's stacks. `drop(adapter)` forgets every set
-    holding an adapter the device level evicted, so its memory is freed with it."""
+    Consecutive decode steps of the same requests reuse one set's stacks. Bounded by `max_sets` sets and by
+    `max_bytes` of stacked copies (a set of several adapters costs about the sum of their sizes once built; a
+    set of one adapter uses its tensors and costs nothing): least recently used sets are dropped first, never the
+    one just asked for. `drop(adapter)` forgets every set holding an adapter the device level evicted, so its
+    memory is freed with it."""
 
-    def __init__(self, max_sets: int = 8):
-        self.max_sets = max_sets
-        self._sets: "OrderedDict[tuple[int, ...], tuple[tuple[Adapter, ...], dict]]" = OrderedDict()
+    def __init__(self, max_sets: int = 8, max_bytes: Optional[int] = None):
+        self.max_sets, self.max_bytes = max_sets, max_bytes
+        self.used_bytes = 0
+        # key -> (adapters, {(layer, module): Stack or None}, bytes of copies)
+        self._sets: "OrderedDict[tuple[int, ...], tuple[tuple[Adapter, ...], dict, int]]" = OrderedDict()
 
     def set_for(self, adapters: tuple[Adapter, ...]) -> dict:
         """The (layer, module) -> Stack dict of this set of adapters (empty when new)."""
         key = tuple(id(a) for a in adapters)
         entry = self._sets.get(key)
         if entry is None or any(x is not y for x, y in zip(entry[0], adapters)):
-            entry = (adapters, {})
+            if entry is not None:
+                self._forget(key)
+            cost = sum(a.nbytes for a in adapters) if len(adapters) > 1 else 0
+            entry = (adapters, {}, cost)
             self._sets[key] = entry
-            while len(self._sets) > self.max_sets:
-                self._sets.popitem(last=False)
+            self.used_bytes += cost
         self._sets.move_to_end(key)
+        while len(self._sets) > 1 and (len(self._sets) > self.max_sets or
+                                       (self.max_bytes is not None and self.used_bytes > self.max_bytes)):
+            self._forget(next(iter(self._sets)))
         return entry[1]
 
+    def _forget(self, key) -> None:
+        self.used_bytes -= self._sets.pop(key)[2]
+
     def drop(self, adapter: Adapter) -> None:
-        for key in [k for k, (adapters, _) in self._sets.items() if any(a is adapter for a in adapters)]:
-            del self._sets[key]
+        for key in [k for k, (adapters, _, _) in self._sets.items() if any(a is adapter for a in adapters)]:
+            self._forget(key)
 
 
 def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device) -> Optional[Stack]:

@@ -33,6 +33,8 @@ class Scheduler:
                  prefill_chunk: int, decode_text: Callable[[list[int]], str]):
         self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk)
         self.runner = ModelRunner(model, cache)
+        # stacked copies of adapters get the device level's budget again (the adapters themselves use the first)
+        self.runner.lora_stacks.max_bytes = adapters.max_bytes
         adapters.on_evict = self.runner.lora_stacks.drop  # an evicted adapter's stacks go with it
         self.output = OutputProcessor(decode_text)
 
