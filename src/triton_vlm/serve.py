@@ -382,28 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     args = ap.parse_args(argv)
-
-    if args.model:
-        model = Path(args.model).expanduser().resolve()
-        if not (model / "config.json").exists():
-            raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
-    else:
-        from .demo import ensure_demo_adapters, ensure_demo_model  # noqa: PLC0415
-
-        model = ensure_demo_model()
-        args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
-    params = _parse_set(args.set)
-    try:
-        check_parameters(params)
-    except ValueError as e:
-        raise SystemExit(f"triton-vlm: {e}") from None
-    if args.device:
-        params.setdefault("*", {})["device"] = args.device
-    if args.lora_dir:
-        lora_dir = Path(args.lora_dir).expanduser().resolve()
-        if not lora_dir.is_dir():
-            raise SystemExit(f"--lora-dir {lora_dir} is not a folder")
-        params.setdefault("*", {})["lora_dir"] = str(lora_dir)  # llm loads adapters, preprocess checks names
+    model, params = _model_and_params(args)
     run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
@@ -432,6 +411,33 @@ def main(argv: list[str] | None = None) -> int:
     supervisor.stop()
     server.stop()
     return 1 if supervisor.failed.is_set() else 0
+
+
+def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
+    """The checkpoint (the demo model, built if missing, when none is given) and the model parameters of the
+    command line; SystemExit with the reason for a bad one."""
+    if args.model:
+        model = Path(args.model).expanduser().resolve()
+        if not (model / "config.json").exists():
+            raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
+    else:
+        from .demo import ensure_demo_adapters, ensure_demo_model  # noqa: PLC0415
+
+        model = ensure_demo_model()
+        args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
+    params = _parse_set(args.set)
+    try:
+        check_parameters(params)
+    except ValueError as e:
+        raise SystemExit(f"triton-vlm: {e}") from None
+    if args.device:
+        params.setdefault("*", {})["device"] = args.device
+    if args.lora_dir:
+        lora_dir = Path(args.lora_dir).expanduser().resolve()
+        if not lora_dir.is_dir():
+            raise SystemExit(f"--lora-dir {lora_dir} is not a folder")
+        params.setdefault("*", {})["lora_dir"] = str(lora_dir)  # llm loads adapters, preprocess checks names
+    return model, params
 
 
 def _print_banner(args, model: Path, log_file: Path | None) -> None:
