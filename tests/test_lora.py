@@ -464,3 +464,38 @@ def test_stack_cache_is_bounded_in_bytes_and_keeps_the_current_set():
     assert stacks.used_bytes == 2 * one and len(stacks._sets) == 1
     stacks.drop(c)
     assert stacks.used_bytes == 0 and not stacks._sets
+
+
+def test_resent_weights_replace_a_task_for_later_requests_only(base, adapters):
+    """TensorRT-LLM's cache semantics: weights sent again for a cached task id replace it for later requests; a
+    request already running keeps the adapter it started with; the id alone then finds the new one."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.lora.cache import AdapterCache
+    from triton_vlm.lora.registry import Registry
+    from triton_vlm.lora.request import parse_request
+
+    eng = Engine(base, EngineConfig(max_rows=16, kv_cache_tokens=2048))
+    spec = eng.model_config
+    cache = AdapterCache(spec, Registry(None, spec), max_bytes=2**30)
+    tensors = {name: to_trtllm(load_peft(d, spec), np.float32) for name, d in adapters.items()}
+
+    def resolve(weights=None):
+        w, c = weights if weights is not None else (None, None)
+        return cache.resolve(parse_request(7, w, c, None, spec, cache.registry, 64))
+
+    def solo(adapter, rid):
+        return eng.generate([GenerationRequest(rid, PROMPTS[1], GenerationParams(max_tokens=10, min_tokens=10),
+                                               adapter=adapter)])[rid][-1].sequences[0].token_ids
+
+    results: dict = {}
+    first = resolve(tensors["plain"])
+    eng.submit(GenerationRequest("running", PROMPTS[1], GenerationParams(max_tokens=10, min_tokens=10),
+                                 adapter=first), lambda r: results.setdefault(r.request_id, []).append(r))
+    eng.step()
+    eng.step()  # it is mid-generation when the task's weights are replaced
+    second = resolve(tensors["patterns"])
+    assert resolve() is second and len(cache) == 1
+    while eng.step():
+        pass
+    assert results["running"][-1].sequences[0].token_ids == solo(first, "a")
+    assert solo(resolve(), "b") == solo(second, "c") != solo(first, "d")
