@@ -75,3 +75,18 @@ def test_cache_hits_skip_the_encoder_and_equal_fresh_embeddings(demo_model, enco
     assert svc.cache.stats.evictions == 1 and len(svc.cache) == 2 and svc.cache.used_bytes == 2 * one
     svc.encode([(imgs[:1], [key(0)])])
     assert svc.stats.images_encoded == 4  # key 0 was evicted: encoded again
+
+
+def test_auto_falls_back_to_torch_when_the_export_fails(demo_model, monkeypatch, caplog):
+    """`vision_backend` auto prefers onnxruntime on a CPU; a tower that cannot be exported still serves (torch),
+    with a warning. An explicit onnxruntime fails loudly instead."""
+    from triton_vlm.vision import export, service as S
+
+    def broken(*a, **kw):
+        raise RuntimeError("unsupported operator")
+
+    monkeypatch.setattr(export, "cached_onnx", broken)
+    svc = S.build(demo_model, {"embedding_cache_mb": "0"})
+    assert svc.backend.name == "torch" and "falling back to torch" in caplog.text
+    with pytest.raises(RuntimeError, match="unsupported operator"):
+        S.build(demo_model, {"vision_backend": "onnxruntime"})

@@ -10,6 +10,8 @@ cache are not encoded; the rest, deduplicated by key across requests, go to the 
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -22,6 +24,7 @@ from .backends import BackendSettings, make_backend
 from .cache import EmbeddingCache
 from .encoder import VisionSettings, check_pixel_values
 
+log = logging.getLogger("triton_vlm")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -125,7 +128,13 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
                              pipeline=params.get("pipeline") or "auto"),
         onnx_path=params.get("onnx_path", ""), plan_path=params.get("trt_plan", ""),
         max_batch=_int(params, "max_images_per_forward", 32))
-    backend = make_backend(model_dir, s, explicit)
+    try:
+        backend = make_backend(model_dir, s, explicit)
+    except Exception as e:  # noqa: BLE001 - "auto" falls back to torch; an explicit choice fails loudly
+        if (params.get("vision_backend") or "auto") != "auto" or s.backend == "torch":
+            raise
+        log.warning("vision: %s backend unavailable (%s: %s); falling back to torch", s.backend, type(e).__name__, e)
+        backend = make_backend(model_dir, dataclasses.replace(s, backend="torch"), explicit)
     spec = CheckpointSpec.load(model_dir)
     mb = _int(params, "embedding_cache_mb", 256)
     cache = None
