@@ -111,7 +111,8 @@ class LLMService:
             adapter=self._adapter(request),
             input_ids=[int(t) for t in ids.reshape(-1)],
             params=params,
-            image_embeds=None if emb is None or emb.numel() == 0 else emb,
+            # our own copy (on the same device): the engine reads it after execute() has returned
+            image_embeds=None if emb is None or emb.numel() == 0 else emb.clone(),
             bad_words_ids=[] if bad is None else words_from_flat(bad.reshape(-1)),
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
