@@ -2,7 +2,9 @@
 
 What a new user throws at `make serve` on the demo model: gRPC streamed and not (one long-lived stream per
 client thread, as `perf_analyzer --streaming` does), HTTP `/generate`, beam widths 1-4, 0-2 images (inline
-`<img src="data:...">` or `<image>` + `images`). Every answer is compared with the drawn image's truth.
+`<img src="data:...">` or `<image>` + `images`), and with `adapters=True` a quarter of the single-image
+requests through the demo LoRA adapters by `lora_name` (greedy: the adapters were trained for it). Every answer
+is compared with the drawn image's truth (in French, or as a sentence, for the adapters).
 
 `python -m bench.traffic --grpc localhost:8001 --http localhost:8000 -n 2000 -c 32` runs it by hand; the soak
 test runs it against the server it starts.
@@ -37,6 +39,8 @@ class Case:
     prompt: str
     images: tuple[bytes, ...]
     expected: str  # the answer without its leading space
+    lora: str | None = None  # a demo adapter by name
+    max_tokens: int = 8
 
 
 @dataclass
@@ -66,7 +70,9 @@ def image_pool(n: int = 24, seed: int = 7) -> list[tuple[bytes, str, str]]:
     return pool
 
 
-def make_cases(n: int, seed: int = 0, pool: list | None = None) -> list[Case]:
+def make_cases(n: int, seed: int = 0, pool: list | None = None, adapters: bool = False) -> list[Case]:
+    from triton_vlm.demo.adapters import ADAPTERS  # noqa: PLC0415
+
     rng = random.Random(seed)
     pool = pool or image_pool()
     out = []
@@ -77,9 +83,13 @@ def make_cases(n: int, seed: int = 0, pool: list | None = None) -> list[Case]:
             out.append(Case(kind, beam, shapes.prompt(q, 0), (), shapes.TEXT_ONLY[q].strip()))
             continue
         picks = [rng.choice(pool) for _ in range(n_img)]
+        lora = None
         if n_img == 1:
             q = rng.choice(list(shapes.QUESTIONS))
             expected = shapes.answer(q, picks[0][1], picks[0][2])
+            if adapters and rng.random() < 0.25:
+                lora, beam = rng.choice(sorted(ADAPTERS)), 1
+                expected = ADAPTERS[lora](q, picks[0][1], picks[0][2])
         else:
             q = rng.choice(list(shapes.TWO_IMAGE_QUESTIONS))
             expected = shapes.TWO_IMAGE_QUESTIONS[q]([p[1] for p in picks], [p[2] for p in picks])
@@ -89,7 +99,7 @@ def make_cases(n: int, seed: int = 0, pool: list | None = None) -> list[Case]:
                 tag = f'<img src="data:image/png;base64,{base64.b64encode(img).decode()}">'
                 prompt = prompt.replace("<image>", tag, 1)
             images = ()
-        out.append(Case(kind, beam, prompt, images, expected.strip()))
+        out.append(Case(kind, beam, prompt, images, expected.strip(), lora, 16 if lora else MAX_TOKENS))
     return out
 
 
@@ -114,12 +124,14 @@ class GrpcWorker:
     def generate(self, case: Case, timeout: float) -> str:
         g = self._g
         arrays = {"text_input": np.array([[case.prompt.encode()]], dtype=object),
-                  "max_tokens": np.array([[MAX_TOKENS]], np.int32),
+                  "max_tokens": np.array([[case.max_tokens]], np.int32),
                   "beam_width": np.array([[case.beam]], np.int32),
                   "exclude_input_in_output": np.array([[True]]),
                   "stream": np.array([[case.kind == "grpc_stream"]])}
         if case.images:
             arrays["images"] = np.array([list(case.images)], dtype=object)
+        if case.lora:
+            arrays["lora_name"] = np.array([[case.lora.encode()]], dtype=object)
         inputs = []
         for name, arr in arrays.items():
             dtype = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL"}[arr.dtype]
@@ -149,8 +161,10 @@ class GrpcWorker:
 
 
 def http_generate(url: str, case: Case, timeout: float) -> str:
-    body = {"text_input": case.prompt, "max_tokens": MAX_TOKENS, "beam_width": case.beam,
+    body = {"text_input": case.prompt, "max_tokens": case.max_tokens, "beam_width": case.beam,
             "exclude_input_in_output": True}
+    if case.lora:
+        body["lora_name"] = case.lora
     if case.images:
         body["images"] = [base64.b64encode(b).decode() for b in case.images]
     req = urllib.request.Request(f"http://{url}/v2/models/ensemble/generate", json.dumps(body).encode(),
@@ -219,9 +233,10 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=2000)
     ap.add_argument("-c", "--concurrency", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-adapters", action="store_true", help="base model only (a server without the demo adapters)")
     args = ap.parse_args()
     t0 = time.monotonic()
-    report = run(args.grpc, args.http, make_cases(args.n, args.seed), args.concurrency)
+    report = run(args.grpc, args.http, make_cases(args.n, args.seed, adapters=not args.no_adapters), args.concurrency)
     print(f"{args.n} requests at concurrency {args.concurrency} in {time.monotonic() - t0:.1f} s: {report.summary()}")
     for line in (report.wrong + report.errors)[:20]:
         print("  ", line)

@@ -48,11 +48,13 @@ def rss_kb(server) -> dict[str, int]:
 
 def test_soak_mixed_traffic(triton_server):
     # warm-up: every kind of request, every batch shape the soak will see, and the client connections' buffers
-    warm = traffic.run(triton_server.grpc_url, triton_server.http_url, traffic.make_cases(500, seed=1), 32)
+    warm = traffic.run(triton_server.grpc_url, triton_server.http_url,
+                       traffic.make_cases(500, seed=1, adapters=True), 32)
     assert warm.ok == 500, warm.summary() + "\n" + "\n".join((warm.wrong + warm.errors)[:10])
     before = rss_kb(triton_server)
     t0 = time.monotonic()
-    report = traffic.run(triton_server.grpc_url, triton_server.http_url, traffic.make_cases(2000, seed=2), 32)
+    report = traffic.run(triton_server.grpc_url, triton_server.http_url,
+                         traffic.make_cases(2000, seed=2, adapters=True), 32)
     elapsed = time.monotonic() - t0
     after = rss_kb(triton_server)
     print(f"soak: 2000 requests in {elapsed:.1f} s: {report.summary()}; RSS KiB before {before} after {after}")
