@@ -499,3 +499,20 @@ def test_resent_weights_replace_a_task_for_later_requests_only(base, adapters):
         pass
     assert results["running"][-1].sequences[0].token_ids == solo(first, "a")
     assert solo(resolve(), "b") == solo(second, "c") != solo(first, "d")
+
+
+def test_wire_weights_take_the_models_dtype_and_compute_as_fp32(base, adapters):
+    """FP16 wire weights are held in the model's dtype (half the bytes of fp32 for an fp16 model); the adapter
+    math upcasts them to fp32 as PEFT does, so the tokens equal those of the same numbers held in fp32."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(dtype="float16", max_rows=8, kv_cache_tokens=1024))
+    spec = eng.model_config
+    w16, c = to_trtllm(load_peft(adapters["plain"], spec), np.float16)
+    as16, as32 = (from_trtllm("3", w16, c, spec, dtype=d) for d in (torch.float16, torch.float32))
+    assert {m.a.dtype for m in as16.modules.values()} == {torch.float16} and as16.nbytes * 2 == as32.nbytes
+    out = {}
+    for tag, adapter in (("16", as16), ("32", as32), ("none", None)):
+        req = GenerationRequest(tag, PROMPTS[2], GenerationParams(max_tokens=10, beam_width=2), adapter=adapter)
+        out[tag] = eng.generate([req])[tag][-1].sequences[0].token_ids
+    assert out["16"] == out["32"] != out["none"]

@@ -43,7 +43,7 @@ class TritonPythonModel:
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
-        adapters = _adapter_cache(model_dir, p)  # both backends: the same registry and wire tensors
+        adapters = _adapter_cache(model_dir, p, dtype)  # both backends: the same registry and wire tensors
         override = config.parse_int(p, "context_length", 0)
         if override:  # a shorter context than the checkpoint's (e.g. to bound KV memory per request)
             context = min(context, override)
@@ -59,7 +59,7 @@ class TritonPythonModel:
         self.service.shutdown()
 
 
-def _adapter_cache(model_dir, p):
+def _adapter_cache(model_dir, p, dtype: str):
     """LoRA adapters by task id, with the registry of `lora_dir` (a folder of adapters, or none)."""
     from triton_vlm.lora.cache import AdapterCache
     from triton_vlm.lora.registry import Registry
@@ -68,5 +68,7 @@ def _adapter_cache(model_dir, p):
     spec = CheckpointSpec.load(model_dir).text
 
     registry = Registry(p.get("lora_dir") or None, spec)
+    import torch
+
     return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20,
-                        max_rank=config.parse_int(p, "max_lora_rank", 64))
+                        max_rank=config.parse_int(p, "max_lora_rank", 64), wire_dtype=getattr(torch, dtype))

@@ -84,11 +84,12 @@ def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device) -> Op
              if (layer, module) in adapters[j].modules]
     if not parts:
         return None
-    if len(parts) == 1:  # one adapter (a prefill, or a batch of one tenant): its own tensors, no copy
+    f32 = torch.float32  # the adapter math runs in fp32 (PEFT upcasts fp16 / bf16 adapter weights the same way)
+    if len(parts) == 1:  # one adapter (a prefill, or a batch of one tenant): its own fp32 tensors, no copy
         m = parts[0][1]
-        return Stack(m.a.to(device), m.b.to(device), ((parts[0][0], m.rank, m.scale),))
-    return Stack(torch.cat([m.a for _, m in parts]).to(device),
-                 torch.cat([m.b for _, m in parts], dim=1).to(device),
+        return Stack(m.a.to(device, f32), m.b.to(device, f32), ((parts[0][0], m.rank, m.scale),))
+    return Stack(torch.cat([m.a for _, m in parts]).to(device, f32),
+                 torch.cat([m.b for _, m in parts], dim=1).to(device, f32),
                  tuple((j, m.rank, m.scale) for j, m in parts))
 
 

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from ..errors import InvalidArgument
 from ..spec import TextSpec
 from .format import MAX_RANK, Adapter
@@ -33,6 +35,7 @@ class AdapterCache:
     registry: Registry
     max_bytes: int
     max_rank: int = MAX_RANK  # max_lora_rank: adapters of a higher rank are refused
+    wire_dtype: torch.dtype = torch.float32  # the model's dtype: FP16 wire weights are cast to it
     stats: CacheStats = field(default_factory=CacheStats)
     _items: "OrderedDict[int, Adapter]" = field(default_factory=OrderedDict)
     used_bytes: int = 0

@@ -36,8 +36,8 @@ def module_shape(spec: TextSpec, module: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class LoraModule:
-    a: torch.Tensor  # [r, in] fp32
-    b: torch.Tensor  # [out, r] fp32
+    a: torch.Tensor  # [r, in]: fp32 (registry adapters, as PEFT keeps them) or the model's dtype (wire weights)
+    b: torch.Tensor  # [out, r]; the adapter math upcasts both to fp32, as PEFT does
     scale: float  # applied after B (1.0 when folded into B)
 
     @property
@@ -77,10 +77,11 @@ def to_trtllm(adapter: Adapter, dtype=np.float16) -> tuple[np.ndarray, np.ndarra
     return weights, np.asarray(config, dtype=np.int32).reshape(-1, 3)
 
 
-def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec, max_rank: int = MAX_RANK
-                ) -> Adapter:
-    """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) -> Adapter; every
-    problem raises InvalidArgument naming the input, the value and what is allowed."""
+def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec, max_rank: int = MAX_RANK,
+                dtype: torch.dtype = torch.float32) -> Adapter:
+    """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) -> Adapter with A / B in
+    `dtype` (the model's: wire weights are cast to it, as TensorRT-LLM does); every problem raises InvalidArgument
+    naming the input, the value and what is allowed."""
     weights, config = np.asarray(weights), np.asarray(config)
     if weights.ndim != 2 or config.ndim != 2 or config.shape[1] != 3:
         raise InvalidArgument(f"lora_weights must be [N, W] and lora_config [N, 3]; got {list(weights.shape)} and "
@@ -109,7 +110,7 @@ def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSp
                                   f"{r}: {weights.shape[1]} < {need}")
         if (layer, module) in mods:
             raise InvalidArgument(f"lora_config row {i}: {module} of layer {layer} appears twice")
-        row = torch.from_numpy(weights[i, :need].astype(np.float32))
+        row = torch.from_numpy(weights[i, :need].astype(np.float32)).to(dtype)
         mods[(layer, module)] = LoraModule(row[:r * n_in].reshape(r, n_in).clone(),
                                            row[r * n_in:].reshape(n_out, r).clone(), 1.0)
     return Adapter(name, mods)

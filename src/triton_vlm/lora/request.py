@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import torch
 
 from ..errors import InvalidArgument
 from ..spec import TextSpec
@@ -24,8 +25,9 @@ class LoraRequest:
 
 
 def parse_request(task_id: Optional[int], weights: Optional[np.ndarray], config: Optional[np.ndarray],
-                  name: Optional[str], spec: TextSpec, registry: Registry, max_rank: int) -> Optional[LoraRequest]:
-    """None when the request asks for no adapter (the base model)."""
+                  name: Optional[str], spec: TextSpec, registry: Registry, max_rank: int,
+                  dtype: torch.dtype = torch.float32) -> Optional[LoraRequest]:
+    """None when the request asks for no adapter (the base model); wire weights are read in `dtype`."""
     if (weights is None) != (config is None):
         raise InvalidArgument("lora_weights and lora_config must be sent together (got only "
                               f"{'lora_weights' if weights is not None else 'lora_config'})")
@@ -40,7 +42,7 @@ def parse_request(task_id: Optional[int], weights: Optional[np.ndarray], config:
     if weights is not None:
         if task_id is None:
             raise InvalidArgument("lora_weights and lora_config need a lora_task_id to cache them under")
-        return LoraRequest(task_id, wire=from_trtllm(str(task_id), weights, config, spec, max_rank))
+        return LoraRequest(task_id, wire=from_trtllm(str(task_id), weights, config, spec, max_rank, dtype))
     if task_id is None:
         return None
     return LoraRequest(task_id, name=registry.find_id(task_id))

@@ -126,7 +126,7 @@ class LLMService:
         if self.adapters is None:
             raise InvalidArgument("this llm backend does not apply LoRA adapters (use backend 'engine')")
         cache = self.adapters
-        return cache.resolve(parse_request(*inputs, cache.spec, cache.registry, cache.max_rank))
+        return cache.resolve(parse_request(*inputs, cache.spec, cache.registry, cache.max_rank, cache.wire_dtype))
 
     # --- results (the responder's thread) ------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:
