@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,7 +88,11 @@ def export_onnx(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # the tracer's notes on CLIP's fixed-size branch (the image size is fixed per checkpoint) and the
+        # TorchScript exporter's deprecation notice are expected here
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(graph, (dummy,), str(tmp), opset_version=OPSET, input_names=[INPUT],
                           output_names=[OUTPUT], dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
                           dynamo=False)
