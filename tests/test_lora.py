@@ -516,3 +516,16 @@ def test_wire_weights_take_the_models_dtype_and_compute_as_fp32(base, adapters):
         req = GenerationRequest(tag, PROMPTS[2], GenerationParams(max_tokens=10, beam_width=2), adapter=adapter)
         out[tag] = eng.generate([req])[tag][-1].sequences[0].token_ids
     assert out["16"] == out["32"] != out["none"]
+
+
+def test_registry_finds_adapters_added_while_serving(base, adapters, tmp_path):
+    import shutil
+
+    from triton_vlm.lora.registry import Registry, task_id_for_name
+    from triton_vlm.spec import CheckpointSpec
+
+    reg = Registry(tmp_path, CheckpointSpec.load(base).text)
+    assert reg.find_id(task_id_for_name("late")) is None
+    shutil.copytree(adapters["plain"], tmp_path / "late")
+    shutil.copytree(adapters["plain"], tmp_path / "77")
+    assert reg.find_id(task_id_for_name("late")) == "late" and reg.find_id(77) == "77"

@@ -36,6 +36,7 @@ class Registry:
     def __init__(self, root: Optional[str | Path], spec: TextSpec):
         self.root = Path(root).resolve() if root else None
         self.spec = spec
+        self._index: Optional[tuple[int, dict[int, str]]] = None  # (folder mtime, task id -> name)
         if self.root is not None and not self.root.is_dir():
             raise InvalidArgument(f"lora_dir {self.root} is not a folder")
 
@@ -48,12 +49,13 @@ class Registry:
         return int(name) if name.isdigit() else task_id_for_name(name)
 
     def find_id(self, task_id: int) -> Optional[str]:
-        """The registry name whose task id is `task_id`, or None."""
+        """The registry name whose task id is `task_id`, or None (an index rebuilt when the folder changes)."""
         if self.root is None:
             return None
-        if (self.root / str(task_id)).is_dir():
-            return str(task_id)
-        return next((n for n in self.names() if not n.isdigit() and task_id_for_name(n) == task_id), None)
+        stamp = self.root.stat().st_mtime_ns  # adding or removing a subfolder changes it
+        if self._index is None or self._index[0] != stamp:
+            self._index = (stamp, {self.task_id(n): n for n in self.names()})
+        return self._index[1].get(task_id)
 
     def path(self, name: str) -> Path:
         if not NAME.match(name):
