@@ -92,17 +92,18 @@ def test_onnxruntime_backend_answers_as_torch(triton_server, torch_server):
     assert encoded >= 9 and count < encoded  # fewer encoder calls than images: requests were batched
 
 
-def test_embeddings_travel_in_the_language_models_dtype(tmp_path_factory, demo_model):
-    """With an fp16 language model, vision sends fp16 embeddings (half the bytes through shared memory), llm
-    takes them by DLPack, and the demo still answers right."""
+@pytest.mark.parametrize("dtype,triton_type", [("float16", "TYPE_FP16"), ("bfloat16", "TYPE_BF16")])
+def test_embeddings_travel_in_the_language_models_dtype(tmp_path_factory, demo_model, dtype, triton_type):
+    """With an fp16 / bf16 language model, vision sends its embeddings in that dtype (half the bytes of FP32
+    through shared memory), llm takes them by DLPack, and the demo still answers right."""
     from conftest import _start_server, _stop_server
 
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"dtype": "float16"}}, "fp16-server")
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"dtype": dtype}}, f"{dtype}-server")
     try:
         repo = server.run_dir / "model_repository"
         for model in ("vision", "llm"):
             text = (repo / model / "config.pbtxt").read_text()
-            assert re.search(r'name: "image_embeds"\s*data_type: TYPE_FP16', text), model
+            assert re.search(rf'name: "image_embeds"\s*data_type: {triton_type}', text), model
         with VLMClient(server.grpc_url, timeout=60) as c:
             for shape, color in (("circle", "red"), ("square", "blue"), ("triangle", "yellow")):
                 assert c.generate(Q, [png(shape, color, seed=7)], max_tokens=4).text.strip() == color
