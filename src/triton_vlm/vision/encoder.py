@@ -1,11 +1,13 @@
 """The vision tower + projector of a LLaVA checkpoint, loaded without the language model.
 
-`VisionEncoder(model_dir, VisionSettings(...))(pixel_values [n, 3, H, W]) -> [n, T, hidden]` equals
-`LlavaForConditionalGeneration.get_image_features(...)` on the same weights. The settings are those of
-text-generation-webui's multimodal pipelines: `vision_device` / `vision_bits` for the tower, `projector_device` / `projector_bits` for the
-projector, and a pipeline chosen from the checkpoint's config ("auto") or by name (`triton_vlm.checkpoint.PIPELINES`).
-The feature layer and select strategy always come from the checkpoint's config, so the number of features per
-image is the number of placeholders preprocess inserts.
+`EncoderGraph` is the computation every backend runs: the tower up to the configured feature layer(s) (the
+layers above are dropped), the select strategy, the projector; the torch backend runs it in torch and the
+exporter (`export.py`) writes it as ONNX. `VisionEncoder(model_dir, VisionSettings(...))(pixel_values [n, 3, H,
+W]) -> [n, T, hidden]` equals `LlavaForConditionalGeneration.get_image_features(...)` on the same weights; its
+settings are those of text-generation-webui's multimodal pipelines: `vision_device` / `vision_bits` for the
+tower, `projector_device` / `projector_bits` for the projector, and a pipeline chosen from the checkpoint's config
+("auto") or by name (`triton_vlm.checkpoint.PIPELINES`). The feature layer and select strategy always come from
+the checkpoint's config, so the number of features per image is the number of placeholders preprocess inserts.
 """
 from __future__ import annotations
 
