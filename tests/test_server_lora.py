@@ -174,7 +174,9 @@ def test_adapters_and_base_mixed_in_concurrent_requests(lora_setup):
         t.start()
     for t in threads:
         t.join(120)
-    time.sleep(0.6)  # one more refresh
+    deadline = time.monotonic() + 10  # the gauge is refreshed every 0.5 s: wait for the idle state
+    while time.monotonic() < deadline and not (series and series[-1] and 'running_lora_adapters=""' in series[-1][0]):
+        time.sleep(0.1)
     done.set()
     watcher.join(30)
     for i, (who, prompt) in enumerate(jobs):
@@ -254,7 +256,7 @@ def test_adapter_cache_metrics(lora_setup):
     for body in ({"lora_name": "tenant-a"}, {"lora_task_id": 4242}, {"lora_name": "tenant-a"}):
         assert http(server, {"text_input": PROMPTS[0], **body})[0] == 200  # loads (first time), then hits
     assert http(server, {"text_input": PROMPTS[0], "lora_task_id": 999})[0] == 400  # a miss
-    time.sleep(1.2)  # gauges and counters are refreshed every 0.5 s
+    time.sleep(1.5)  # gauges and counters are refreshed every 0.5 s
     text = scrape(server)
     values = {(m.group(1), m.group(2)): float(m.group(3)) for m in
               re.finditer(r'^(triton_vlm_lora_cache_\w+)\{[^}]*level="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M)}
