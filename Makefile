@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m triton_vlm.demo
 
 serve: $(STAMP)
-	$(PY) -m triton_vlm.serve
+	$(PY) -m triton_vlm.server
 
 test: $(STAMP)
 	$(PY) -m triton_vlm.demo $(if $(CI),--quiet,)

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from triton_vlm.demo import shapes
-from triton_vlm.serve import cache_dir
+from triton_vlm.paths import cache_dir
 
 PA_VERSION = "2.51.0"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         url = args.url
         if url is None:
             from triton_vlm.demo import ensure_demo_model  # noqa: PLC0415
-            from triton_vlm.serve import TritonServer, free_port  # noqa: PLC0415
+            from triton_vlm.server.process import TritonServer, free_port  # noqa: PLC0415
 
             server = TritonServer(str(ensure_demo_model()), free_port(), free_port(), free_port(), run_dir=work,
                                   log_file=work / "server.log").__enter__()

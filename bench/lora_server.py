@@ -91,7 +91,7 @@ def device_hit_rate(metrics_port: int) -> tuple[float, float]:
 
 
 def serve(model_dir: Path, registry: Path, llm: dict):
-    from triton_vlm.serve import TritonServer, free_port  # noqa: PLC0415
+    from triton_vlm.server.process import TritonServer, free_port  # noqa: PLC0415
 
     run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-bench-lora-"))
     return TritonServer(str(model_dir), free_port(), free_port(), free_port(), run_dir=run_dir,

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from triton_vlm.demo.train import Recipe
-from triton_vlm.serve import cache_dir
+from triton_vlm.paths import cache_dir
 
 BENCH_VERSION = "v1"
 _DEMO = Recipe()

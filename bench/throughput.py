@@ -208,7 +208,7 @@ def _sigterm(signum, frame):  # the `with TritonServer` blocks stop the server o
 
 
 def run_backend(backend: str, s: Settings, model_dir: Path, on_row: Callable[[RowResult], None]) -> None:
-    from triton_vlm.serve import TritonServer, free_port  # noqa: PLC0415
+    from triton_vlm.server.process import TritonServer, free_port  # noqa: PLC0415
 
     params = {"llm": {"backend": backend}}
     if backend == OURS:
@@ -242,7 +242,7 @@ def run_backend(backend: str, s: Settings, model_dir: Path, on_row: Callable[[Ro
 def main(argv: Optional[list[str]] = None) -> int:
     s = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
-    if s.torch_threads:  # inherited by tritonserver and its python stubs (serve.server_env only sets a default)
+    if s.torch_threads:  # inherited by tritonserver and its python stubs (server_env only sets a default)
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(s.torch_threads)
     model_dir = ensure_bench_model()
     model_desc = describe(model_dir)

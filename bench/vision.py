@@ -40,7 +40,7 @@ VERSION = "v1"
 
 def ensure_vit_model() -> Path:
     from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint  # noqa: PLC0415
-    from triton_vlm.serve import cache_dir  # noqa: PLC0415
+    from triton_vlm.paths import cache_dir  # noqa: PLC0415
 
     out = cache_dir() / f"bench-vit-b32-{VERSION}"
     if not (out / ".complete").is_file():
@@ -81,7 +81,7 @@ def _timed(fn, arg) -> float:
 
 
 def serve(model_dir: Path, vision: dict):
-    from triton_vlm.serve import TritonServer, free_port  # noqa: PLC0415
+    from triton_vlm.server.process import TritonServer, free_port  # noqa: PLC0415
 
     run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-bench-vision-"))
     return TritonServer(str(model_dir), free_port(), free_port(), free_port(), run_dir=run_dir,

@@ -1,6 +1,6 @@
 """Shared fixtures: the demo model (built once, cached) and a live tritonserver on it.
 
-The server is the real `tritonserver` from nvidia-pytriton started by `triton_vlm.serve.TritonServer` on free
+The server is the real `tritonserver` from nvidia-pytriton started by `triton_vlm.server.process.TritonServer` on free
 ports; tests talk to it with `tritonclient` over gRPC and HTTP. Its log goes to `<tmp>/server.log` and is
 printed when the server fails to start.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_vlm import procs
+from triton_vlm.server import procs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -71,8 +71,8 @@ def demo_model() -> Path:
 
 
 def _start_server(tmp_path_factory, model: Path, params: dict, name: str):
-    from triton_vlm.serve import TritonServer, free_port
-    from triton_vlm.supervisor import Supervisor
+    from triton_vlm.server.process import TritonServer, free_port
+    from triton_vlm.server.supervisor import Supervisor
 
     run_dir = tmp_path_factory.mktemp(name)
     server = TritonServer(str(model), free_port(), free_port(), free_port(), params=params, run_dir=run_dir,

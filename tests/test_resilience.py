@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench import traffic
-from triton_vlm import procs
+from triton_vlm.server import procs
 
 pytestmark = pytest.mark.server
 

@@ -1,4 +1,4 @@
-"""`python -m triton_vlm.serve` (what `make serve` runs): starts, answers its own demo request, stops on SIGINT."""
+"""`python -m triton_vlm.server` (what `make serve` runs): starts, answers its own demo request, stops on SIGINT."""
 from __future__ import annotations
 
 import os
@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from triton_vlm.serve import free_port
+from triton_vlm.server.process import free_port
 
 pytestmark = pytest.mark.server
 
 
 def _launch(tmp_path) -> tuple[dict, subprocess.Popen]:
-    """`python -m triton_vlm.serve` (what `make serve` runs) on free ports, its output piped."""
+    """`python -m triton_vlm.server` (what `make serve` runs) on free ports, its output piped."""
     env = dict(os.environ, HTTP_PORT=str(free_port()), GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
                TRITON_VLM_LOG=str(tmp_path / "server.log"))
     env.pop("MODEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.serve"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.server"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return env, proc
 
@@ -62,7 +62,7 @@ def _wait_for_line(proc, lines: list[str], needle: str, timeout: float) -> str:
 
 
 def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_model, tmp_path):
-    from triton_vlm import procs
+    from triton_vlm.server import procs
 
     env, proc = _launch(tmp_path)
     lines: list[str] = []
@@ -107,7 +107,7 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
 ])
 def test_launcher_refuses_a_setting_no_model_declares(setting, message):
     """A typo in --set used to start the server silently with the default; now nothing starts."""
-    proc = subprocess.run([sys.executable, "-m", "triton_vlm.serve", "--set", setting], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "triton_vlm.server", "--set", setting], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "vision_backend" in proc.stderr or "models:" in proc.stderr  # the keys that exist are listed

@@ -23,6 +23,7 @@ import transformers
 
 from triton_vlm.demo.evaluate import evaluate, evaluate_text_only, evaluate_two_images
 from triton_vlm.demo.train import Recipe, train
+from triton_vlm.paths import cache_dir
 
 # Bump whenever anything that changes the weights changes (Recipe, shapes.py drawing, training code).
 DEMO_VERSION = "demo-v3"
@@ -35,11 +36,6 @@ EVAL_N = 120
 EVAL_SEED = 12345  # training images come from Random(RECIPE.seed + 1); this is a different stream
 MIN_COLOR, MIN_SHAPE, MIN_DESCRIBE = 0.95, 0.90, 0.90
 INFO_FILE = "demo_info.json"
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("TRITON_VLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "triton_vlm"
 
 
 def demo_model_path() -> Path:

@@ -123,7 +123,7 @@ def _checkpoint_key(d: Path, dtype: str, stamp: tuple) -> str:
 
 def cached_onnx(model_dir: str | Path, dtype: str = "float32", cache: str | Path | None = None) -> Path:
     """The exported file for this checkpoint's content, exported on the first call."""
-    from ..serve import cache_dir  # noqa: PLC0415
+    from ..paths import cache_dir  # noqa: PLC0415
 
     root = Path(cache) if cache else cache_dir() / "onnx"
     path = root / checkpoint_key(model_dir, dtype)[:32] / f"vision_{dtype}.onnx"

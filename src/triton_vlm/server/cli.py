@@ -1,0 +1,176 @@
+"""`python -m triton_vlm.server` (console script `triton-vlm-serve`): start a real Triton Inference Server on
+our model repository.
+
+1. installs the tritonserver tree (`install.py`) and fills a run copy of `model_repository/` (`repository.py`);
+2. starts the server (`process.py`), waits for readiness, answers a demo request (with each demo LoRA adapter
+   too) and prints where it listens;
+3. supervises the server (`supervisor.py`: restarts it when it or one of its stubs dies) and on SIGINT / SIGTERM
+   shuts it down cleanly; the server gets SIGTERM if the launcher dies, even by SIGKILL (`procs.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+from .process import TritonServer
+from .repository import check_parameters
+from .supervisor import Supervisor
+
+
+def smoke_request(grpc_url: str, demo: bool) -> str:
+    """Answer one request through the running server (proves the whole path works) and describe it."""
+    from triton_vlm_client import VLMClient  # noqa: PLC0415
+
+    with VLMClient(grpc_url, protocol="grpc", timeout=120) as client:
+        if demo:
+            import io  # noqa: PLC0415
+            import random  # noqa: PLC0415
+
+            from ..demo.shapes import draw  # noqa: PLC0415
+
+            buf = io.BytesIO()
+            draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
+            prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
+            res = client.generate(prompt, [buf.getvalue()], max_tokens=8)
+            return f"{prompt!r} + a blue triangle -> {res.texts[0]!r}"
+        prompt = "USER: Hello! ASSISTANT:"
+        res = client.generate(prompt, max_tokens=16)
+        return f"{prompt!r} -> {res.texts[0]!r}"
+
+
+def adapter_smoke_request(http_url: str, lora_name: str) -> str:
+    """The demo question again, with one of the demo LoRA adapters (by name, over HTTP /generate)."""
+    import base64  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import random  # noqa: PLC0415
+
+    from ..demo.shapes import draw  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
+    prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
+    body = {"text_input": prompt, "images": [base64.b64encode(buf.getvalue()).decode()], "max_tokens": 12,
+            "exclude_input_in_output": True, "lora_name": lora_name}
+    req = urllib.request.Request(f"http://{http_url}/v2/models/ensemble/generate", json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = json.loads(r.read())["text_output"]
+    return f"{prompt!r} + a blue triangle, lora_name {lora_name!r} -> {text!r}"
+
+
+def _parse_set(items: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects MODEL.KEY=VALUE or KEY=VALUE, got {item!r}")
+        model, dot, key = key.rpartition(".")
+        out.setdefault(model if dot else "*", {})[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="triton-vlm-serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=os.environ.get("MODEL") or None,
+                    help="Hugging Face LLaVA checkpoint dir (default: the built-in demo model, built if missing)")
+    ap.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    ap.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    ap.add_argument("--device", default=os.environ.get("DEVICE"), help="cpu or cuda (every model)")
+    ap.add_argument("--set", action="append", default=[], metavar="[MODEL.]KEY=VALUE",
+                    help="set a model parameter, e.g. llm.backend=hf or vision.vision_bits=16")
+    ap.add_argument("--tritonserver", default=os.environ.get("TRITONSERVER"),
+                    help="use this tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver in NVIDIA's\n"
+                         "container) instead of the one in nvidia-pytriton")
+    ap.add_argument("--lora-dir", default=os.environ.get("LORA_DIR"),
+                    help="LoRA adapter registry: one adapter per subfolder (PEFT, or TensorRT-LLM's .npy pair);\n"
+                         "clients select one with lora_name (or its task id)")
+    ap.add_argument("--log-verbose", type=int, default=0)
+    ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
+                    help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    args = ap.parse_args(argv)
+    model, params = _model_and_params(args)
+    run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
+    log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
+    server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
+                          log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver)
+    print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
+          flush=True)
+    stopping = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    server.start()
+    try:
+        server.wait_ready(args.timeout, abort=stopping)
+    except (RuntimeError, TimeoutError) as e:
+        if log_file and log_file.exists():
+            sys.stderr.write(log_file.read_text(errors="replace")[-4000:])
+        print(f"triton-vlm: {e}", file=sys.stderr)
+        server.stop()
+        return 1
+    if stopping.is_set():
+        server.stop()
+        return 0
+    _print_banner(args, model, log_file)
+    supervisor = Supervisor(server, say=lambda m: print(m, flush=True), ready_timeout=args.timeout).start()
+    while not stopping.wait(0.5) and not supervisor.failed.is_set():
+        pass
+    supervisor.stop()
+    server.stop()
+    return 1 if supervisor.failed.is_set() else 0
+
+
+def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
+    """The checkpoint (the demo model, built if missing, when none is given) and the model parameters of the
+    command line; SystemExit with the reason for a bad one."""
+    if args.model:
+        model = Path(args.model).expanduser().resolve()
+        if not (model / "config.json").exists():
+            raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
+    else:
+        from ..demo import ensure_demo_adapters, ensure_demo_model  # noqa: PLC0415
+
+        model = ensure_demo_model()
+        args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
+    params = _parse_set(args.set)
+    try:
+        check_parameters(params)
+    except ValueError as e:
+        raise SystemExit(f"triton-vlm: {e}") from None
+    if args.device:
+        params.setdefault("*", {})["device"] = args.device
+    if args.lora_dir:
+        lora_dir = Path(args.lora_dir).expanduser().resolve()
+        if not lora_dir.is_dir():
+            raise SystemExit(f"--lora-dir {lora_dir} is not a folder")
+        params.setdefault("*", {})["lora_dir"] = str(lora_dir)  # llm loads adapters, preprocess checks names
+    return model, params
+
+
+def _print_banner(args, model: Path, log_file: Path | None) -> None:
+    try:
+        answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model)
+        if not args.model:  # the demo adapters too
+            for name in ("french", "sentence"):
+                answer += "\n  request " + adapter_smoke_request(f"localhost:{args.http_port}", name)
+    except Exception as e:  # noqa: BLE001 - report, keep serving
+        answer = f"FAILED: {e}"
+    print(f"triton-vlm: serving {model}\n"
+          f"  request {answer}\n"
+          f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
+          f"  gRPC    localhost:{args.grpc_port}\n"
+          f"  metrics http://localhost:{args.metrics_port}/metrics\n"
+          + (f"  log     {log_file}\n" if log_file else "")
+          + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "") +
+          "  restart tritonserver is restarted if it or one of its models' processes dies\n"
+          f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
+          f"the shape? ASSISTANT:\" --image some.png", flush=True)
+

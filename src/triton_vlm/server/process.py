@@ -1,0 +1,169 @@
+"""`TritonServer`: one tritonserver process on a filled copy of the model repository.
+
+It starts in its own process group (stop() ends its python stubs with it) and gets SIGTERM when the launcher
+dies, even by SIGKILL (`procs.die_with_parent`); readiness means the server and every model report ready; a
+stop leaves no process of its group and no shared-memory region behind. Also a context manager, used by the
+tests and the benchmarks.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..paths import REPO_ROOT
+from . import procs
+from .install import prepare_server_tree, server_env
+from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
+
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "triton-vlm-admin-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process on a filled copy of the model repository."""
+
+    model_path: str
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    params: dict[str, dict[str, str]] = field(default_factory=dict)
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    models: tuple[str, ...] | None = None
+    run_dir: Path | None = None
+    log_file: Path | None = None
+    log_verbose: int = 0
+    exit_timeout: int = 15
+    tritonserver: str | None = None  # a system tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver)
+    proc: subprocess.Popen | None = None
+    # the python backend's shared-memory regions are /dev/shm/<shm_prefix>*: unique per server, removed by stop()
+    shm_prefix: str = ""
+    admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_VLM_ADMIN_KEY") or secrets.token_hex(16))
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def start(self) -> "TritonServer":
+        if self.tritonserver:  # e.g. NVIDIA's tritonserver container: its own binary, backends and stub
+            binary = Path(self.tritonserver)
+            tree = binary.parent.parent
+            env = dict(os.environ, TRITON_VLM_REPO_ROOT=str(REPO_ROOT))
+        else:
+            tree = prepare_server_tree()
+            binary = tree / "bin" / "tritonserver"
+            env = server_env(tree)
+        self.run_dir = Path(self.run_dir or tempfile.mkdtemp(prefix="triton-vlm-run-"))
+        params = {k: dict(v) for k, v in self.params.items()}
+        params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
+        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        procs.remove_stale_shm()
+        self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
+        cmd = [
+            str(binary),
+            f"--model-repository={repo}",
+            f"--backend-directory={tree / 'backends'}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--log-verbose={self.log_verbose}",
+            "--allow-cpu-metrics=true",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            # Triton's admin APIs (load/unload models, register shared memory, change log files or tracing) only
+            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset)
+            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+        ]
+        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
+        try:  # its own process group (stop() ends stubs with it); SIGTERM when the launcher dies, even by SIGKILL
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         start_new_session=True, preexec_fn=procs.die_with_parent())
+        finally:
+            if out is not None:
+                out.close()
+        return self
+
+    def is_ready(self) -> bool:
+        """The server and every model of the repository report ready (the health endpoint alone can answer
+        200 while python models are still loading)."""
+        urls = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in self._model_names()]
+        try:
+            for u in urls:
+                with urllib.request.urlopen(f"http://{self.http_url}{u}", timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            return True
+        except OSError:
+            return False
+
+    def _model_names(self) -> list[str]:
+        repo = (self.run_dir or Path()) / "model_repository"
+        return sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+
+    def wait_ready(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before becoming ready"
+                                   + (f"; log: {self.log_file}" if self.log_file else ""))
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s" + (f"; log: {self.log_file}"
+                                                                              if self.log_file else ""))
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGINT (graceful, bounded by the exit timeout), SIGKILL after `timeout`; then nothing of it is left:
+        no process of its group (stubs) and no shared-memory region."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout or self.exit_timeout + 15)
+            except subprocess.TimeoutExpired:
+                _killpg(self.proc.pid)
+                self.proc.wait(10)
+        _killpg(self.proc.pid)  # stubs of a server that crashed or was killed
+        procs.remove_shm(self.shm_prefix)
+        return self.proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
