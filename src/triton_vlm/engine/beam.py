@@ -11,6 +11,10 @@ Per step (HF's names in brackets):
 The same torch ops run on tensors of the same shapes as HF's (leading batch dim 1), so tie-breaking in `topk`
 is identical. The first step gets the prompt's logits as one row; it is tiled to num_beams rows with running
 scores [0, -1e9, ...] exactly as HF does after `_expand_inputs_for_generation`.
+
+When no candidate has a finite score (every token of every beam excluded, or NaN / inf logits), beam sampling
+draws from uniform scores instead (`multinomial` would reject the distribution: a device-side assert on CUDA)
+and the step raises `NoTokenLeft` once it has synced; HF would go on with -inf / NaN beams.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch import nn
 
 from ..params import Sequence_
 from .logits import LogitsPipeline, StopCriteria
+from .search import NoTokenLeft
 
 
 @dataclass
@@ -91,12 +96,17 @@ class BeamSearch:
         if first:
             logits = logits.expand(self.nb, -1)  # HF runs the prompt once per beam: identical rows
         log_probs, scores = self._scores(logits)
+        stuck = ~torch.isfinite(scores.amax())  # [] no finite candidate: NaN, +inf, or every token excluded
+        if self.do_sample:
+            scores = torch.where(stuck, 0.0, scores)  # a valid distribution; the request fails below
         cand = self._candidates(log_probs, scores)
         stopped = self.stop(cand.seqs[:, :self.Lp + self.t + 1], self.t + 1).view(1, self.K)  # [1, K]
         parents, tokens = self._next_running(cand, stopped)
         self._update_finished(cand, stopped)
         self.t += 1
         self.done = self._finished(stopped)
+        if bool(stuck):  # synced already by `_finished`
+            raise NoTokenLeft(self.t, nonfinite_logits=not bool(torch.isfinite(logits).all()))
         if self.done:
             return [], [], True
         return ([0] * self.nb if first else parents.tolist()), tokens.tolist(), False

@@ -21,12 +21,13 @@ from typing import Sequence
 
 import torch
 
-from ..errors import Internal
+from .. import names as N
+from ..errors import Internal, InvalidArgument, VLMError
 from ..params import GenerationParams, Sequence_
 from .beam import BeamSearch
 from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
-from .search import Search
+from .search import NoTokenLeft, Search
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Decoder:
         assert prompt_ids and params.max_tokens >= 1 and params.beam_width >= 1, "unvalidated request"
         self.params = params
         self.vocab_size = vocab_size
+        self._bad_words = len(bad_words_ids)
         beam = params.beam_width > 1
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
@@ -93,8 +95,27 @@ class Decoder:
             raise Internal(f"expected logits [{search.num_rows}, vocab], got {tuple(logits.shape)}")
         if logits.shape[1] != self.vocab_size:
             raise Internal(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
-        parents, tokens, done = search.step(logits)
+        try:
+            parents, tokens, done = search.step(logits)
+        except NoTokenLeft as e:
+            raise self._no_token_error(e) from None
         return StepResult(parents, tokens, done)
+
+    def _no_token_error(self, e: NoTokenLeft) -> VLMError:
+        """What left a row nothing to choose from: the model's logits, or the request's exclusions."""
+        if e.nonfinite_logits:
+            return Internal(f"the model produced non-finite logits (NaN or inf) at generated token {e.step}; "
+                            "in float16 this is usually an overflow: serve the model in bfloat16 or float32")
+        p, causes = self.params, []
+        if self._bad_words:
+            causes.append(f"{N.BAD_WORDS} ({self._bad_words} words)")
+        if e.step <= p.min_tokens:
+            causes.append(f"{N.MIN_TOKENS} ({p.min_tokens}: the end ids are excluded before it)")
+        if p.no_repeat_ngram_size:
+            causes.append(f"{N.NO_REPEAT_NGRAM_SIZE} ({p.no_repeat_ngram_size})")
+        return InvalidArgument(
+            f"every token is excluded at generated token {e.step} by {' and '.join(causes) or 'the request'}: "
+            "there is nothing left to generate; exclude fewer tokens")
 
     def stream_prefixes(self) -> list[list[int]]:
         """Per returned sequence, the new tokens that can be streamed now and never retracted. Beam search:

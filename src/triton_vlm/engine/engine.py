@@ -6,6 +6,12 @@ there is work and otherwise sleeps on a condition variable (no busy spin); callb
 they must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
 What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`.
 
+Failures: a request's own failure ends that request (`scheduler.py`). A step that raises anyway (a bug) is
+retried after a pause that doubles while it keeps failing (`faults.Backoff`, up to 2 s) and resets on success.
+A CUDA error (`faults.is_device_fault`: the device context may be unusable for good) stops the engine: every
+request it holds ends with `Unavailable`, later submits are refused, and `on_fatal(error)` is called on the
+thread that saw it (the llm model ends its process there, so that Triton starts a fresh one).
+
 Validation at `submit()` (raises `InvalidArgument` synchronously): `GenerationRequest.validate` (non-empty
 prompt of in-vocabulary ids, prompt + max_tokens <= the context length, end ids, bad/stop words, beam width vs
 vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a LoRA
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,11 +32,12 @@ from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
 from .adapter_slots import DeviceAdapters
 from .decoder import Decoder
+from .faults import Backoff, is_device_fault
 from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
 from .model import DTYPES, LlamaModel
 from .scheduler import Scheduler
-from .state import Active, KVState
+from .state import Active, KVState, Output
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +126,9 @@ class Engine:
         self._closed = False
         self._steps = 0
         self._decoded_rows = 0
+        self.backoff = Backoff()  # the loop's pause after a step that raised
+        # called once with the CUDA error that stopped the engine; must not call shutdown() (it runs on the loop)
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None
 
     def stats(self) -> EngineStats:
         with self._cond:
@@ -200,19 +211,55 @@ class Engine:
         return bool(self._inbox or self._cancels) or self.scheduler.has_work()
 
     def step(self) -> bool:
-        """One scheduler iteration; True if work remains."""
+        """One scheduler iteration; True if work remains. The results made before an exception escapes the step
+        are still delivered; a CUDA error stops the engine (`_stop_on_fault`) and returns False."""
+        fault: Optional[BaseException] = None
         with self._step_lock:
             with self._cond:
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, set()
             for a in inbox:
                 self.scheduler.add(a)
-            outputs = self.scheduler.step(cancels)
-            self._steps += 1
-            self._decoded_rows += sum(len(a.kv.rows) for a in self.scheduler.running)
-            self._deliver(outputs)
-            with self._cond:
-                return self._has_work_locked()
+            outputs: list[Output] = []
+            try:
+                self.scheduler.step(cancels, outputs)
+            except Exception as e:  # noqa: BLE001
+                if not is_device_fault(e):
+                    raise
+                fault = e
+            finally:
+                self._steps += 1
+                self._decoded_rows += sum(len(a.kv.rows) for a in self.scheduler.running)
+                self._deliver(outputs)
+            fault = fault or self.scheduler.fault
+            if fault is not None:
+                self._stop_on_fault(fault)
+        if fault is not None:
+            self._report_fatal(fault)
+            return False
+        with self._cond:
+            return self._has_work_locked()
+
+    def _stop_on_fault(self, error: BaseException) -> None:
+        """(holding the step lock) Refuse new requests and end every request held with Unavailable."""
+        log.critical("engine: CUDA error, the engine stops: %s", error, exc_info=error)
+        with self._cond:
+            self._closed = True
+            inbox, self._inbox = self._inbox, []
+            self._cancels.clear()
+            self._cond.notify_all()
+        for a in inbox:
+            self.scheduler.add(a)
+        self._deliver(self.scheduler.fail_all(Unavailable(
+            f"the llm engine stopped after a CUDA error ({type(error).__name__}: {error}); it restarts, retry")))
+
+    def _report_fatal(self, error: BaseException) -> None:
+        if self.on_fatal is None:
+            return
+        try:
+            self.on_fatal(error)
+        except Exception:  # noqa: BLE001
+            log.exception("on_fatal failed")
 
     def _deliver(self, outputs) -> None:
         with self._cond:
@@ -238,12 +285,17 @@ class Engine:
             with self._cond:
                 while not self._closed and not self._has_work_locked():
                     self._cond.wait()
+                resume = time.monotonic() + self.backoff.delay  # new requests do not cut the pause short
+                while not self._closed and (left := resume - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 if self._closed:
                     return
             try:
                 self.step()
-            except Exception:  # noqa: BLE001
-                log.exception("engine step failed")
+            except Exception:  # noqa: BLE001 - not a request's own failure (those end the request): a bug
+                log.exception("engine step failed; next attempt in %.2f s", self.backoff.failed())
+            else:
+                self.backoff.reset()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop; requests still queued or running get a final result with errors.Unavailable."""

@@ -10,7 +10,10 @@ First come first served. `schedule()`:
    slot lets base-model requests behind it pass (they hold no slot, so they cannot delay its slot), but no
    request with an adapter, which could keep the slots busy: tenants without adapters never wait on a busy
    adapter cache, and rare adapters are not starved. Reservation makes every later block allocation succeed:
-   nothing is ever preempted;
+   nothing is ever preempted. Taking the budgets is all or nothing: when taking one raises (the adapter's device
+   copy runs out of memory, a cache fault), what was taken before is given back, the request leaves the queue
+   and is listed in `plan.failed` with the exception (the scheduler ends it with an error), and admission goes
+   on with the next request;
 3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first;
 4. decodes every running request whose prompt is complete after this step's prefill.
 
@@ -43,6 +46,7 @@ class PrefillChunk:
 @dataclass
 class StepPlan:
     cancelled: list[Active] = field(default_factory=list)
+    failed: list[tuple[Active, Exception]] = field(default_factory=list)  # admission raised: out of the queue
     admitted: list[Active] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Active] = field(default_factory=list)  # one new token for each of their rows
@@ -69,7 +73,7 @@ class Policy:
             plan.cancelled = [a for a in list(self.waiting) + self.running if a.id in ids]
         for a in plan.cancelled:  # their budgets are free for this step's admission
             self.retire(a)
-        plan.admitted = self._admit()
+        self._admit(plan)
         budget = self.prefill_chunk
         for a in self.running:
             if a.prefilling:
@@ -84,51 +88,69 @@ class Policy:
         return plan
 
     def _fits(self, a: Active) -> Optional[str]:
-        """Every budget a request needs, checked in one place; reserves them when it fits (None), else names
-        the one that is short: "rows", "kv" or "slot"."""
+        """Reserve every budget `a` needs, all or nothing: its rows, its worst-case KV blocks, its adapter's
+        device slot and its first KV row. None when it holds them all; else the budget that is short ("rows",
+        "kv" or "slot"), holding none. If taking one raises, the ones taken before are given back first."""
         if self.rows_reserved + a.width > self.max_rows:
             return "rows"
         if not self.cache.try_reserve(a.kv.reserved):
             return "kv"
-        if a.req.adapter is not None:
-            a.lora = self.adapters.acquire(a.req.adapter)
-            if a.lora is None:  # every slot holds an adapter a running request uses: wait for one to finish
+        adapter = a.req.adapter
+        try:
+            if adapter is not None:
+                lora = self.adapters.acquire(adapter)  # may copy it to the device
+                if lora is None:  # every slot holds an adapter a running request uses: wait for one to finish
+                    self.cache.release(a.kv.reserved)
+                    return "slot"
+                a.lora = lora
+            a.kv.rows = [self.cache.new_row()]
+        except BaseException:
+            lora, a.lora = a.lora, None
+            try:
                 self.cache.release(a.kv.reserved)
-                return "slot"
+            finally:
+                if lora is not None:
+                    self.adapters.release(adapter)
+            raise
+        self.rows_reserved += a.width
+        a.admitted = True
         return None
 
-    def _admit(self) -> list[Active]:
-        admitted, slot_wait = [], False
+    def _admit(self, plan: StepPlan) -> None:
+        slot_wait = False
         for a in list(self.waiting):
             if slot_wait and a.req.adapter is not None:
                 continue  # only base-model requests pass one waiting for a slot
-            short = self._fits(a)
+            try:
+                short = self._fits(a)
+            except Exception as e:  # noqa: BLE001 - this request fails, admission goes on
+                self.waiting.remove(a)
+                plan.failed.append((a, e))
+                continue
             if short is None:
                 self.waiting.remove(a)
-                self.rows_reserved += a.width
-                a.admitted = True
                 a.timing.admitted = time.monotonic()
-                a.kv.rows = [self.cache.new_row()]
                 self.running.append(a)
-                admitted.append(a)
+                plan.admitted.append(a)
             elif short == "slot" and not slot_wait:
                 slot_wait = True
-            else:
+            elif short != "slot":
                 break  # short of rows or KV blocks: nothing behind it overtakes it
-        return admitted
 
     def retire(self, a: Active) -> None:
         """Give back everything `a` holds: its rows' blocks, its reservation, its rows budget, its place."""
-        for r in a.kv.rows:
-            self.cache.free(r)
-        a.kv.rows, a.kv.embeds = [], None
-        if a.admitted:
-            self.cache.release(a.kv.reserved)
-            self.rows_reserved -= a.width
-            if a.lora is not None:
-                self.adapters.release(a.req.adapter)
-                a.lora = None
-            self.running.remove(a)
-            a.admitted = False
-        elif a in self.waiting:
-            self.waiting.remove(a)
+        rows, a.kv.rows, a.kv.embeds = a.kv.rows, [], None
+        try:
+            for r in rows:
+                self.cache.free(r)
+        finally:  # the budgets go back even if freeing a row failed
+            if a.admitted:
+                a.admitted = False
+                self.rows_reserved -= a.width
+                lora, a.lora = a.lora, None
+                if lora is not None:
+                    self.adapters.release(a.req.adapter)
+                self.cache.release(a.kv.reserved)
+                self.running.remove(a)
+            elif a in self.waiting:
+                self.waiting.remove(a)

@@ -5,6 +5,11 @@ ONE `torch.multinomial(probs [n, V], 1)` over all n rows, finished rows included
 call depends only on the shape, so finished rows (the scheduler no longer computes them) are filled with uniform
 probabilities and the surviving rows draw exactly the tokens HF draws from `torch.manual_seed(seed)`.
 Processors run on raw fp32 logits (HF does not log-softmax before processing outside beam search).
+
+A row with no finite processed score (every token excluded, e.g. by bad words and min_tokens; or NaN / inf
+logits) has no distribution to draw from: `multinomial` would reject it (a device-side assert on CUDA, which
+leaves the process's CUDA context unusable). Such a row draws from uniform scores instead (the same shape, so
+the other rows' draws are unchanged), and the step raises `NoTokenLeft` after its one host sync.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from torch import nn
 
 from ..params import Sequence_
 from .logits import LogitsPipeline, StopCriteria
+from .search import NoTokenLeft
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -65,7 +71,9 @@ class Sampler:
             raw = raw.expand(self.n, -1)
         alive = torch.tensor(self.alive, dtype=torch.long, device=raw.device)  # [rows]
         scores = self.pipeline(self.seqs[alive, :L], raw)  # [rows, V]
+        stuck = ~torch.isfinite(scores.amax(dim=-1))  # [rows] no finite score: NaN, +inf or every token excluded
         if self.do_sample:
+            scores = torch.where(stuck[:, None], 0.0, scores)  # a valid distribution; the request fails below
             if len(self.alive) < self.n:
                 full = raw.new_zeros((self.n, raw.shape[-1]))  # finished rows: uniform, never read
                 full[alive] = scores
@@ -79,7 +87,10 @@ class Sampler:
         chosen_lp = nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]
         self.seqs[alive, L] = tokens
         self.tok_lp[alive, t] = chosen_lp
-        hits = self.stop(self.seqs[alive, :L + 1], t + 1).tolist()
+        hits, stuck_rows = torch.stack((self.stop(self.seqs[alive, :L + 1], t + 1), stuck)).tolist()
+        if any(stuck_rows):
+            bad = torch.tensor(stuck_rows, device=raw.device)
+            raise NoTokenLeft(t + 1, nonfinite_logits=not bool(torch.isfinite(raw[bad]).all()))
         self.t = t + 1
         for r in self.alive:
             self.lengths[r] = self.t

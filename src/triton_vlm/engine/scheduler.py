@@ -6,18 +6,21 @@
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
-shutdown); both give its budgets back first (`policy.retire`). Any exception while handling one request ends that request only;
-a failed decode forward ends the requests in it; the others go on.
+shutdown); both give its budgets back first (`policy.retire`). An exception while handling one request ends
+that request only, with the error `faults.as_error` makes of it: at admission (the policy rolls its
+reservations back and lists it in `plan.failed`), in its prefill chunk, or in its decoder step; a failed decode
+forward ends the requests in it; the others go on. A CUDA error (`faults.is_device_fault`) is also kept in
+`fault` for the engine, which stops on it (the device context may be unusable).
 """
 from __future__ import annotations
 
-import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from ..errors import Cancelled, Internal, VLMError
 from .adapter_slots import DeviceAdapters
+from .faults import as_error, is_device_fault
 from .kv_cache import KVCache
 from .model import LlamaModel
 from .output import OutputProcessor
@@ -25,7 +28,6 @@ from .policy import Policy, StepPlan
 from .runner import ModelRunner
 from .state import Active, Output
 
-log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -37,6 +39,7 @@ class Scheduler:
         self.runner.lora_stacks.max_bytes = adapters.max_bytes
         adapters.on_evict = self.runner.lora_stacks.drop  # an evicted adapter's stacks go with it
         self.output = OutputProcessor(decode_text)
+        self.fault: Optional[BaseException] = None  # the first CUDA error seen: the engine stops on it
 
     # the policy's queue and budgets, for the engine's stats and the tests
     @property
@@ -57,11 +60,15 @@ class Scheduler:
     def add(self, active: Active) -> None:
         self.policy.add(active)
 
-    def step(self, cancelled: set[str] = frozenset()) -> list[Output]:
+    def step(self, cancelled: set[str] = frozenset(), out: Optional[list[Output]] = None) -> list[Output]:
+        """One step; its results are appended to `out` as they are made (so that an exception escaping the
+        step loses none of them) and returned."""
+        out = [] if out is None else out
         plan = self.policy.schedule(cancelled)
-        out: list[Output] = []
         for a in plan.cancelled:
             self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
+        for a, e in plan.failed:
+            self._fail(a, out, self._error(e, f"while admitting request {a.id}"))
         self._prefill(plan, out)
         self._decode([a for a in plan.decode if a.admitted], out)
         return out
@@ -82,7 +89,7 @@ class Scheduler:
                 if logits is not None:
                     self._advance(a, logits, out)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                self._fail(a, out, _as_error(e))
+                self._fail(a, out, self._error(e))
 
     def _decode(self, batch: list[Active], out: list[Output]) -> None:
         if not batch:
@@ -90,9 +97,8 @@ class Scheduler:
         try:
             logits = self.runner.decode(batch)  # [rows, vocab]
         except Exception as e:  # noqa: BLE001
-            log.exception("decode step failed")
             for a in batch:
-                self._fail(a, out, _as_error(e))
+                self._fail(a, out, self._error(e))
             return
         start = 0
         for a in batch:
@@ -100,7 +106,7 @@ class Scheduler:
             try:
                 self._advance(a, logits[start:start + n], out)
             except Exception as e:  # noqa: BLE001
-                self._fail(a, out, _as_error(e))
+                self._fail(a, out, self._error(e))
             start += n
 
     # --- per request ----------------------------------------------------------------------------------------
@@ -122,16 +128,14 @@ class Scheduler:
         try:
             out.extend(self.output.complete(a))
         except Exception as e:  # noqa: BLE001
-            out.extend(self.output.fail(a, _as_error(e)))
+            out.extend(self.output.fail(a, self._error(e)))
+
+    def _error(self, e: BaseException, during: str = "") -> VLMError:
+        if self.fault is None and is_device_fault(e):
+            self.fault = e
+        return as_error(e, during)
 
     def _fail(self, a: Active, out: list[Output], error: VLMError) -> None:
         """Failed, cancelled or shut down: budgets back, then a final result carrying `error`."""
         self.policy.retire(a)
         out.extend(self.output.fail(a, error))
-
-
-def _as_error(e: Exception) -> VLMError:
-    if isinstance(e, VLMError):
-        return e
-    log.exception("request failed", exc_info=e)
-    return Internal(f"{type(e).__name__}: {e}")

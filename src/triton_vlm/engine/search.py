@@ -9,6 +9,17 @@ import torch
 from ..params import Sequence_
 
 
+class NoTokenLeft(Exception):
+    """A row of the step had no finite score: every token excluded by the logits processors, or non-finite
+    logits (NaN / inf). Raised by a search after its step (the row chose from uniform scores instead, so no
+    sampling kernel ever saw an invalid distribution); `Decoder.step` turns it into the request's error."""
+
+    def __init__(self, step: int, nonfinite_logits: bool):
+        super().__init__(f"no finite score at generated token {step}")
+        self.step = step  # 1 = the first new token
+        self.nonfinite_logits = nonfinite_logits
+
+
 class Search(Protocol):
     done: bool
     seed: Optional[int]  # the seed in use when sampling, else None
@@ -18,7 +29,8 @@ class Search(Protocol):
         """Rows of logits the next `step` takes: 1 before the first step (the prompt), 0 when done."""
 
     def step(self, logits: torch.Tensor) -> tuple[list[int], list[int], bool]:
-        """logits [num_rows, vocab] (fp32) -> (parents, tokens, done) for the next step's rows."""
+        """logits [num_rows, vocab] (fp32) -> (parents, tokens, done) for the next step's rows; raises
+        `NoTokenLeft` when a row had nothing to choose from."""
 
     def stream_prefixes(self) -> list[list[int]]:
         """Per streamed sequence, the new tokens that are final already (never retracted)."""
