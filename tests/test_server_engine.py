@@ -135,6 +135,39 @@ def test_streaming_multibyte_and_spaces(triton_server):
             assert all("\ufffd" not in p.text or "\ufffd" in full.text for p in pieces)
 
 
+def _metric(server, name: str, label: str = "") -> float:
+    """The value of metric `name` (the series whose labels contain `label`) on the server's metrics port."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name}{{{label}}}")
+
+
+def _gauge(server, name: str) -> float:
+    return _metric(server, f"triton_vlm_engine_{name}")
+
+
+def _wait_for(check, what: str, timeout: float = 20.0) -> None:
+    """Poll `check()` until it is true (the gauges are refreshed every 0.5 s); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.1)
+
+
+def _grpc_input(name, arr, dtype):
+    import tritonclient.grpc as grpcclient
+
+    t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
 def test_cancelled_request_frees_the_engine(triton_server):
     """A client cancels a long generation sent to the llm model (Triton forwards the cancellation there;
     through the ensemble Triton 2.51 checks it only between steps): the engine drops the request and later
@@ -143,20 +176,10 @@ def test_cancelled_request_frees_the_engine(triton_server):
 
     import tritonclient.grpc as grpcclient
 
-    def inp(name, arr, dtype):
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        return t
+    inp = _grpc_input
 
     def gauge(name):
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://localhost:{triton_server.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        for line in text.splitlines():
-            if line.startswith(f"triton_vlm_engine_{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"no metric triton_vlm_engine_{name}")
+        return _gauge(triton_server, name)
 
     assert gauge("kv_blocks_total") > 0
     for _ in range(2):
@@ -171,8 +194,8 @@ def test_cancelled_request_frees_the_engine(triton_server):
             inp("stream", np.array([[True]]), "BOOL")])
         first, err = q.get(timeout=60)
         assert err is None and first.as_numpy("text_output") is not None
-        time.sleep(0.8)  # the gauges are refreshed every 0.5 s
-        assert gauge("running_rows") == 16 and gauge("kv_blocks_used") > 0
+        _wait_for(lambda: gauge("running_rows") == 16 and gauge("kv_blocks_used") > 0,
+                  "the gauges show the 16 rows of the running request")
         c.stop_stream(cancel_requests=True)
     deadline = time.monotonic() + 20
     log = ""
@@ -180,8 +203,7 @@ def test_cancelled_request_frees_the_engine(triton_server):
         time.sleep(0.2)
         log = triton_server.log_file.read_text(errors="replace")
     assert log.count("cancelled by the client;") >= 2, "the cancellation reached the engine"
-    time.sleep(0.8)
-    assert gauge("running_requests") == 0 and gauge("kv_blocks_used") == 0, "rows and KV blocks freed"
+    _wait_for(lambda: gauge("running_requests") == 0 and gauge("kv_blocks_used") == 0, "rows and KV blocks freed")
     with VLMClient(triton_server.grpc_url, timeout=120) as client:
         t0 = time.monotonic()
         assert client.generate("USER: Say hello. ASSISTANT:", max_tokens=8).text.strip() == "hello"
@@ -207,3 +229,58 @@ def test_sampled_sequences_stream_each(triton_server):
     for j, text in enumerate(full.texts):
         assert "".join(p.text for p in pieces if p.sequence_index == j) == text
         assert [t for p in pieces if p.sequence_index == j for t in p.token_ids] == full.output_ids[j]
+
+
+def test_a_request_failing_inside_the_engine_leaves_it_serving(triton_server, demo_model):
+    """Bad words covering the vocabulary plus min_tokens, with sampling, leave no token to choose at the first
+    step (unchecked, such a row reaches `multinomial`: a device-side assert on CUDA). Six such requests sent to
+    the llm model with stock tritonclient, alongside ordinary requests on the ensemble, each end alone with
+    INVALID_ARG naming the cause; the ordinary ones get what they get alone, and afterwards the engine holds no
+    request and no KV block. (Admission failures are injected in-process: tests/engine/test_faults.py.)"""
+    import json
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    vocab = json.loads((demo_model / "config.json").read_text())["text_config"]["vocab_size"]
+    flat = np.array([[x for t in range(vocab) for x in (1, t)]], np.int32)  # every id a one-token bad word
+    ordinary = [CASES[0], CASES[2], CASES[6]]  # greedy, beam search, sampling
+    alone = [_run(triton_server.grpc_url, c) for c in ordinary]
+
+    def stuck(i: int):
+        q: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(triton_server.grpc_url)
+        try:
+            c.start_stream(callback=lambda result, error: q.put((result, error)))
+            c.async_stream_infer("llm", [
+                _grpc_input("input_ids", np.array([[1, 50, 60, 70 + i]], np.int32), "INT32"),
+                _grpc_input("max_tokens", np.array([[8]], np.int32), "INT32"),
+                _grpc_input("min_tokens", np.array([[4]], np.int32), "INT32"),
+                _grpc_input("temperature", np.array([[0.9]], np.float32), "FP32"),
+                _grpc_input("seed", np.array([[i]], np.uint64), "UINT64"),
+                _grpc_input("bad_words_ids", flat, "INT32")])
+            return q.get(timeout=60)
+        finally:
+            c.stop_stream()
+            c.close()
+
+    def invalid_args() -> float:
+        return _metric(triton_server, "triton_vlm_requests_total", 'outcome="invalid_arg"')
+
+    before = invalid_args()
+    with ThreadPoolExecutor(9) as ex:
+        failing = [ex.submit(stuck, i) for i in range(6)]
+        together = list(ex.map(lambda c: _run(triton_server.grpc_url, c), ordinary))
+        answers = [f.result() for f in failing]
+    for result, error in answers:
+        assert result is None and isinstance(error, InferenceServerException), (result, error)
+        assert (f"every token is excluded at generated token 1 by bad_words ({vocab} words) and min_tokens (4"
+                in error.message()), error.message()
+    # a stream's error carries no status code over gRPC: the llm model counts the outcome it sent
+    _wait_for(lambda: invalid_args() >= before + 6, "six more requests ended with INVALID_ARG")
+    for a, b in zip(together, alone):
+        assert a.output_ids == b.output_ids and a.texts == b.texts
+    _wait_for(lambda: _gauge(triton_server, "running_requests") == 0
+              and _gauge(triton_server, "waiting_requests") == 0 and _gauge(triton_server, "kv_blocks_used") == 0,
+              "the engine holds no request and no KV block")
