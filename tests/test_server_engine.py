@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

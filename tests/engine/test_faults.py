@@ -285,3 +285,31 @@ def test_what_counts_as_a_device_fault():
     assert isinstance(as_error(KeyError("x")), Internal)
     e = InvalidArgument("kept")
     assert as_error(e) is e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sampling", "beam-sampling"])
+def test_on_cuda_no_token_left_leaves_the_device_usable(path, mode):
+    """On CUDA an invalid distribution in `multinomial` is a device-side assert that ends every later kernel;
+    the excluded vocabulary and NaN logits end their requests, and the device still serves the next ones."""
+    eng = engine(path, device="cuda")
+    vocab = eng.model_config.vocab_size
+    real = eng.scheduler.runner.decode
+
+    def decode(actives):
+        logits, start = real(actives).clone(), 0  # [rows, vocab]
+        for a in actives:
+            if a.id == "nan":
+                logits[start:start + len(a.kv.rows)] = float("nan")
+            start += len(a.kv.rows)
+        return logits
+
+    eng.scheduler.runner.decode = decode
+    out = run(eng, [request("stuck", prompt(6, 8), min_tokens=3, bad_words=[[t] for t in range(vocab)],
+                            **MODES[mode]),
+                    request("nan", prompt(6, 9), **MODES[mode]), request("ok", prompt(7, 5), **MODES[mode])])
+    assert isinstance(out["stuck"][-1].error, InvalidArgument)
+    assert isinstance(out["nan"][-1].error, Internal) and "non-finite logits" in out["nan"][-1].error.message
+    torch.cuda.synchronize()  # raises if a kernel asserted
+    assert tokens(out["ok"]) and tokens(run(eng, [request("later", prompt(5, 3), **MODES[mode])])["later"])
+    assert held(eng) == IDLE and eng.scheduler.fault is None
