@@ -7,12 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test demo bench loadtest soak install clean
 
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml deploy/docker/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,bench]" -e ./client
+	# the one install script, shared with the container images (torch first, pinned)
+	bash deploy/docker/install.sh --python $(PY) --extras test,bench
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,6 +1,8 @@
 """What operators watch, as Prometheus metrics on Triton's metrics port (beside Triton's own `nv_*` metrics).
 
-Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field.
+Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field, and
+`triton_vlm_engine_kv_cache_usage_perc`, the KV-cache blocks in use as a 0-1 fraction (vLLM's
+`vllm:kv_cache_usage_perc`: what an endpoint picker's KV-cache scorer reads; 0 while the engine has no blocks).
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`.
 Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
@@ -43,6 +45,13 @@ HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
                                                  "tpot_s"),
     "triton_vlm_request_seconds": ("time from arrival in llm to the last token", LATENCY_BUCKETS, "e2e_s"),
 }
+KV_USAGE = "triton_vlm_engine_kv_cache_usage_perc"
+
+
+def kv_cache_usage(stats) -> float:
+    """KV-cache blocks in use as a 0-1 fraction (vLLM's `kv_cache_usage_perc`); 0 for an engine without blocks."""
+    total = stats.kv_blocks_total
+    return float(stats.kv_blocks_used) / total if total else 0.0
 
 
 class MetricsBase:
@@ -85,6 +94,7 @@ class LLMMetrics(MetricsBase):
         self._lora_gauges: dict = {}  # (field, level) -> gauge
         self._info_family, self._info_metric, self._info_labels = None, None, None
         self._gauges: dict = {}
+        self._kv_usage = None
         self._outcomes: dict = {}
         self._hist: dict = {}
         self._tokens: dict = {}
@@ -95,10 +105,14 @@ class LLMMetrics(MetricsBase):
         F = pb_utils.MetricFamily
         labels = {"model": model}
         if self._stats is not None:
-            for name in self._stats().__dataclass_fields__:
+            fields = self._stats().__dataclass_fields__
+            for name in fields:
                 fam = self._family(f"triton_vlm_engine_{name}", f"generation engine: {name.replace('_', ' ')}",
                                    F.GAUGE)
                 self._gauges[name] = fam.Metric(labels=labels)
+            if "kv_blocks_total" in fields:
+                fam = self._family(KV_USAGE, "generation engine: KV-cache blocks in use, a 0-1 fraction", F.GAUGE)
+                self._kv_usage = fam.Metric(labels=labels)
         fam = self._family("triton_vlm_requests_total", "llm requests by outcome", F.COUNTER)
         self._outcomes = {o: fam.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         for kind in ("prompt", "generated"):
@@ -127,6 +141,8 @@ class LLMMetrics(MetricsBase):
             snap = self._stats()
             for name, gauge in self._gauges.items():
                 gauge.set(float(getattr(snap, name)))
+            if self._kv_usage is not None:
+                self._kv_usage.set(kv_cache_usage(snap))
         if self._lora_levels and self._lora_counters:
             self._update_lora()
 
@@ -175,5 +191,6 @@ class LLMMetrics(MetricsBase):
 
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
+        self._kv_usage = None
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
         super().close()

@@ -1,0 +1,372 @@
+"""The deployment files, checked without a cluster or a Docker daemon: every Kustomize render validates against
+the Kubernetes schemas (kubernetes-validate, offline) and the pinned CRDs, the pieces refer to each other
+consistently, the endpoint picker's configuration is one that EPP v1.5.0 accepts, and the images install the
+project with the same script as `make` and CI. tests/test_deploy_live.py checks them against running servers."""
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tomllib
+import types
+
+import dockerfile
+import jsonschema
+import pytest
+import yaml
+
+from deploy_support import (CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, crd_schemas, one, render,
+                            server_container, validate)
+from triton_vlm.paths import REPO_ROOT
+from triton_vlm.server.repository import check_parameters
+
+DOCKER = DEPLOY / "docker"
+IMAGE_PORTS = {"8000", "8001", "8002", "9000"}
+
+# EndpointPickerConfig of EPP v1.5.0 (apix/config/v1alpha1/endpointpickerconfig_types.go), decoded strictly
+_REF = {"type": "object", "required": ["pluginRef"], "additionalProperties": False,
+        "properties": {"pluginRef": {"type": "string", "minLength": 1}, "weight": {"type": "number"}}}
+EPP_CONFIG_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "plugins"],
+    "properties": {
+        "apiVersion": {"const": "inference.networking.x-k8s.io/v1alpha1"},
+        "kind": {"const": "EndpointPickerConfig"},
+        "featureGates": {"type": "array", "items": {"enum": ["dataLayer", "enableLegacyMetrics", "flowControl"]}},
+        "plugins": {"type": "array", "items": {
+            "type": "object", "required": ["type"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "type": {"type": "string"}, "parameters": {}}}},
+        "schedulingProfiles": {"type": "array", "items": {
+            "type": "object", "required": ["name", "plugins"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "plugins": {"type": "array", "items": _REF}}}},
+        "saturationDetector": {"type": "object", "additionalProperties": False,
+                               "properties": {"pluginRef": {"type": "string"}}},
+        "dataLayer": {"type": "object", "additionalProperties": False, "properties": {"sources": {
+            "type": "array", "items": {
+                "type": "object", "required": ["pluginRef"], "additionalProperties": False,
+                "properties": {"pluginRef": {"type": "string"}, "extractors": {
+                    "type": "array", "items": {"type": "object", "additionalProperties": False,
+                                               "properties": {"pluginRef": {"type": "string"}}}}}}}}},
+        "flowControl": {"type": "object"},
+        "parser": {"type": "object", "additionalProperties": False, "properties": {"pluginRef": {"type": "string"}}},
+    },
+}
+# plugin types EPP v1.5.0 registers (cmd/epp/runner/runner.go) that a scheduling configuration uses
+EPP_PLUGIN_TYPES = {
+    "prefix-cache-scorer", "max-score-picker", "random-picker", "weighted-random-picker", "single-profile-handler",
+    "kv-cache-utilization-scorer", "queue-scorer", "running-requests-size-scorer", "lora-affinity-scorer",
+    "token-load-scorer", "metrics-data-source", "core-metrics-extractor", "openai-parser", "passthrough-parser",
+    "concurrency-detector", "utilization-detector",
+}
+# core-metrics-extractor's parameters (pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go)
+EXTRACTOR_KEYS = {"engineLabelKey", "defaultEngine", "engineConfigs"}
+ENGINE_KEYS = {"name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec",
+               "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec"}
+ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
+
+
+# --- Kubernetes: schemas -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", RENDERS)
+def test_every_rendered_manifest_validates_offline(path, monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError(f"validation tried the network: {a}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    docs = render(path)
+    assert docs
+    for version in K8S_VERSIONS:
+        for doc in docs:
+            try:
+                validate(doc, version)
+            except Exception as e:  # noqa: BLE001 - name the manifest in the failure
+                pytest.fail(f"{path}: {doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {e}")
+
+
+def test_schemas_catch_mistakes():
+    """The validation is not a rubber stamp: a misspelt field, a wrong type and a bad enum value all fail."""
+    dep = one(render("base"), "Deployment", "triton-vlm")
+    dep["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(Exception, match="livenesProbe"):
+        validate(dep, K8S_VERSIONS[-1])
+    pool = one(render("overlays/inference-gateway"), "InferencePool")
+    pool["spec"]["targetPorts"] = [{"number": "9000"}]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(pool, K8S_VERSIONS[-1])
+    pool = one(render("overlays/inference-gateway"), "InferencePool")
+    pool["spec"]["endpointPickerRef"]["failureMode"] = "Sometimes"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(pool, K8S_VERSIONS[-1])
+    route = one(render("overlays/inference-gateway"), "HTTPRoute")
+    route["spec"]["rules"][0]["backendRef"] = route["spec"]["rules"][0].pop("backendRefs")
+    with pytest.raises(jsonschema.ValidationError):
+        validate(route, K8S_VERSIONS[-1])
+
+
+def test_pinned_crds_are_the_recorded_upstream_files_and_used():
+    """Each pinned CRD is byte for byte the upstream file SOURCES.md records, and each renders' custom kind has
+    one (a kind with neither a CRD nor a Kubernetes schema fails validation above)."""
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in (CRDS / "SOURCES.md").read_text().splitlines()
+            if line.startswith("| ")]
+    recorded = {cols[0]: cols[-1] for cols in rows if cols[0].endswith(".yaml")}
+    files = sorted(CRDS.glob("*.yaml"))
+    assert {f.name for f in files} == set(recorded)
+    for f in files:
+        assert hashlib.sha256(f.read_bytes()).hexdigest() == recorded[f.name], f.name
+    used = {(d["apiVersion"], d["kind"]) for path in RENDERS for d in render(path)}
+    assert {("inference.networking.k8s.io/v1", "InferencePool"),
+            ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"),
+            ("gateway.networking.k8s.io/v1", "HTTPRoute"), ("monitoring.coreos.com/v1", "PodMonitor"),
+            ("monitoring.coreos.com/v1", "PrometheusRule")} <= used & set(crd_schemas())
+
+
+# --- Kubernetes: the pieces fit --------------------------------------------------------------------------------
+def test_server_deployment_probes_volumes_and_security():
+    for path in RENDERS:
+        docs = render(path)
+        pod = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["spec"]
+        c = server_container(docs)
+        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+        assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+        startup = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+        launcher_wait = float(arg_values(c["args"], "--timeout")[-1])
+        assert startup >= launcher_wait >= 600, (path, startup, launcher_wait)  # the model load fits in both
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+        model, adapters = mounts["/models/llava"], mounts["/adapters"]
+        assert model["readOnly"] and adapters["readOnly"]
+        assert "persistentVolumeClaim" in volumes[model["name"]] and "persistentVolumeClaim" in volumes[adapters["name"]]
+        assert arg_values(c["args"], "--model") == ["/models/llava"]
+        assert arg_values(c["args"], "--lora-dir") == ["/adapters"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert (gpus == 1) == (path != "base"), (path, gpus)
+        assert ("--device=cuda" in c["args"]) == (path != "base")
+
+
+def test_server_arguments_are_the_launchers():
+    """Every flag the manifests and images pass exists in `triton-vlm-serve --help`, and every --set key is a
+    parameter some model declares."""
+    help_text = subprocess.run([sys.executable, "-m", "triton_vlm.server", "--help"], capture_output=True,
+                               text=True, timeout=60, check=True).stdout
+    arg_lists = [server_container(render(p))["args"] for p in RENDERS]
+    for name in ("cpu", "gpu"):
+        arg_lists.append(_instruction(name, "CMD"))
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    arg_lists += [s["command"] for s in compose["services"].values()]
+    for args in arg_lists:
+        for a in args:
+            if a.startswith("--"):
+                assert re.search(rf"\s{re.escape(a.split('=')[0])}[\s,]", help_text), a
+        sets = {}
+        for item in arg_values(args, "--set"):
+            key, _, value = item.partition("=")
+            model, _, key = key.rpartition(".")
+            sets.setdefault(model or "*", {})[key] = value.replace("${VISION_BACKEND:-tensorrt}", "tensorrt")
+        check_parameters(sets)
+
+
+def test_service_podmonitor_and_hpa_refer_to_the_server():
+    docs = render("base")
+    c = server_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    pod_labels = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["metadata"]["labels"]
+    svc = one(docs, "Service", "triton-vlm")
+    assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert {arg_values(c["args"], f"--{n}-port")[0] for n in ("http", "grpc", "metrics")} == \
+        {str(ports[n]) for n in ("http", "grpc", "metrics")}
+    mon = one(docs, "PodMonitor")
+    assert mon["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [e["port"] for e in mon["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "triton-vlm"}
+    [metric] = hpa["spec"]["metrics"]
+    [rule] = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    adapter = yaml.safe_load((KUBE / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    [custom] = adapter["rules"]["custom"]
+    assert custom["seriesQuery"].split("{")[0] == rule["record"]
+    assert re.fullmatch(custom["name"]["matches"], rule["record"])
+    assert custom["name"]["as"] == metric["pods"]["metric"]["name"]
+    assert "by (namespace, pod)" in rule["expr"]  # the adapter maps these labels to the pod resource
+
+
+def test_gateway_pool_route_objectives_and_picker_fit():
+    docs = render("overlays/inference-gateway")
+    c = server_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    pod_labels = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["metadata"]["labels"]
+    pool = one(docs, "InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pool["spec"]["targetPorts"][0]["number"] == ports["openai"] == 9000  # the OpenAI-compatible API
+    epp_svc = one(docs, "Service", pool["spec"]["endpointPickerRef"]["name"])
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in [p["port"] for p in epp_svc["spec"]["ports"]]
+    epp = one(docs, "Deployment", "triton-vlm-epp")
+    assert epp_svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    [route_rule] = one(docs, "HTTPRoute")["spec"]["rules"]
+    assert route_rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                          "name": pool["metadata"]["name"]}]
+    objectives = [d for d in docs if d["kind"] == "InferenceObjective"]
+    assert {o["metadata"]["name"] for o in objectives} == {"french", "sentence"}  # the demo adapters
+    assert all(o["spec"]["poolRef"]["name"] == pool["metadata"]["name"] for o in objectives)
+    spec = epp["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert arg_values(spec["containers"][0]["args"], "--pool-name") == [pool["metadata"]["name"]]
+    rules = {(g, r) for rule in one(docs, "Role")["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
+            ("inference.networking.x-k8s.io", "inferenceobjectives")} <= rules
+    assert pod_labels[ENGINE_LABEL] == epp_config(docs)[1]["name"]
+
+
+def epp_config(docs) -> tuple[dict, dict]:
+    """The picker's configuration as its Deployment mounts it, and its engineConfigs entry for our pods."""
+    epp = one(docs, "Deployment", "triton-vlm-epp")["spec"]["template"]["spec"]
+    path = arg_values(epp["containers"][0]["args"], "--config-file")[0]
+    [mount] = [m for m in epp["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in epp["volumes"] if v["name"] == mount["name"]]
+    cm = one(docs, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(cm["data"][path[len(mount["mountPath"]) + 1:]])
+    [extractor] = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    params = extractor["parameters"]
+    [engine] = [e for e in params["engineConfigs"] if e["name"] == params["defaultEngine"]]
+    return config, engine
+
+
+def test_endpoint_picker_config_is_one_epp_accepts():
+    config, engine = epp_config(render("overlays/inference-gateway"))
+    jsonschema.validate(config, EPP_CONFIG_SCHEMA)
+    names = {p.get("name") or p["type"] for p in config["plugins"]}
+    assert len(names) == len(config["plugins"])
+    assert {p["type"] for p in config["plugins"]} <= EPP_PLUGIN_TYPES
+    refs = [r["pluginRef"] for prof in config["schedulingProfiles"] for r in prof["plugins"]]
+    refs += [s["pluginRef"] for s in config["dataLayer"]["sources"]]
+    refs += [e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]]
+    assert set(refs) <= names
+    [extractor] = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    assert set(extractor["parameters"]) <= EXTRACTOR_KEYS
+    assert all(set(e) <= ENGINE_KEYS for e in extractor["parameters"]["engineConfigs"])
+    assert engine["queuedRequestsSpec"].startswith("triton_vlm_engine_waiting_requests")
+    assert engine["runningRequestsSpec"].startswith("triton_vlm_engine_running_requests")
+    assert engine["kvUsageSpec"].startswith("triton_vlm_engine_kv_cache_usage_perc")
+    assert engine["loraSpec"] == "triton_vlm_lora_requests_info"
+    [profile] = config["schedulingProfiles"]
+    scorers = {r["pluginRef"] for r in profile["plugins"] if r["pluginRef"].endswith("-scorer")}
+    assert scorers == {"queue-scorer", "running-requests-size-scorer", "kv-cache-utilization-scorer",
+                       "lora-affinity-scorer"}
+
+
+# --- the KV-cache gauge ----------------------------------------------------------------------------------------
+def test_kv_cache_usage_gauge_is_a_fraction_of_the_blocks(monkeypatch):
+    from triton_vlm.engine.engine import EngineStats
+    from triton_vlm.triton import metrics as M
+
+    series = {}
+
+    class Family:
+        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels, buckets=None):  # noqa: N802 - the python backend's spelling
+            m = types.SimpleNamespace(labels=labels, value=None)
+            m.set = lambda v: setattr(m, "value", v)
+            series[self.name] = m
+            return m
+
+    monkeypatch.setattr(M, "pb_utils", types.SimpleNamespace(MetricFamily=Family))
+    fields = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
+    now = {"stats": EngineStats(**{**fields, "kv_blocks_used": 0, "kv_blocks_total": 0})}
+    metrics = M.LLMMetrics(lambda: now["stats"])
+    metrics.update_gauges()
+    assert series[M.KV_USAGE].value == 0.0 and series[M.KV_USAGE].labels == {"model": "llm"}
+    now["stats"] = EngineStats(**{**fields, "kv_blocks_used": 48, "kv_blocks_total": 64})
+    metrics.update_gauges()
+    assert series[M.KV_USAGE].value == 0.75
+    assert series["triton_vlm_engine_kv_blocks_used"].value == 48.0
+
+
+# --- images ----------------------------------------------------------------------------------------------------
+def _instructions(name: str):
+    return dockerfile.parse_file(str(DOCKER / f"{name}.Dockerfile"))
+
+
+def _instruction(name: str, cmd: str) -> list[str]:
+    [found] = [list(i.value) for i in _instructions(name) if i.cmd == cmd.upper()]
+    return found
+
+
+def _arg_default(name: str, arg: str) -> str:
+    for i in _instructions(name):
+        if i.cmd == "ARG" and i.value[0].startswith(arg + "="):
+            return i.value[0].split("=", 1)[1]
+    raise AssertionError(f"no ARG {arg} in {name}.Dockerfile")
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"], ids=["cpu-image", "nvidia-image"])
+def test_images_install_with_the_shared_script_and_run_unprivileged(name):
+    steps = _instructions(name)
+    assert [i.cmd for i in steps].count("FROM") == 1
+    [run] = [i for i in steps if i.cmd == "RUN" and "install.sh" in i.value[0]]
+    [call] = [shlex.split(part) for part in run.value[0].split("&&") if "install.sh" in part]
+    script = call[call.index("bash") + 1]
+    assert script == "/opt/triton-vlm/deploy/docker/install.sh"
+    [copy] = [i for i in steps if i.cmd == "COPY"]
+    assert list(copy.value) == [".", "/opt/triton-vlm"]  # the checkout, so the script's path exists in the image
+    assert (DOCKER / "install.sh").exists()
+    assert ("--gpu" in call) == (name == "gpu")
+    [user] = [i.value[0] for i in steps if i.cmd == "USER"]
+    assert user in ("${UID}", "1000") and _arg_default(name, "UID") == "1000"
+    exposed = {p for i in steps if i.cmd == "EXPOSE" for p in i.value}
+    assert exposed == IMAGE_PORTS
+    entry = _instruction(name, "ENTRYPOINT")
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entry == ["triton-vlm-serve"] and scripts["triton-vlm-serve"] == "triton_vlm.server.cli:main"
+    ignore = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().split()
+    assert {".git", ".venv", ".cache"} <= set(ignore)  # BuildKit's per-Dockerfile ignore file
+
+
+def test_gpu_image_is_on_the_triton_release_compose_names():
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    gpu = compose["services"]["triton-vlm"]
+    assert gpu["build"]["dockerfile"] == "deploy/docker/gpu.Dockerfile"
+    base = _arg_default("gpu", "TRITON_IMAGE")
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", base)
+    assert gpu["build"]["args"]["TRITON_IMAGE"] == base
+    assert compose["services"]["triton-vlm-cpu"]["build"]["dockerfile"] == "deploy/docker/cpu.Dockerfile"
+    for service in compose["services"].values():
+        assert (REPO_ROOT / service["build"]["dockerfile"]).exists()
+        assert {p.split(":")[-1] for p in service["ports"]} == IMAGE_PORTS
+        assert any(v.endswith(":/models/llava:ro") for v in service["volumes"])
+        assert any(v.endswith(":/adapters:ro") for v in service["volumes"])
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_make_and_ci_install_with_the_images_script():
+    """`make install` (run by `make test`, which .ci/run runs) calls the same script the Dockerfiles call, and
+    the script pins the torch that pyproject.toml pins."""
+    recipe = (REPO_ROOT / "Makefile").read_text().split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert "deploy/docker/install.sh" in recipe and "pip install" not in recipe
+    assert "make test" in (REPO_ROOT / ".ci" / "run").read_text()
+    script = (DOCKER / "install.sh").read_text()
+    [pinned] = re.findall(r"^TORCH_VERSION=(\S+)$", script, re.M)
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch=={pinned}" in deps
+    subprocess.run(["bash", "-n", str(DOCKER / "install.sh")], check=True)
+
+
+def test_image_build_step_prepares_the_server_tree(tmp_path):
+    """The images' own build step (copying the tritonserver tree into the cache as the runtime user) works."""
+    [run] = [i.value[0] for i in _instructions("cpu") if i.cmd == "RUN" and "prepare_server_tree" in i.value[0]]
+    argv = shlex.split(run)
+    assert argv[0] == "python3"
+    env = {"TRITON_VLM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, *argv[1:]], env=env, check=True, timeout=120)
+    [tree] = tmp_path.glob("tritonserver-*")
+    assert (tree / "bin" / "tritonserver").exists()
+    assert (tree / "backends" / "python" / "triton_python_backend_stub").exists()
