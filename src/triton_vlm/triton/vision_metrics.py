@@ -3,7 +3,8 @@
 `triton_vlm_vision_images_encoded_total` (encoder runs, per image), `triton_vlm_embedding_cache_{hits,misses,
 evictions}_total`, `triton_vlm_embedding_cache_{bytes,entries}` (gauges), `triton_vlm_vision_batch_size`
 (histogram: images per encoder call, so cross-request batching shows). Refreshed after every `execute()`.
-Created once per process (Triton keys families by name); without the python backend every method is a no-op.
+Created once per process (Triton keys families by name); without the python backend, or when the metrics could
+not be created, every method only drops the batch sizes the service recorded.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ class VisionMetrics(MetricsBase):
                                   F.HISTOGRAM).Metric(labels=labels, buckets=BATCH_BUCKETS)
 
     def update(self) -> None:
+        svc, cache = self.service, self.service.cache
+        batches = svc.stats.take_batches()  # taken even with the metrics off: the list must not grow
         if not self._counters:
             return
-        svc, cache = self.service, self.service.cache
         now = {"images_encoded": svc.stats.images_encoded}
         if cache is not None:
             now.update(hits=cache.stats.hits, misses=cache.stats.misses, evictions=cache.stats.evictions)
@@ -46,7 +48,7 @@ class VisionMetrics(MetricsBase):
             if value > self._seen.get(field, 0):
                 self._counters[field].increment(value - self._seen.get(field, 0))
                 self._seen[field] = value
-        for size in svc.stats.take_batches():
+        for size in batches:
             self._hist.observe(float(size))
 
     def close(self) -> None:
