@@ -2,23 +2,41 @@
 
 Triton's python backend frees a request's response factory as soon as the final response (flag FINAL) is sent.
 Asking such a request `is_cancelled()` afterwards makes tritonserver dereference freed memory and die with
-SIGSEGV (`TRITONBACKEND_ResponseFactoryIsCancelled`). So a request's whole lifetime is owned in one place:
+SIGSEGV (`TRITONBACKEND_ResponseFactoryIsCancelled`). So a request's whole lifetime is owned here:
 
 - `open()` (from `execute()`, before the request is handed to the backend) enters it in the table;
 - the backend's thread never sends anything itself: `post()` only queues its results;
-- one thread, the responder, sends every response, asks every `is_cancelled()`, and removes a request from
-  the table in the same step that sends its final response. Nothing is ever asked of a request after that:
-  a request leaves the table exactly once, and only this thread looks at the senders in the table.
+- one thread, the responder, sends every response and removes a request from the table in the same step that
+  sends its final response;
+- one other thread, the poller, asks `is_cancelled()`. In the python backend that call is a blocking round trip
+  to the server (the stub's stub-to-parent thread, then the server's message thread: about 50 us each, measured
+  by `bench/cancel_poll.py`), so it never runs on the thread that sends: with 1,024 live requests one sweep of
+  them took about 55 ms, and every response waited behind it. The poller asks at most `max_batch` requests per
+  `poll_s` (round robin), enough for a full sweep every `sweep_s` up to `max_batch * sweep_s / poll_s` live
+  requests (640 by default; 1,024 are swept in 0.8 s). A cancelled request is queued to the responder, which
+  sends its CANCELLED response like any other.
+
+The handshake between the two threads (`_lock` guards the table and each entry's `polling` flag): the poller
+marks an entry `polling` under the lock only while it is still in the table, and clears it after the call;
+the responder takes an entry out of the table and then waits until it is not `polling` before it sends FINAL.
+So no `is_cancelled()` ever overlaps or follows a request's final response, and a request leaves the table
+exactly once. The wait is at most one round trip, for that one request only.
 
 Every request that was opened gets exactly one final response: its result, its error, CANCELLED when the
-client cancelled it, or UNAVAILABLE when the model shuts down with it still running.
+client cancelled it, UNAVAILABLE when a non-final response could not be delivered (its generation is stopped)
+or when the model shuts down with it still running. A final response is attempted once: the python backend's
+stub marks the sender closed before its round trip (`ResponseSender::UpdateStateAndCounters`, r24.10), so a
+second FINAL could only fail with "Response sender has been closed", and the server deletes the response
+factory after any FINAL it received, failed or not (`ResponseSendDecoupled`): a retry could reach freed memory.
 """
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -38,38 +56,54 @@ class Sender(Protocol):
 @dataclass
 class _Post:
     key: str
-    result: Any = None  # a backend result (`final` attribute), or None with `error`
+    result: Any = None  # a backend result (`final` attribute), or None with `error` or `cancelled`
     error: Optional[BaseException] = None
+    cancelled: bool = False  # the poller saw the client cancel it
+
+
+@dataclass(eq=False)
+class _Entry:
+    sender: Sender
+    state: Any  # the caller's state, handed to `build`
+    polling: bool = False  # an is_cancelled() of the poller is in flight
 
 
 class Responder:
     """`build(key, state, result) -> (response, final)` turns a backend result into a Triton response;
     `error(exc) -> response` builds an error response; `on_cancel(key)` tells the backend to drop a request the
-    client cancelled; `tick()` runs about every `tick_s` on this thread (metrics)."""
+    client cancelled (or whose response could not be delivered); `tick()` runs about every `tick_s` on the
+    responder thread (metrics). Cancellation: at most `max_batch` requests asked every `poll_s`, a full sweep
+    every `sweep_s` while that allows."""
 
     FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
     def __init__(self, build: Callable[[str, Any, Any], tuple[Any, bool]], error: Callable[[BaseException], Any],
-                 on_cancel: Callable[[str], None], *, poll_s: float = 0.05, tick: Optional[Callable[[], None]] = None,
-                 tick_s: float = 0.5):
+                 on_cancel: Callable[[str], None], *, poll_s: float = 0.05, sweep_s: float = 0.5,
+                 max_batch: int = 64, tick: Optional[Callable[[], None]] = None, tick_s: float = 0.5):
         self._build, self._error, self._on_cancel = build, error, on_cancel
-        self._poll_s, self._tick, self._tick_s = poll_s, tick, tick_s
+        self._poll_s, self._sweep_s, self._max_batch = poll_s, sweep_s, max(1, max_batch)
+        self._tick, self._tick_s = tick, tick_s
         self._lock = threading.Lock()
-        self._live: dict[str, tuple[Sender, Any]] = {}  # key -> (sender, caller's state)
+        self._unpolled = threading.Condition(self._lock)  # notified when an entry's poll ends
+        self._live: dict[str, _Entry] = {}
+        self._sweep: deque[str] = deque()  # the keys the current sweep has still to ask (poller thread only)
+        self._sweep_batch = 1  # requests asked per interval during the current sweep
         self._queue: "queue.SimpleQueue[Optional[_Post]]" = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llm-responder", daemon=True)
+        self._poller = threading.Thread(target=self._run_poller, name="llm-cancel-poller", daemon=True)
 
     # --- any thread -----------------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._poller.start()
 
     def open(self, key: str, sender: Sender, state: Any) -> None:
-        """Take ownership of a request; from now on only the responder touches `sender`."""
+        """Take ownership of a request; from now on only the responder and the poller touch `sender`."""
         with self._lock:
             if key in self._live:
                 raise ValueError(f"request key {key!r} is already live")
-            self._live[key] = (sender, state)
+            self._live[key] = _Entry(sender, state)
 
     def post(self, key: str, result: Any) -> None:
         """Queue a backend result (thread-safe, never blocks: the engine thread calls it)."""
@@ -84,12 +118,14 @@ class Responder:
             return len(self._live)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Send what is queued, answer every request still live with UNAVAILABLE, stop the thread."""
+        """Stop polling, send what is queued, answer every request still live with UNAVAILABLE, stop."""
         self._stopping.set()
+        if self._poller.is_alive():
+            self._poller.join(timeout)
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive() or self._poller.is_alive():
             log.warning("llm responder did not stop within %.1f s", timeout)
 
     # --- the responder thread -------------------------------------------------------------------------------
@@ -103,10 +139,10 @@ class Responder:
                 time.sleep(self._poll_s)
 
     def _serve(self) -> None:
-        next_poll = next_tick = time.monotonic()
+        next_tick = time.monotonic()
         while True:
             try:
-                item = self._queue.get(timeout=self._poll_s)
+                item = self._queue.get(timeout=self._tick_s)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -119,9 +155,6 @@ class Responder:
                 self._drain_and_close()
                 return
             now = time.monotonic()
-            if now >= next_poll:
-                self._poll_cancellations()
-                next_poll = now + self._poll_s
             if self._tick is not None and now >= next_tick:
                 next_tick = now + self._tick_s
                 try:
@@ -132,43 +165,52 @@ class Responder:
     def _handle(self, post: _Post) -> None:
         with self._lock:
             entry = self._live.get(post.key)
-        if entry is None:  # already answered (cancelled by its client): never touch it again
+        if entry is None:  # already answered (e.g. cancelled by its client): never touch it again
             return
-        sender, state = entry
+        if post.cancelled:
+            log.info("request %s cancelled by the client; its rows and KV blocks are freed", post.key)
+            self._on_cancel(post.key)
+            self._finish(post.key, Cancelled(f"request {post.key} was cancelled by the client"))
+            return
         try:
             if post.error is not None:
-                response, final = self._error(post.error), True
+                response, final = post.error, True
             else:
-                response, final = self._build(post.key, state, post.result)
+                response, final = self._build(post.key, entry.state, post.result)
         except Exception as e:  # noqa: BLE001 - a response we cannot build ends that request only
-            response, final = self._error(e), True
-        self._send(post.key, sender, response, final)
-
-    def _send(self, key: str, sender: Sender, response: Any, final: bool) -> None:
+            response, final = e, True
         if final:
-            with self._lock:
-                self._live.pop(key, None)  # leaves the table in the same step as its final response
-        try:
-            sender.send(response, flags=self.FINAL if final else 0)
-        except Exception as e:  # noqa: BLE001 - the client is gone: stop generating for it
-            if not final:
-                with self._lock:
-                    self._live.pop(key, None)
-                self._on_cancel(key)
-            log.info("request %s: response not delivered (%s); generation for it stopped", key, e)
+            self._finish(post.key, response)
+        else:
+            self._send_piece(post.key, entry.sender, response)
 
-    def _poll_cancellations(self) -> None:
+    def _send_piece(self, key: str, sender: Sender, response: Any) -> None:
+        try:
+            sender.send(response, flags=0)
+        except Exception as e:  # noqa: BLE001 - the client is gone or the response is broken: end the request
+            log.info("request %s: a response could not be delivered (%s); generation for it stopped", key, e)
+            self._on_cancel(key)
+            self._finish(key, Unavailable(f"request {key}: a response could not be delivered ({e})"))
+
+    def _finish(self, key: str, response: Any) -> None:
+        """Send `key`'s final response (an exception: as an error response) once, after taking it out of the
+        table and waiting for any `is_cancelled()` in flight for it; then nothing touches it again."""
         with self._lock:
-            live = list(self._live.items())
-        for key, (sender, _state) in live:
-            try:
-                cancelled = sender.is_cancelled()
-            except Exception:  # noqa: BLE001
-                cancelled = False
-            if cancelled:
-                log.info("request %s cancelled by the client; its rows and KV blocks are freed", key)
-                self._on_cancel(key)
-                self._send(key, sender, self._error(Cancelled(f"request {key} was cancelled by the client")), True)
+            entry = self._live.pop(key, None)
+            while entry is not None and entry.polling:
+                self._unpolled.wait()
+        if entry is None:
+            return
+        try:
+            if isinstance(response, BaseException):
+                response = self._error(response)
+        except Exception:  # noqa: BLE001 - no error response: end the request with the flag alone
+            log.exception("request %s: the error response could not be built; ending it without one", key)
+            response = None
+        try:
+            entry.sender.send(response, flags=self.FINAL)
+        except Exception as e:  # noqa: BLE001 - attempted once (see the module docstring)
+            log.warning("request %s: its final response could not be sent (%s); dropped", key, e)
 
     def _drain_and_close(self) -> None:
         while True:
@@ -179,6 +221,53 @@ class Responder:
             if item is not None:
                 self._handle(item)
         with self._lock:
-            live = list(self._live.items())
-        for key, (sender, _state) in live:
-            self._send(key, sender, self._error(Unavailable("the llm model is shutting down; retry")), True)
+            keys = list(self._live)
+        for key in keys:
+            self._finish(key, Unavailable("the llm model is shutting down; retry"))
+
+    # --- the poller thread ----------------------------------------------------------------------------------
+    def _run_poller(self) -> None:
+        next_batch = time.monotonic() + self._poll_s
+        while not self._stopping.wait(max(0.0, next_batch - time.monotonic())):
+            next_batch = max(next_batch + self._poll_s, time.monotonic())  # a slow batch does not add up
+            try:
+                self._poll_batch()
+            except Exception:  # noqa: BLE001 - a bug here must not stop cancellation for good
+                log.exception("llm cancellation poller failed; carrying on")
+
+    def _poll_batch(self) -> int:
+        """Ask the next `_sweep_batch` live requests of the current sweep whether their client cancelled them
+        (a new sweep of every live request starts when one ends); -> how many were asked."""
+        picked: list[tuple[str, _Entry]] = []
+        with self._lock:
+            if not self._sweep:
+                self._sweep.extend(self._live)
+                # fixed for the sweep: requests answered meanwhile are skipped, they do not slow the rest
+                self._sweep_batch = min(self._max_batch,
+                                        max(1, math.ceil(len(self._sweep) * self._poll_s / self._sweep_s)))
+            while self._sweep and len(picked) < self._sweep_batch:
+                key = self._sweep.popleft()
+                entry = self._live.get(key)
+                if entry is not None:  # answered ones are skipped
+                    picked.append((key, entry))
+        for key, entry in picked:
+            if self._stopping.is_set():
+                break
+            self._poll_one(key, entry)
+        return len(picked)
+
+    def _poll_one(self, key: str, entry: _Entry) -> None:
+        with self._lock:
+            if self._live.get(key) is not entry:
+                return  # answered since it was picked: its final response may be sent already
+            entry.polling = True
+        try:
+            cancelled = entry.sender.is_cancelled()
+        except Exception:  # noqa: BLE001
+            cancelled = False
+        finally:
+            with self._lock:
+                entry.polling = False
+                self._unpolled.notify_all()
+        if cancelled:
+            self._queue.put(_Post(key, cancelled=True))
