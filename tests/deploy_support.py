@@ -68,6 +68,20 @@ def arg_values(args: list[str], flag: str) -> list[str]:
     return out
 
 
+def epp_config(docs) -> tuple[dict, dict]:
+    """The picker's configuration as its Deployment mounts it, and its engineConfigs entry for our pods."""
+    epp = one(docs, "Deployment", "triton-vlm-epp")["spec"]["template"]["spec"]
+    path = arg_values(epp["containers"][0]["args"], "--config-file")[0]
+    [mount] = [m for m in epp["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in epp["volumes"] if v["name"] == mount["name"]]
+    cm = one(docs, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(cm["data"][path[len(mount["mountPath"]) + 1:]])
+    [extractor] = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    params = extractor["parameters"]
+    [engine] = [e for e in params["engineConfigs"] if e["name"] == params["defaultEngine"]]
+    return config, engine
+
+
 # --- schemas ---------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def crd_schemas() -> dict[tuple[str, str], dict]:

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import yaml
 
-from deploy_support import (CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, crd_schemas, one, render,
-                            server_container, validate)
+from deploy_support import (CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, crd_schemas, epp_config,
+                            one, render, server_container, validate)
 from triton_vlm.paths import REPO_ROOT
 from triton_vlm.server.repository import check_parameters
 
@@ -138,7 +138,7 @@ def test_server_deployment_probes_volumes_and_security():
         assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
         model, adapters = mounts["/models/llava"], mounts["/adapters"]
         assert model["readOnly"] and adapters["readOnly"]
-        assert "persistentVolumeClaim" in volumes[model["name"]] and "persistentVolumeClaim" in volumes[adapters["name"]]
+        assert all("persistentVolumeClaim" in volumes[m["name"]] for m in (model, adapters))
         assert arg_values(c["args"], "--model") == ["/models/llava"]
         assert arg_values(c["args"], "--lora-dir") == ["/adapters"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
@@ -221,20 +221,6 @@ def test_gateway_pool_route_objectives_and_picker_fit():
     assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
             ("inference.networking.x-k8s.io", "inferenceobjectives")} <= rules
     assert pod_labels[ENGINE_LABEL] == epp_config(docs)[1]["name"]
-
-
-def epp_config(docs) -> tuple[dict, dict]:
-    """The picker's configuration as its Deployment mounts it, and its engineConfigs entry for our pods."""
-    epp = one(docs, "Deployment", "triton-vlm-epp")["spec"]["template"]["spec"]
-    path = arg_values(epp["containers"][0]["args"], "--config-file")[0]
-    [mount] = [m for m in epp["containers"][0]["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-    [volume] = [v for v in epp["volumes"] if v["name"] == mount["name"]]
-    cm = one(docs, "ConfigMap", volume["configMap"]["name"])
-    config = yaml.safe_load(cm["data"][path[len(mount["mountPath"]) + 1:]])
-    [extractor] = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
-    params = extractor["parameters"]
-    [engine] = [e for e in params["engineConfigs"] if e["name"] == params["defaultEngine"]]
-    return config, engine
 
 
 def test_endpoint_picker_config_is_one_epp_accepts():

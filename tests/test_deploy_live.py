@@ -1,0 +1,226 @@
+"""The deployment files against running servers: the probes, ports and metric names the manifests use are the
+ones the server has, and the endpoint picker of the Gateway API Inference Extension, played by the test with
+the shipped EndpointPickerConfig, tells unevenly loaded replicas apart the way its scorers need.
+
+The picker reads each replica at the InferencePool's target port (the OpenAI-compatible API, 9000), whose
+/metrics re-exports the server's; the launcher does not start that API yet, so the replicas' metrics are read
+here on Triton's metrics port, where the same series come from."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from deploy_support import (EndpointMetrics, Spec, epp_config, extract, one, parse_prometheus, pick, render,
+                            score, server_container)
+
+pytestmark = pytest.mark.server
+
+GATEWAY = "overlays/inference-gateway"
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+def scrape(server) -> dict:
+    status, text = get(f"http://localhost:{server.metrics_port}/metrics", timeout=10)
+    assert status == 200
+    return parse_prometheus(text)
+
+
+def live_ports(server) -> dict[int, int]:
+    """containerPort -> the port this test server listens on (the launcher serves HTTP, gRPC and metrics)."""
+    return {8000: server.http_port, 8001: server.grpc_port, 8002: server.metrics_port}
+
+
+def test_probes_ports_and_metric_names_are_the_servers(triton_server):
+    docs = render(GATEWAY)
+    c = server_container(docs)
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    ports = live_ports(triton_server)
+    # 9000: the OpenAI-compatible API, served once the launcher starts it (not yet)
+    assert set(named.values()) - set(ports) == {9000}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        http = c[probe]["httpGet"]
+        status, _ = get(f"http://localhost:{ports[named[http['port']]]}{http['path']}")
+        assert status == 200, (probe, http)
+    status, _ = get(f"http://localhost:{ports[named['http']]}/v2/health/nonexistent")
+    assert status != 200  # the probes' 200 means something
+    with grpcclient.InferenceServerClient(f"localhost:{ports[named['grpc']]}") as client:
+        assert client.is_server_ready()
+    [endpoint] = one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    status, text = get(f"http://localhost:{ports[named[endpoint['port']]]}{endpoint['path']}")
+    assert status == 200 and "nv_inference_request_success" in text and "triton_vlm_" in text
+
+    families = parse_prometheus(text)
+    _, engine = epp_config(docs)
+    for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
+        Spec.parse(engine[key]).latest(families)  # LookupError if the server has no such series
+    assert 0.0 <= Spec.parse(engine["kvUsageSpec"]).latest(families).value <= 1.0
+    info = Spec.parse(engine["loraSpec"]).latest_lora(families).labels
+    assert {"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= set(info)
+
+    [rule] = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    selectors = re.findall(r"([a-z_:]+)\{model(=~|=)\"([^\"]+)\"\}", rule["expr"])
+    assert len(selectors) >= 4
+    for name, op, value in selectors:
+        models = value.split("|") if op == "=~" else [value]
+        for model in models:
+            assert any(s.labels.get("model") == model for s in families.get(name, [])), (name, model)
+
+
+# --- the picker's view -----------------------------------------------------------------------------------------
+REPLICA_PARAMS = {"max_rows": "2", "max_loras": "2", "kv_cache_mb": "0", "kv_cache_tokens": "1024"}
+PROMPT_TOKENS, NEW_TOKENS = 300, 150  # a long prompt: KV blocks are taken at prefill, so the load shows at once
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, demo_model, demo_adapters):
+    """Two replicas of the server as shipped, small enough that 4 long requests queue: 2 rows each, 2 LoRA slots,
+    a KV cache of 64 blocks of 16 tokens."""
+    from conftest import _start_server, _stop_server
+
+    params = {"*": {"lora_dir": str(demo_adapters)}, "llm": REPLICA_PARAMS}
+    started = []
+    try:
+        for name in ("replica-a", "replica-b"):
+            started.append(_start_server(tmp_path_factory, demo_model, params, name))
+        yield started
+    finally:
+        for server in started:
+            _stop_server(server)
+
+
+def long_prompt(demo_model) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
+    body = "the red circle"
+    while len(tok(f"USER: {body} ASSISTANT:").input_ids) < PROMPT_TOKENS:
+        body += " and the red circle"
+    return f"USER: {body} ASSISTANT:"
+
+
+class Load:
+    """Threads that each send one long request after another to a replica until stopped (bounded: each request
+    is NEW_TOKENS tokens; every answer must succeed)."""
+
+    def __init__(self):
+        self.stop, self.threads, self.errors, self.done = threading.Event(), [], [], 0
+        self.lock = threading.Lock()
+
+    def add(self, server, adapter: str, prompt: str, count: int) -> None:
+        body = json.dumps({"text_input": prompt, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+                           "exclude_input_in_output": True, "lora_name": adapter}).encode()
+        url = f"http://{server.http_url}/v2/models/ensemble/generate"
+
+        def loop():
+            while not self.stop.is_set():
+                req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        text = json.loads(r.read())["text_output"]
+                    with self.lock:
+                        self.done += 1 if text else 0
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    with self.lock:
+                        self.errors.append(repr(e))
+                    return
+
+        for _ in range(count):
+            t = threading.Thread(target=loop, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in self.threads)
+        assert not self.errors, self.errors
+
+
+def picker_view(servers, engine) -> dict[str, EndpointMetrics]:
+    return {name: extract(engine, scrape(s)) for name, s in servers.items()}
+
+
+def wait_for(servers, engine, condition, what: str, deadline_s: float = 120):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        view = picker_view(servers, engine)
+        if condition(view):
+            return view
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen within {deadline_s:.0f} s: {what}; last view {view}")
+        time.sleep(0.2)
+
+
+def queue_compute_ratio(before: dict, after: dict) -> float:
+    """prometheusrule.yaml's triton_vlm:queue_compute:ratio over the interval between two scrapes."""
+    def total(f, name, models):
+        return sum(s.value for s in f.get(name, []) if s.labels.get("model") in models)
+
+    def delta(name, models):
+        return total(after, name, models) - total(before, name, models)
+
+    queue = delta("nv_inference_queue_duration_us", ("preprocess", "vision")) / 1e6 + \
+        delta("triton_vlm_queue_seconds_sum", ("llm",))
+    compute = delta("nv_inference_compute_infer_duration_us", ("preprocess", "vision")) / 1e6 + \
+        delta("triton_vlm_request_seconds_sum", ("llm",)) - delta("triton_vlm_queue_seconds_sum", ("llm",))
+    return queue / max(compute, 1e-6)
+
+
+def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
+    docs = render(GATEWAY)
+    config, engine = epp_config(docs)
+    [rule] = [r for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    for name in ("nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us",
+                 "triton_vlm_queue_seconds_sum", "triton_vlm_request_seconds_sum"):
+        assert name in rule["expr"]  # queue_compute_ratio() computes the rule's expression
+    servers = {"a": replicas[0], "b": replicas[1]}
+    prompt = long_prompt(demo_model)
+    before = {k: scrape(s) for k, s in servers.items()}
+
+    load = Load()
+    try:  # a: 4 requests of adapter french for 2 rows; b: 1 request of adapter sentence
+        load.add(servers["a"], "french", prompt, 4)
+        load.add(servers["b"], "sentence", prompt, 1)
+        view = wait_for(servers, engine, lambda v: (
+            v["a"].running == 2 and v["a"].waiting >= 1 and v["b"].running == 1 and v["b"].waiting == 0
+            and v["a"].active_models == {"french"} and v["b"].active_models == {"sentence"}
+            and v["a"].kv_usage > v["b"].kv_usage > 0),
+            "a: 2 running, some waiting (french), more KV in use; b: 1 running (sentence)")
+    finally:
+        load.finish()
+    a, b = view["a"], view["b"]
+    assert a.waiting_models == {"french"} and not b.waiting_models
+    assert a.max_active_models == b.max_active_models == int(REPLICA_PARAMS["max_loras"])
+    assert a.kv_usage <= 1  # a 0-1 fraction
+    assert score("queue-scorer", view, "")["b"] > score("queue-scorer", view, "")["a"]
+    assert score("running-requests-size-scorer", view, "")["b"] > score("running-requests-size-scorer", view, "")["a"]
+    assert score("kv-cache-utilization-scorer", view, "")["b"] > score("kv-cache-utilization-scorer", view, "")["a"]
+    assert score("lora-affinity-scorer", view, "french") == {"a": 1.0, "b": 0.8}  # b has a free adapter slot
+    assert score("lora-affinity-scorer", view, "sentence") == {"a": 0.0, "b": 1.0}  # a's slots are taken
+    for model in ("", "french", "sentence"):
+        chosen, totals = pick(config, view, model)
+        assert chosen == "b", (model, totals)  # the configured weights steer away from the loaded replica
+
+    idle = wait_for(servers, engine, lambda v: all(
+        m.waiting == m.running == 0 and m.kv_usage == 0 and not m.active_models and not m.waiting_models
+        for m in v.values()), "both replicas idle again")
+    assert score("queue-scorer", idle, "") == {"a": 1.0, "b": 1.0}
+    assert load.done >= 4
+    after = {k: scrape(s) for k, s in servers.items()}
+    ratio = {k: queue_compute_ratio(before[k], after[k]) for k in servers}
+    assert ratio["a"] > 0.2 and ratio["a"] > 4 * ratio["b"], ratio  # the HPA's metric sees a's queue
