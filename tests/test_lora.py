@@ -450,20 +450,83 @@ def _tiny_real(name: str, spec, seed: int):
                                                     torch.randn(n_out, 2, generator=g) * 0.1, 1.0)})
 
 
+def _half(adapter):
+    """The adapter with A / B in fp16 (as wire weights are held for an fp16 model)."""
+    from triton_vlm.lora.format import Adapter, LoraModule
+
+    return Adapter(adapter.name, {k: LoraModule(m.a.half(), m.b.half(), m.scale) for k, m in adapter.modules.items()})
+
+
+def _built(stacks) -> list:
+    """Every tensor the cache's sets hold in their stacks."""
+    return [t for e in stacks._sets.values() for st in e.stacks.values() if st is not None for t in (st.a, st.b)]
+
+
+def _shares(t, adapters) -> bool:
+    return any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+               for a in adapters for m in a.modules.values() for x in (m.a, m.b))
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
+def test_stack_cache_charges_the_bytes_it_allocates(half):
+    """A set's charge is the nbytes of the tensors built for it that do not share the adapters' memory: nothing
+    for one fp32 adapter (its own tensors), its fp32 copies for one fp16 adapter, the fp32 stacks of a pair
+    (twice the pair's fp16 bytes)."""
+    from triton_vlm.engine.lora import StackCache
+
+    a, b = (_half(x) if half else x for x in (_tiny("a", rank=64), _tiny("b", rank=64)))
+    stacks = StackCache(max_sets=8)
+    for adapters in ((a,), (a, b)):
+        entry = stacks.set_for(adapters)
+        stacks.build(entry, 0, "q_proj", "cpu")
+        assert stacks.build(entry, 1, "q_proj", "cpu") is None  # no adapter there: nothing built, nothing charged
+    solo, pair = (stacks._sets[k] for k in ((id(a),), (id(a), id(b))))
+    new = [t for t in _built(stacks) if not _shares(t, (a, b))]
+    assert stacks.used_bytes == solo.nbytes + pair.nbytes == sum(t.nbytes for t in new)
+    assert solo.nbytes == (2 * a.nbytes if half else 0)  # one fp32 adapter: no copy, nothing charged
+    assert pair.nbytes == (2 if half else 1) * (a.nbytes + b.nbytes)  # e.g. 131,072 fp16 bytes -> 262,144
+    assert all(t.dtype == torch.float32 for t in _built(stacks))
+
+
 def test_stack_cache_is_bounded_in_bytes_and_keeps_the_current_set():
     from triton_vlm.engine.lora import StackCache
 
     a, b, c = _tiny("a"), _tiny("b"), _tiny("c")
     one = a.nbytes
     stacks = StackCache(max_sets=8, max_bytes=2 * one)
-    stacks.set_for((a,))  # one adapter: its own tensors, no copy
+
+    def use(*adapters):
+        entry = stacks.set_for(adapters)
+        stacks.build(entry, 0, "q_proj", "cpu")
+        return entry
+
+    use(a)  # one fp32 adapter: its own tensors, no copy
     assert stacks.used_bytes == 0
-    stacks.set_for((a, b))
+    use(a, b)
     assert stacks.used_bytes == 2 * one
-    stacks.set_for((b, c))  # over budget: the least recently used sets go, never the one just asked for
-    assert stacks.used_bytes == 2 * one and len(stacks._sets) == 1
+    current = use(b, c)  # over budget: the least recently used sets go, never the one in use
+    assert stacks.used_bytes == 2 * one and list(stacks._sets.values()) == [current]
     stacks.drop(c)
     assert stacks.used_bytes == 0 and not stacks._sets
+
+
+def test_engine_charges_the_stacks_it_builds(base, adapters):
+    """Through the engine (fp16 model, wire adapters held in fp16): after a batch mixing two adapters and one
+    running alone, the stack cache's charge equals the bytes of the fp32 tensors it actually holds."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+
+    eng = Engine(base, EngineConfig(dtype="float16", max_rows=8, kv_cache_tokens=1024))
+    spec = eng.model_config
+    wire = [from_trtllm(str(i), *to_trtllm(load_peft(d, spec), np.float16), spec, dtype=torch.float16)
+            for i, d in enumerate(adapters.values())]
+    eng.generate([GenerationRequest(f"r{i}", PROMPTS[i], GenerationParams(max_tokens=4), adapter=w)
+                  for i, w in enumerate(wire)])
+    eng.generate([GenerationRequest("solo", PROMPTS[0], GenerationParams(max_tokens=4), adapter=wire[0])])
+    stacks = eng.scheduler.runner.lora_stacks
+    device = [s.device for s in eng.lora_slots._slots.values()]
+    built = _built(stacks)
+    assert built and all(not _shares(t, device) for t in built)  # fp16 adapters: every fp32 stack is a copy
+    assert stacks.used_bytes == sum(t.nbytes for t in built) > 0
 
 
 def test_resent_weights_replace_a_task_for_later_requests_only(base, adapters):
@@ -529,3 +592,81 @@ def test_registry_finds_adapters_added_while_serving(base, adapters, tmp_path):
     shutil.copytree(adapters["plain"], tmp_path / "late")
     shutil.copytree(adapters["plain"], tmp_path / "77")
     assert reg.find_id(task_id_for_name("late")) == "late" and reg.find_id(77) == "77"
+
+
+def test_preprocess_check_refuses_every_bad_kind_without_building(base, adapters):
+    """`check_request` (preprocess) refuses each kind of bad wire tensors the live test sends, with the message
+    `parse_request` (llm) gives; on good tensors it allocates no copy of the weights (numpy's allocations are
+    traced: its peak stays far below the weights' size, where building the adapter copies them)."""
+    import tracemalloc
+
+    from lora_cases import bad_wire
+    from triton_vlm.lora.registry import Registry
+    from triton_vlm.lora.request import check_request, parse_request
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base).text
+    registry = Registry(None, spec)
+    weights, config = to_trtllm(load_peft(adapters["plain"], spec), np.float16)
+    cases = bad_wire(weights, config, spec.num_layers, max_rank=64)
+    assert len(cases) == 10
+    for name, lora, message in cases:
+        args = (lora.get("task_id"), lora.get("weights"), lora.get("config"), None, spec, registry, 64)
+        with pytest.raises(InvalidArgument) as checked:
+            check_request(*args)
+        with pytest.raises(InvalidArgument) as parsed:
+            parse_request(*args)
+        assert message in checked.value.message and checked.value.message == parsed.value.message, name
+    big, big_config = _big_rows(spec)
+    wide = np.pad(big, ((0, 0), (0, 8 * big.shape[1])))  # zero padded rows: 12 MB of FP16 weights
+    wide.flags.writeable = False  # Triton's input buffers are read-only
+    tracemalloc.start()
+    try:
+        check_request(5, wide, big_config, None, spec, registry, 256)
+        checked_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        np.isfinite(wide).all()  # what the check did before: a bool array as large as the weights
+        isfinite_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert checked_peak < wide.nbytes // 32 < isfinite_peak, (checked_peak, isfinite_peak, wide.nbytes)
+
+
+def test_registry_ids_cannot_be_uploaded_over(base, adapters, tmp_path):
+    """Registry and wire adapters are separate namespaces: weights sent under a registry id (a name's computed
+    id, an all-digit folder) are refused naming the id and its owner, by preprocess's check and llm's parse; ids
+    uploaded before a registry folder took them resolve to the registry's adapter once it exists, by name and
+    by id, while wire ids stay shared as in TensorRT-LLM (a later upload replaces the earlier one)."""
+    import shutil
+
+    from triton_vlm.lora.cache import AdapterCache
+    from triton_vlm.lora.registry import Registry, task_id_for_name
+    from triton_vlm.lora.request import check_request, parse_request
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(base).text
+    shutil.copytree(adapters["plain"], tmp_path / "fr")
+    shutil.copytree(adapters["plain"], tmp_path / "4242")
+    cache = AdapterCache(spec, Registry(tmp_path, spec), max_bytes=2**30)
+    w, c = to_trtllm(load_peft(adapters["patterns"], spec), np.float16)
+
+    def resolve(task_id=None, weights=None, config=None, name=None):
+        return cache.resolve(parse_request(task_id, weights, config, name, spec, cache.registry, 64))
+
+    for task_id, owner in ((task_id_for_name("fr"), "fr"), (4242, "4242")):
+        for check in (check_request, parse_request):
+            with pytest.raises(InvalidArgument, match=rf"lora_task_id {task_id} belongs to the registry adapter "
+                                                      rf"'{owner}'"):
+                check(task_id, w, c, None, spec, cache.registry, 64)
+    assert resolve(name="fr").name == "fr" and resolve(task_id_for_name("fr")).name == "fr"
+    assert resolve(4242).name == "4242"
+
+    early = resolve(77, w, c)  # wire ids: shared, replaced by a later upload
+    assert resolve(77) is early and resolve(77, w, c) is not early
+    late_id = task_id_for_name("late")
+    uploaded = resolve(late_id, w, c)  # an id no registry adapter has yet
+    shutil.copytree(adapters["plain"], tmp_path / "late")
+    shutil.copytree(adapters["plain"], tmp_path / "77")
+    for got in (resolve(name="late"), resolve(late_id), resolve(77), resolve(name="77")):
+        assert got.name in ("late", "77") and got is not uploaded and got is not early
+        assert got.max_rank == 4  # the registry's "plain" adapter, not the uploaded "patterns" weights (r 8)

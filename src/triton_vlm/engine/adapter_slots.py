@@ -11,6 +11,11 @@ those adapters may be used by running requests at once, as TensorRT-LLM's device
 - `release(adapter)` when the request ends; the adapter stays resident (idle) until evicted;
 - `check(adapter)` at submit: an adapter larger than the whole level can never run (InvalidArgument, sizes).
 
+A slot is charged the adapter's size (`Adapter.nbytes`, its tensors in their own dtype): what the copy to a GPU
+allocates; on a CPU device the "copy" is the host adapter itself (`Tensor.to` returns it), and the budget still
+bounds how many adapters running requests may use at once. The fp32 stacks the adapter math builds from the
+resident adapters are charged by the engine's `lora.StackCache`, against a budget of the same size.
+
 Entries are keyed by the host `Adapter` object: resending weights for a cached task id creates a new object, so
 requests already running keep the old copy and later ones get the new one.
 """
@@ -82,9 +87,6 @@ class DeviceAdapters:
         slot = self._slots.get(id(adapter))
         if slot is not None and slot.refs > 0:
             slot.refs -= 1
-
-    def in_use(self) -> list[Adapter]:
-        return [s.host for s in self._slots.values() if s.refs > 0]
 
     def _make_room(self, size: int) -> bool:
         """Evict idle adapters, least recently used first, until `size` more bytes and one more slot fit;

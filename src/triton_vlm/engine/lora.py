@@ -19,12 +19,15 @@ scaling` with fp32 adapter weights). The scale is applied between the two GEMMs 
 same value up to float rounding (tests compare generated tokens and scores with PEFT). Rows without an adapter
 get a zero mask, so their delta is exactly 0; a batch without any adapter builds nothing (base rows pay nothing).
 The stacks of a set of adapters are cached across forwards (`StackCache`, the set in one order whatever the rows'
-order): consecutive decode steps of the same requests reuse them, and a set of one adapter uses its tensors as
-they are.
+order): consecutive decode steps of the same requests reuse them. A set of one fp32 adapter (registry adapters,
+or wire adapters of an fp32 model) uses its tensors as they are; a set of one fp16 / bf16 adapter needs its
+fp32 copies, and a set of several adapters their stacked fp32 copies: the cache charges exactly the bytes of the
+tensors it allocated (measured on the tensors built, nothing for a tensor that shares the adapter's memory).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,44 +42,70 @@ class Stack(NamedTuple):
     layout: tuple  # ((adapter index in the set, rank, scale), ...): which columns belong to whom
 
 
+@dataclass(eq=False)
+class StackSet:
+    """The stacks of one set of adapters: (layer, module) -> Stack (None: no adapter of the set adapts it)."""
+    adapters: tuple[Adapter, ...]
+    stacks: dict = field(default_factory=dict)
+    nbytes: int = 0  # bytes of the tensors built for this set (copies only)
+
+
 class StackCache:
-    """The stacks of the adapter sets of recent batches: set -> {(layer, module): Stack or None}, built lazily.
+    """The stacks of the adapter sets of recent batches, built lazily per projection (`build`).
 
     Consecutive decode steps of the same requests reuse one set's stacks. Bounded by `max_sets` sets and by
-    `max_bytes` of stacked copies (a set of several adapters costs about the sum of their sizes once built; a
-    set of one adapter uses its tensors and costs nothing): least recently used sets are dropped first, never the
-    one just asked for. `drop(adapter)` forgets every set holding an adapter the device level evicted, so its
-    memory is freed with it."""
+    `max_bytes` of built tensors, charged as each stack is built with the bytes it allocated (a stack that is
+    the adapter's own fp32 tensors costs nothing): least recently used sets are dropped first, never the one in
+    use. `drop(adapter)` forgets every set holding an adapter the device level evicted, so its memory is freed
+    with it."""
 
     def __init__(self, max_sets: int = 8, max_bytes: Optional[int] = None):
         self.max_sets, self.max_bytes = max_sets, max_bytes
         self.used_bytes = 0
-        # key -> (adapters, {(layer, module): Stack or None}, bytes of copies)
-        self._sets: "OrderedDict[tuple[int, ...], tuple[tuple[Adapter, ...], dict, int]]" = OrderedDict()
+        self._sets: "OrderedDict[tuple[int, ...], StackSet]" = OrderedDict()  # least recently used first
 
-    def set_for(self, adapters: tuple[Adapter, ...]) -> dict:
-        """The (layer, module) -> Stack dict of this set of adapters (empty when new)."""
+    def set_for(self, adapters: tuple[Adapter, ...]) -> StackSet:
+        """The StackSet of this set of adapters (no stacks yet when new); it becomes the most recent."""
         key = tuple(id(a) for a in adapters)
         entry = self._sets.get(key)
-        if entry is None or any(x is not y for x, y in zip(entry[0], adapters)):
+        if entry is None or any(x is not y for x, y in zip(entry.adapters, adapters)):
             if entry is not None:
                 self._forget(key)
-            cost = sum(a.nbytes for a in adapters) if len(adapters) > 1 else 0
-            entry = (adapters, {}, cost)
-            self._sets[key] = entry
-            self.used_bytes += cost
+            entry = self._sets[key] = StackSet(adapters)
         self._sets.move_to_end(key)
+        self._shrink(key)
+        return entry
+
+    def build(self, entry: StackSet, layer: int, module: str, device) -> Optional[Stack]:
+        """Builds (layer, module)'s stack of `entry`, charging the bytes it allocated."""
+        stack = entry.stacks[(layer, module)] = _stack(entry.adapters, layer, module, device)
+        cost = 0 if stack is None else _new_bytes(stack, entry.adapters, layer, module)
+        entry.nbytes += cost
+        key = tuple(id(a) for a in entry.adapters)
+        if self._sets.get(key) is entry:  # still cached (a set dropped meanwhile is freed with its batch)
+            self.used_bytes += cost
+            self._shrink(key)
+        return stack
+
+    def _shrink(self, keep) -> None:
         while len(self._sets) > 1 and (len(self._sets) > self.max_sets or
                                        (self.max_bytes is not None and self.used_bytes > self.max_bytes)):
-            self._forget(next(iter(self._sets)))
-        return entry[1]
+            oldest = next(iter(self._sets))
+            self._forget(oldest if oldest != keep else list(self._sets)[1])
 
     def _forget(self, key) -> None:
-        self.used_bytes -= self._sets.pop(key)[2]
+        self.used_bytes -= self._sets.pop(key).nbytes
 
     def drop(self, adapter: Adapter) -> None:
-        for key in [k for k, (adapters, _, _) in self._sets.items() if any(a is adapter for a in adapters)]:
+        for key in [k for k, e in self._sets.items() if any(a is adapter for a in e.adapters)]:
             self._forget(key)
+
+
+def _new_bytes(stack: Stack, adapters: tuple[Adapter, ...], layer: int, module: str) -> int:
+    """Bytes of the stack's tensors that do not share memory with the adapters' own tensors."""
+    own = {t.untyped_storage().data_ptr() for a in adapters if (layer, module) in a.modules
+           for t in (a.modules[(layer, module)].a, a.modules[(layer, module)].b)}
+    return sum(t.nbytes for t in (stack.a, stack.b) if t.untyped_storage().data_ptr() not in own)
 
 
 def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device) -> Optional[Stack]:
@@ -85,11 +114,11 @@ def _stack(adapters: tuple[Adapter, ...], layer: int, module: str, device) -> Op
     if not parts:
         return None
     f32 = torch.float32  # the adapter math runs in fp32 (PEFT upcasts fp16 / bf16 adapter weights the same way)
-    if len(parts) == 1:  # one adapter (a prefill, or a batch of one tenant): its own fp32 tensors, no copy
+    if len(parts) == 1:  # one adapter (a prefill, or a batch of one tenant): its own tensors when fp32
         m = parts[0][1]
         return Stack(m.a.to(device, f32), m.b.to(device, f32), ((parts[0][0], m.rank, m.scale),))
-    return Stack(torch.cat([m.a for _, m in parts]).to(device, f32),
-                 torch.cat([m.b for _, m in parts], dim=1).to(device, f32),
+    return Stack(torch.cat([m.a.to(device, f32) for _, m in parts]),
+                 torch.cat([m.b.to(device, f32) for _, m in parts], dim=1),
                  tuple((j, m.rank, m.scale) for j, m in parts))
 
 
@@ -101,7 +130,8 @@ class LoraBatch:
         # [rows] index of each row's adapter in self.adapters, -1 for none
         self.row_adapter = torch.tensor([-1 if a is None else index[id(a)] for a in row_adapters], device=device)
         self.device = device
-        self._stacks = stacks.set_for(self.adapters)
+        self._cache = stacks
+        self._set = stacks.set_for(self.adapters)
         self._masks: dict[tuple, torch.Tensor] = {}  # layout -> [rows, 1, R]; one per layout, not per module
 
     @classmethod
@@ -125,9 +155,9 @@ class LoraBatch:
         """y [rows, q_len, out] (the base projection of x [rows, q_len, in]) plus every row's adapter delta,
         computed in fp32 (as PEFT) and added in place when y is fp32 (`addmm_`: B's GEMM and the sum in one)."""
         key = (layer, module)
-        stack = self._stacks.get(key, _MISSING)
+        stack = self._set.stacks.get(key, _MISSING)
         if stack is _MISSING:
-            stack = self._stacks[key] = _stack(self.adapters, layer, module, self.device)
+            stack = self._cache.build(self._set, layer, module, self.device)
         if stack is None:  # no adapter of the batch adapts this module
             return y
         h = F.linear(x.to(torch.float32), stack.a).mul_(self._mask(stack.layout))  # [rows, q_len, R]

@@ -5,6 +5,12 @@ This is the host level (`lora_cache_host_mb`), least recently used evicted first
 batched adapter math reads, is the engine's (`engine/adapter_slots.py`). A request holds its own reference to
 its adapter, so evicting or replacing an id never changes a request already resolved. Wire adapters are named
 by their task id, registry adapters by their folder name (the names metrics and the LoRA gauge show).
+
+Two namespaces: registry adapters are keyed by their name, wire adapters by their task id, so weights sent over
+the wire can never take the place of a registry adapter (`request.parse_request` also refuses weights sent under
+a registry id; should a folder appear later under an id that was uploaded earlier, the registry's adapter wins).
+Wire ids themselves are shared by every client, as in TensorRT-LLM: weights sent again under a wire id replace
+that adapter for every later request; an adapter that must not be replaceable belongs in the registry.
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ class AdapterCache:
     max_rank: int = MAX_RANK  # max_lora_rank: adapters of a higher rank are refused
     wire_dtype: torch.dtype = torch.float32  # the model's dtype: FP16 wire weights are cast to it
     stats: CacheStats = field(default_factory=CacheStats)
-    _items: "OrderedDict[int, Adapter]" = field(default_factory=OrderedDict)
+    # ("registry", name) or ("wire", task id) -> adapter, least recently used first
+    _items: "OrderedDict[tuple[str, object], Adapter]" = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
@@ -45,18 +52,20 @@ class AdapterCache:
 
     def resolve(self, req: Optional[LoraRequest]) -> Optional[Adapter]:
         """The adapter of a checked request (`request.parse_request`); None: the base model. Weights sent with
-        the request (re)place their task id's entry; an id alone is a hit, or loaded from the registry."""
+        the request (re)place their wire task id's entry; an id alone is a hit, or loaded from the registry (a
+        registry id or name always resolves to the registry's adapter, never to uploaded weights)."""
         if req is None:
             return None
         if req.wire is not None:
-            self._put(req.task_id, req.wire)
+            self._put(("wire", req.task_id), req.task_id, req.wire)
             return req.wire
         return self._get_or_load(req.task_id, req.name)
 
     def _get_or_load(self, task_id: int, name: Optional[str]) -> Adapter:
-        adapter = self._items.get(task_id)
+        key = ("wire", task_id) if name is None else ("registry", name)
+        adapter = self._items.get(key)
         if adapter is not None:
-            self._items.move_to_end(task_id)
+            self._items.move_to_end(key)
             self.stats.hits += 1
             return adapter
         self.stats.misses += 1
@@ -67,20 +76,20 @@ class AdapterCache:
             raise InvalidArgument(f"LoRA adapter {name!r} has rank {adapter.max_rank}; Invalid low_rank (r): must be "
                                   f"<= {self.max_rank} (max_lora_rank)")
         self.stats.registry_loads += 1
-        self._put(task_id, adapter)
+        self._put(key, task_id, adapter)
         return adapter
 
-    def _put(self, task_id: int, adapter: Adapter) -> None:
+    def _put(self, key: tuple[str, object], task_id: int, adapter: Adapter) -> None:
         size = adapter.nbytes
         if size > self.max_bytes:
             raise InvalidArgument(f"LoRA task {task_id} needs {size} bytes, more than the whole adapter cache "
                                   f"({self.max_bytes} bytes, lora_cache_host_mb)")
-        old = self._items.pop(task_id, None)
+        old = self._items.pop(key, None)
         if old is not None:
             self.used_bytes -= old.nbytes
         while self.used_bytes + size > self.max_bytes:
             _, evicted = self._items.popitem(last=False)
             self.used_bytes -= evicted.nbytes
             self.stats.evictions += 1
-        self._items[task_id] = adapter
+        self._items[key] = adapter
         self.used_bytes += size

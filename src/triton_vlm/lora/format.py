@@ -77,11 +77,25 @@ def to_trtllm(adapter: Adapter, dtype=np.float16) -> tuple[np.ndarray, np.ndarra
     return weights, np.asarray(config, dtype=np.int32).reshape(-1, 3)
 
 
-def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec, max_rank: int = MAX_RANK,
-                dtype: torch.dtype = torch.float32) -> Adapter:
-    """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) -> Adapter with A / B in
-    `dtype` (the model's: wire weights are cast to it, as TensorRT-LLM does); every problem raises InvalidArgument
-    naming the input, the value and what is allowed."""
+@dataclass(frozen=True)
+class RowPlan:
+    """One checked row of TensorRT-LLM tensors: where its A and B are (A = row[:r * n_in], B = the next
+    n_out * r values)."""
+    index: int
+    layer: int
+    module: str
+    rank: int
+    n_in: int
+    n_out: int
+
+
+def check_trtllm(weights: np.ndarray, config: np.ndarray, spec: TextSpec,
+                 max_rank: int = MAX_RANK) -> list[RowPlan]:
+    """Checks TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed) against the model
+    without copying the weights: shapes and dtype from the array header, config rows one by one, and NaN / inf
+    by one float64 sum over the weights' own buffer (numpy reduces in small buffered chunks; a finite sum of
+    finite fp16 / fp32 values cannot overflow float64, and any NaN or inf makes it non-finite). Every problem
+    raises InvalidArgument naming the input, the value and what is allowed (TensorRT-LLM's texts)."""
     weights, config = np.asarray(weights), np.asarray(config)
     if weights.ndim != 2 or config.ndim != 2 or config.shape[1] != 3:
         raise InvalidArgument(f"lora_weights must be [N, W] and lora_config [N, 3]; got {list(weights.shape)} and "
@@ -89,9 +103,14 @@ def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSp
     if weights.shape[0] != config.shape[0]:
         raise InvalidArgument(f"Expected dim1 lora_weights and lora_config to have the same size: "
                               f"{weights.shape[0]} != {config.shape[0]}")
-    if not np.isfinite(weights).all():
+    if weights.dtype.kind != "f":
+        raise InvalidArgument(f"lora_weights must be floating point (FP16 on the wire); got {weights.dtype}")
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN: refused below, not a warning
+        total = np.sum(weights, dtype=np.float64)
+    if not np.isfinite(total):
         raise InvalidArgument("lora_weights holds NaN or infinite values")
-    mods: dict[tuple[int, str], LoraModule] = {}
+    plans: list[RowPlan] = []
+    seen: set[tuple[int, str]] = set()
     for i, (module_id, layer, r) in enumerate(config.tolist()):
         module = MODULE_NAMES.get(int(module_id))
         if module is None:
@@ -108,9 +127,23 @@ def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSp
         if need > weights.shape[1]:
             raise InvalidArgument(f"lora_weights row {i} has to few values for {module} of layer {layer} with r "
                                   f"{r}: {weights.shape[1]} < {need}")
-        if (layer, module) in mods:
+        if (layer, module) in seen:
             raise InvalidArgument(f"lora_config row {i}: {module} of layer {layer} appears twice")
-        row = torch.from_numpy(weights[i, :need].astype(np.float32)).to(dtype)
-        mods[(layer, module)] = LoraModule(row[:r * n_in].reshape(r, n_in).clone(),
-                                           row[r * n_in:].reshape(n_out, r).clone(), 1.0)
+        seen.add((layer, module))
+        plans.append(RowPlan(i, layer, module, r, n_in, n_out))
+    return plans
+
+
+def from_trtllm(name: str, weights: np.ndarray, config: np.ndarray, spec: TextSpec, max_rank: int = MAX_RANK,
+                dtype: torch.dtype = torch.float32) -> Adapter:
+    """TensorRT-LLM tensors (one request's [N, W] and [N, 3], batch dimension removed), checked by
+    `check_trtllm` -> Adapter with A / B in `dtype` (the model's: wire weights are cast to it, as TensorRT-LLM
+    does). One copy per row (the input buffer is not kept); A and B are views of it."""
+    weights = np.asarray(weights)
+    mods: dict[tuple[int, str], LoraModule] = {}
+    for p in check_trtllm(weights, config, spec, max_rank):
+        split = p.rank * p.n_in
+        row = torch.tensor(weights[p.index, :split + p.n_out * p.rank], dtype=dtype)  # [r * (in + out)]
+        mods[(p.layer, p.module)] = LoraModule(row[:split].view(p.rank, p.n_in), row[split:].view(p.n_out, p.rank),
+                                               1.0)
     return Adapter(name, mods)
