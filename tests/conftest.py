@@ -7,6 +7,7 @@ printed when the server fails to start.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -35,18 +36,52 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-def _ours(p: procs.Proc) -> bool:
+# Every process this session starts inherits this variable (tritonserver, its stubs, launcher subprocesses): the
+# leftover check below looks only at those, so servers of other sessions on the same machine never fail it.
+SESSION_MARK = "TRITON_VLM_TEST_SESSION"
+if os.environ.get(SESSION_MARK, "").split("-")[0] != str(os.getpid()):  # set once per session process
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _environ_has_mark(pid: int) -> bool:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return False
+    return f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode() in env.split(b"\0")
+
+
+def _server_like(p: procs.Proc) -> bool:
     return bool(p.argv) and (p.argv[0].endswith("tritonserver") or p.argv[0].endswith(procs.STUB_NAME))
 
 
+def _ours(p: procs.Proc) -> bool:
+    return _server_like(p) and _environ_has_mark(p.pid)
+
+
+_LAUNCHERS: set[int] = set()  # pids of launcher subprocesses this session started (their shm prefix names them)
+
+
+@pytest.fixture(scope="session")
+def launched() -> set[int]:
+    """Add the pid of every launcher subprocess a test starts: its shared memory is then checked as ours."""
+    return _LAUNCHERS
+
+
 def _shm() -> set[str]:
-    return {f.name for f in procs.SHM_DIR.glob("triton_vlm_*")} if procs.SHM_DIR.is_dir() else set()
+    """Shared-memory regions of this session's servers: `triton_vlm_<launcher pid>_*` for this process or a
+    launcher it started."""
+    if not procs.SHM_DIR.is_dir():
+        return set()
+    owners = {os.getpid(), *_LAUNCHERS}
+    return {f.name for f in procs.SHM_DIR.glob("triton_vlm_*")
+            if (m := re.match(r"triton_vlm_(\d+)_", f.name)) and int(m.group(1)) in owners}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    """After every test: no tritonserver or python stub started by the suite is alive, and no shared-memory
-    region of ours is left (set up first, so torn down after every server fixture)."""
+    """After every test: no tritonserver or python stub started by this session is alive, and no shared-memory
+    region of its servers is left (set up first, so torn down after every server fixture)."""
     before = {p.pid for p in procs.all_procs() if _ours(p)}
     shm_before = _shm()
     yield

@@ -14,18 +14,25 @@ from triton_vlm.server.process import free_port
 pytestmark = pytest.mark.server
 
 
-def _launch(tmp_path) -> tuple[dict, subprocess.Popen]:
-    """`python -m triton_vlm.server` (what `make serve` runs) on free ports, its output piped."""
+def _launch(tmp_path, launched: set[int], *args: str, log: bool = True) -> tuple[dict, subprocess.Popen]:
+    """`python -m triton_vlm.server` (what `make serve` runs) on free ports, its output piped, its run folder
+    in `tmp_path/tmp` (TMPDIR)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     env = dict(os.environ, HTTP_PORT=str(free_port()), GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
-               TRITON_VLM_LOG=str(tmp_path / "server.log"))
+               TMPDIR=str(tmp_path / "tmp"))
+    if log:
+        env["TRITON_VLM_LOG"] = str(tmp_path / "server.log")
+    else:
+        env.pop("TRITON_VLM_LOG", None)
     env.pop("MODEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.server"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.server", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launched.add(proc.pid)  # its servers' shared memory is named after it: the session checks it is removed
     return env, proc
 
 
-def test_serve_answers_and_stops_cleanly(demo_model, tmp_path):
-    env, proc = _launch(tmp_path)
+def test_serve_answers_and_stops_cleanly(demo_model, tmp_path, launched):
+    env, proc = _launch(tmp_path, launched)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -40,8 +47,15 @@ def test_serve_answers_and_stops_cleanly(demo_model, tmp_path):
         assert "request 'USER: <image>\\nDescribe the image. ASSISTANT:' + a blue triangle -> ' a blue triangle'" \
             in out, out
         assert f"http://localhost:{env['HTTP_PORT']}" in out and f"localhost:{env['GRPC_PORT']}" in out
+        # the printed command works as printed (bash, the venv's client, an image that exists)
+        hint = lines[-1].split("try:", 1)[1].strip()
+        answer = subprocess.run(["bash", "-c", hint], capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0 and answer.stdout.strip() == "blue", (hint, answer)
+        [run_dir] = (tmp_path / "tmp").glob("triton-vlm-run-*")
+        assert (run_dir / "launcher.pid").read_text().strip() == str(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+        assert not run_dir.exists(), "a clean stop leaves its run folder"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -61,10 +75,10 @@ def _wait_for_line(proc, lines: list[str], needle: str, timeout: float) -> str:
     raise AssertionError(f"no line with {needle!r} within {timeout:.0f} s:\n{''.join(lines)}")
 
 
-def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_model, tmp_path):
+def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_model, tmp_path, launched):
     from triton_vlm.server import procs
 
-    env, proc = _launch(tmp_path)
+    env, proc = _launch(tmp_path, launched)
     lines: list[str] = []
     try:
         _wait_for_line(proc, lines, "try:", 240)
@@ -111,3 +125,22 @@ def test_launcher_refuses_a_setting_no_model_declares(setting, message):
                           text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "vision_backend" in proc.stderr or "models:" in proc.stderr  # the keys that exist are listed
+
+
+def test_a_failed_start_names_the_failing_models_error(demo_model, tmp_path, launched):
+    """Not the end of Triton's log (its shutdown), but the model that failed and why; the run folder and its
+    log stay."""
+    _, proc = _launch(tmp_path, launched, "--set", "llm.backend=nonsense", log=False)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 1, out
+    assert ("tritonserver exited with code 1 before becoming ready\nmodel 'llm' failed to load: ValueError: llm "
+            "parameter backend must be 'engine' or 'hf', got 'nonsense'\n  at ") in out, out
+    assert "Found 0 live models" not in out, "the log's shutdown end was printed"
+    [run_dir] = (tmp_path / "tmp").glob("triton-vlm-run-*")
+    assert f"log: {run_dir / 'tritonserver.log'}" in out and "failed to load 'llm'" in \
+        (run_dir / "tritonserver.log").read_text()

@@ -12,16 +12,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
-import tempfile
 import threading
 import urllib.request
 from pathlib import Path
 
+from ..paths import cache_dir
+from . import rundir
 from .process import TritonServer
 from .repository import check_parameters
 from .supervisor import Supervisor
+
+
+def _demo_png() -> bytes:
+    """The demo request's image: a blue triangle the demo model was trained on, as PNG."""
+    import io  # noqa: PLC0415
+    import random  # noqa: PLC0415
+
+    from ..demo.shapes import draw  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 def smoke_request(grpc_url: str, demo: bool) -> str:
@@ -30,15 +44,8 @@ def smoke_request(grpc_url: str, demo: bool) -> str:
 
     with VLMClient(grpc_url, protocol="grpc", timeout=120) as client:
         if demo:
-            import io  # noqa: PLC0415
-            import random  # noqa: PLC0415
-
-            from ..demo.shapes import draw  # noqa: PLC0415
-
-            buf = io.BytesIO()
-            draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
             prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
-            res = client.generate(prompt, [buf.getvalue()], max_tokens=8)
+            res = client.generate(prompt, [_demo_png()], max_tokens=8)
             return f"{prompt!r} + a blue triangle -> {res.texts[0]!r}"
         prompt = "USER: Hello! ASSISTANT:"
         res = client.generate(prompt, max_tokens=16)
@@ -48,15 +55,9 @@ def smoke_request(grpc_url: str, demo: bool) -> str:
 def adapter_smoke_request(http_url: str, lora_name: str) -> str:
     """The demo question again, with one of the demo LoRA adapters (by name, over HTTP /generate)."""
     import base64  # noqa: PLC0415
-    import io  # noqa: PLC0415
-    import random  # noqa: PLC0415
 
-    from ..demo.shapes import draw  # noqa: PLC0415
-
-    buf = io.BytesIO()
-    draw("triangle", "blue", size=(96, 80), rng=random.Random(0)).save(buf, "PNG")
     prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
-    body = {"text_input": prompt, "images": [base64.b64encode(buf.getvalue()).decode()], "max_tokens": 12,
+    body = {"text_input": prompt, "images": [base64.b64encode(_demo_png()).decode()], "max_tokens": 12,
             "exclude_input_in_output": True, "lora_name": lora_name}
     req = urllib.request.Request(f"http://{http_url}/v2/models/ensemble/generate", json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -95,36 +96,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-verbose", type=int, default=0)
     ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
                     help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness, at the start and after each restart")
+    ap.add_argument("--cuda-pool-mb", type=int, default=None,
+                    help="Triton's CUDA memory pool per GPU in MiB (default: sized for image_embeds traffic)")
     args = ap.parse_args(argv)
     model, params = _model_and_params(args)
-    run_dir = Path(tempfile.mkdtemp(prefix="triton-vlm-run-"))
+    run_dir = rundir.create()  # removed at a clean stop; kept (with the log) when the server failed
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
-                          log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver)
+                          log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver,
+                          cuda_pool_mb=args.cuda_pool_mb)
     print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
           flush=True)
     stopping = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    server.start()
+    try:
+        server.start()
+    except (ValueError, OSError) as e:  # a checkpoint the GPU sizing cannot read, a parameter refused
+        print(f"triton-vlm: cannot start tritonserver: {e}", file=sys.stderr)
+        rundir.remove(run_dir)
+        return 1
     try:
         server.wait_ready(args.timeout, abort=stopping)
     except (RuntimeError, TimeoutError) as e:
-        if log_file and log_file.exists():
+        if server.failure_cause() is None and log_file and log_file.exists():  # no cause found: the log's end
             sys.stderr.write(log_file.read_text(errors="replace")[-4000:])
         print(f"triton-vlm: {e}", file=sys.stderr)
         server.stop()
         return 1
-    if stopping.is_set():
-        server.stop()
-        return 0
-    _print_banner(args, model, log_file)
-    supervisor = Supervisor(server, say=lambda m: print(m, flush=True), ready_timeout=args.timeout).start()
+    if not stopping.is_set():
+        _print_banner(args, model, log_file)
+        rc = _supervise(server, stopping, args.timeout)
+    else:
+        rc = 0
+    server.stop()
+    if rc == 0:
+        rundir.remove(run_dir)
+    return rc
+
+
+def _supervise(server: TritonServer, stopping: threading.Event, ready_timeout: float) -> int:
+    """Keep `server` serving until SIGINT / SIGTERM (0) or until the supervisor gives up (1)."""
+    supervisor = Supervisor(server, say=lambda m: print(m, flush=True), ready_timeout=ready_timeout).start()
     while not stopping.wait(0.5) and not supervisor.failed.is_set():
         pass
     supervisor.stop()
-    server.stop()
     return 1 if supervisor.failed.is_set() else 0
 
 
@@ -171,6 +188,28 @@ def _print_banner(args, model: Path, log_file: Path | None) -> None:
           + (f"  log     {log_file}\n" if log_file else "")
           + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "") +
           "  restart tritonserver is restarted if it or one of its models' processes dies\n"
-          f"  try:    .venv/bin/triton-vlm-client --url localhost:{args.grpc_port} \"USER: <image>\\nWhat color is "
-          f"the shape? ASSISTANT:\" --image some.png", flush=True)
+          f"  try:    {try_command(args.grpc_port)}", flush=True)
+
+
+EXAMPLE_PROMPT = "USER: <image>\nWhat color is the shape? ASSISTANT:"
+
+
+def example_image() -> Path:
+    """The demo request's image (a blue triangle) as a file, written once to `<cache>/examples/`."""
+    path = cache_dir() / "examples" / "blue-triangle.png"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(_demo_png())
+        tmp.replace(path)
+    return path
+
+
+def try_command(grpc_port: int) -> str:
+    """A client command line that works as printed in bash: the venv's client by its path, the prompt's newline
+    written `$'\\n'` (in "..." bash would pass a backslash and an n), an image that exists."""
+    client = Path(sys.executable).parent / "triton-vlm-client"
+    prompt = "$'" + EXAMPLE_PROMPT.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+    return (f"{shlex.quote(str(client)) if client.exists() else 'triton-vlm-client'} --url localhost:{grpc_port} "
+            f"{prompt} --image {shlex.quote(str(example_image()))}")
 

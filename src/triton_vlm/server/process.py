@@ -12,7 +12,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import REPO_ROOT
-from . import procs
+from . import diagnose, gpu, procs, rundir
 from .install import prepare_server_tree, server_env
 from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 
@@ -36,7 +35,7 @@ def free_port() -> int:
 
 @dataclass
 class TritonServer:
-    """A tritonserver process on a filled copy of the model repository."""
+    """A tritonserver process on a filled copy of the model repository (a `supervisor.Supervised` child)."""
 
     model_path: str
     http_port: int = 8000
@@ -45,15 +44,19 @@ class TritonServer:
     params: dict[str, dict[str, str]] = field(default_factory=dict)
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     models: tuple[str, ...] | None = None
-    run_dir: Path | None = None
+    run_dir: Path | None = None  # None: a new `rundir` folder, removed by close()
     log_file: Path | None = None
     log_verbose: int = 0
     exit_timeout: int = 15
     tritonserver: str | None = None  # a system tritonserver binary (e.g. /opt/tritonserver/bin/tritonserver)
+    cuda_pool_mb: int | None = None  # Triton's CUDA memory pool per GPU in use (None: sized by `gpu.pool_args`)
     proc: subprocess.Popen | None = None
     # the python backend's shared-memory regions are /dev/shm/<shm_prefix>*: unique per server, removed by stop()
     shm_prefix: str = ""
     admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_VLM_ADMIN_KEY") or secrets.token_hex(16))
+    name: str = "tritonserver"
+    _own_run_dir: bool = field(default=False, repr=False)
+    _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
 
     @property
     def http_url(self) -> str:
@@ -63,22 +66,15 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
 
-    def start(self) -> "TritonServer":
-        if self.tritonserver:  # e.g. NVIDIA's tritonserver container: its own binary, backends and stub
-            binary = Path(self.tritonserver)
-            tree = binary.parent.parent
-            env = dict(os.environ, TRITON_VLM_REPO_ROOT=str(REPO_ROOT))
-        else:
-            tree = prepare_server_tree()
-            binary = tree / "bin" / "tritonserver"
-            env = server_env(tree)
-        self.run_dir = Path(self.run_dir or tempfile.mkdtemp(prefix="triton-vlm-run-"))
+    def model_params(self) -> dict[str, dict[str, str]]:
+        """The parameters the models get: ours, the checkpoint path, the GPU defaults (`gpu.default_llm_dtype`)."""
         params = {k: dict(v) for k, v in self.params.items()}
         params.setdefault("*", {}).setdefault("model_path", str(self.model_path))
-        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
-        procs.remove_stale_shm()
-        self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
-        cmd = [
+        return gpu.default_llm_dtype(self.model_path, params)
+
+    def command(self, binary: Path, tree: Path, repo: Path, params: dict[str, dict[str, str]]) -> list[str]:
+        """tritonserver's command line for the filled repository `repo`."""
+        return [
             str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={tree / 'backends'}",
@@ -90,15 +86,36 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=true",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *gpu.pool_args(repo, self.model_path, params, self.cuda_pool_mb),
             # Triton's admin APIs (load/unload models, register shared memory, change log files or tracing) only
-            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset)
+            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset).
+            # Triton reads these only from its command line, where local users can read them (README: Security).
             f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
         ]
+
+    def start(self) -> "TritonServer":
+        if self.tritonserver:  # e.g. NVIDIA's tritonserver container: its own binary, backends and stub
+            binary = Path(self.tritonserver)
+            tree = binary.parent.parent
+            env = dict(os.environ, TRITON_VLM_REPO_ROOT=str(REPO_ROOT))
+        else:
+            tree = prepare_server_tree()
+            binary = tree / "bin" / "tritonserver"
+            env = server_env(tree)
+        if self.run_dir is None:
+            self.run_dir, self._own_run_dir = rundir.create(), True
+        self.run_dir = Path(self.run_dir)
+        params = self.model_params()
+        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        procs.remove_stale_shm()
+        self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
+        cmd = self.command(binary, tree, repo, params)
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
         try:  # its own process group (stop() ends stubs with it); SIGTERM when the launcher dies, even by SIGKILL
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         start_new_session=True, preexec_fn=procs.die_with_parent())
+            self._log_offset = out.tell() if out is not None else 0
+            self.proc = procs.spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    start_new_session=True, preexec_fn=procs.die_with_parent())
         finally:
             if out is not None:
                 out.close()
@@ -121,17 +138,32 @@ class TritonServer:
         repo = (self.run_dir or Path()) / "model_repository"
         return sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
 
+    def watched(self) -> dict[int, str]:
+        """The python stubs (pid -> which) that must stay alive while the server serves."""
+        if self.proc is None:
+            return {}
+        return {pid: f"the python stub of model {model}" for pid, model in procs.stubs_of(self.proc.pid).items()}
+
+    def failure_cause(self) -> str | None:
+        """Why the last start failed, from its log: the models' load errors (see `diagnose`)."""
+        return diagnose.failure_cause(diagnose.read_log(self.log_file, self._log_offset))
+
     def wait_ready(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
+        """Return once ready; RuntimeError (it exited) or TimeoutError naming the cause found in the log."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before becoming ready"
-                                   + (f"; log: {self.log_file}" if self.log_file else ""))
+                raise RuntimeError(self._failure(f"tritonserver exited with code {self.proc.returncode} before "
+                                                 "becoming ready"))
             if self.is_ready():
                 return
             time.sleep(0.25)
-        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s" + (f"; log: {self.log_file}"
-                                                                              if self.log_file else ""))
+        if abort is None or not abort.is_set():
+            raise TimeoutError(self._failure(f"tritonserver not ready after {timeout:.0f} s"))
+
+    def _failure(self, what: str) -> str:
+        cause = self.failure_cause()
+        return what + (f"\n{cause}" if cause else "") + (f"\nlog: {self.log_file}" if self.log_file else "")
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGINT (graceful, bounded by the exit timeout), SIGKILL after `timeout`; then nothing of it is left:
@@ -149,6 +181,13 @@ class TritonServer:
         procs.remove_shm(self.shm_prefix)
         return self.proc.returncode
 
+    def close(self) -> None:
+        """Stop, and remove the run folder if this server created it (a given `run_dir` stays)."""
+        self.stop()
+        if self._own_run_dir and self.run_dir is not None:
+            rundir.remove(self.run_dir)
+            self.run_dir, self._own_run_dir = None, False
+
     def __enter__(self) -> "TritonServer":
         self.start()
         try:
@@ -158,8 +197,11 @@ class TritonServer:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # keep the run folder (and a log in it) of a server that failed
+            self.stop()
 
 
 def _killpg(pgid: int) -> None:

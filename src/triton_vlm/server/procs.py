@@ -1,13 +1,25 @@
 """Process plumbing for the launcher: a server that dies with its launcher, its stubs, its shared memory.
 
 Linux only (as tritonserver): reads `/proc` and uses `prctl(PR_SET_PDEATHSIG)`.
+
+`PR_SET_PDEATHSIG` fires when the *thread* that forked the child exits, not the process (prctl(2): "the
+'parent' in this case is considered to be the thread that created this process"). A server restarted by the
+supervisor's thread would get the signal as soon as that thread ends. So every supervised child is forked by
+`spawn()`, on one daemon thread that lives as long as the launcher process: the signal then means what it
+says, the launcher is gone. (Other ways were weighed: forking on the main thread needs the main thread free to
+serve restarts; a watcher process or a pipe the child polls adds a process or needs the child's cooperation,
+which tritonserver cannot give.)
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import re
 import signal
+import subprocess
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +29,9 @@ STUB_NAME = "triton_python_backend_stub"
 
 
 def die_with_parent(sig: int = signal.SIGTERM):
-    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the process (strictly: the thread)
-    that started it dies, even by SIGKILL, so a killed launcher never leaves its tritonserver behind."""
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the thread that forked it ends, even by
+    the launcher's SIGKILL, so a killed launcher never leaves its tritonserver behind. Fork through `spawn()`
+    so that this thread lives as long as the process."""
     parent = os.getpid()
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: the child only calls it
 
@@ -28,6 +41,43 @@ def die_with_parent(sig: int = signal.SIGTERM):
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+class _Spawner:
+    """One daemon thread, started on first use and never ended, that runs every `spawn()`."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, args, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="triton-vlm-spawner", daemon=True)
+                self._thread.start()
+        if threading.current_thread() is self._thread:
+            return subprocess.Popen(args, **kwargs)
+        done: Future = Future()
+        self._jobs.put((done, args, kwargs))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:
+            done, args, kwargs = self._jobs.get()
+            try:
+                done.set_result(subprocess.Popen(args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(args, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen(args, **kwargs)` forked by the launcher's one spawner thread, which ends only with the
+    process: a child given `preexec_fn=die_with_parent()` dies with the launcher, not with the calling thread."""
+    return _SPAWNER.popen(args, **kwargs)
 
 
 @dataclass(frozen=True)

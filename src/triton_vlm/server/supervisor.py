@@ -1,4 +1,4 @@
-"""Keeps a `TritonServer` serving: restarts it when it dies or when one of its python stubs dies.
+"""Keeps processes serving: restarts one when it dies or when a process it depends on (a python stub) dies.
 
 Why a restart of the whole server, on this Triton (2.51, python backend):
 - a dead stub of a decoupled model is never restarted by Triton, every later request fails with
@@ -8,33 +8,83 @@ Why a restart of the whole server, on this Triton (2.51, python backend):
   of the server process closes their connections (clients then get UNAVAILABLE at once);
 - a model reload through the repository API would wait for those in-flight requests first, so it hangs too.
 A restart answers every in-flight request within a few seconds, makes readiness false (nothing listens)
-until every model is loaded again, and brings service back without a person. Restarts are bounded: more
-than `max_restarts` within `window_s` means the server cannot run, and the supervisor gives up (`failed`).
+until every model is loaded again, and brings service back without a person.
+
+Two bounds end the restarts (the supervisor then sets `failed` and the launcher exits non-zero):
+- more than `max_restarts` within `window_s`: the process keeps dying after serving for a while;
+- `max_failed_starts` starts in a row that never became ready, either dead while loading or not ready after
+  `ready_timeout`: a process that cannot load at all (a hang while loading used to be restarted forever: each
+  attempt took longer than the restart window, so restarts never accumulated in it).
+
+The supervisor watches any number of children (`Supervised`: a tritonserver, and any process beside it), each
+with its own bounds; one that gives up stops only itself and sets `failed`; the caller stops the others.
 """
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from collections import deque
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
 
-from . import procs
+
+class Supervised(Protocol):
+    """What the supervisor needs of a child (`process.TritonServer` is one)."""
+
+    name: str  # in messages, e.g. "tritonserver"
+    proc: Optional[subprocess.Popen]
+    exit_timeout: int
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout: float | None = None) -> int | None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def watched(self) -> dict[int, str]:
+        """pid -> description of each process that must stay alive while this child serves (e.g. its python
+        stubs); read once the child is ready. `{}` for none."""
+        ...
+
+    def failure_cause(self) -> str | None:
+        """Why the last start failed (e.g. a model's load error from the log), or None if unknown."""
+        ...
+
+
+@dataclass
+class _Watch:
+    """The supervisor's state for one child."""
+
+    child: Supervised
+    started: float  # monotonic time of the last start
+    ready: bool = False  # ready since the last start
+    watched: dict[int, str] = field(default_factory=dict)  # learnt once ready
+    restarts: deque = field(default_factory=deque)  # monotonic times of recent restarts
+    failed_starts: int = 0  # starts in a row that never became ready
+    down_since: float | None = None  # when it went down, until it is ready again
 
 
 class Supervisor:
-    def __init__(self, server, *, say: Callable[[str], None] = print, interval: float = 0.5,
+    def __init__(self, *children: Supervised, say: Callable[[str], None] = print, interval: float = 0.5,
                  max_restarts: int = 5, window_s: float = 300.0, grace_s: float = 2.0,
-                 ready_timeout: float = 600.0):
-        self.server = server
+                 ready_timeout: float = 600.0, max_failed_starts: int = 2):
+        if not children:
+            raise ValueError("Supervisor needs at least one child to watch")
+        self.children = children
         self.say = say
         self.interval, self.max_restarts, self.window_s = interval, max_restarts, window_s
-        self.grace_s, self.ready_timeout = grace_s, ready_timeout
-        self.restarts: deque[float] = deque()  # monotonic times of recent restarts
-        self.restart_count = 0
+        self.grace_s, self.ready_timeout, self.max_failed_starts = grace_s, ready_timeout, max_failed_starts
+        self.restart_count = 0  # all children together
         self.failed = threading.Event()
-        self._down_since: float | None = None  # when the server went down, until it is ready again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="triton-vlm-supervisor", daemon=True)
+
+    @property
+    def server(self) -> Supervised:
+        """The first child (the tritonserver, for the launcher)."""
+        return self.children[0]
 
     def start(self) -> "Supervisor":
         self._thread.start()
@@ -43,69 +93,79 @@ class Supervisor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.server.exit_timeout + 30)
+            self._thread.join(max(c.exit_timeout for c in self.children) + 30)
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        stubs: dict[int, str] = {}  # stub pid -> model, learnt once the server is ready
-        started = time.monotonic()
-        while not self._stop.wait(self.interval):
-            proc = self.server.proc
-            if proc is None:
-                continue
-            rc = proc.poll()
-            if rc is not None:
-                why = f"tritonserver exited with {_describe_exit(rc)}"
-            else:
-                why, stubs = self._check_stubs(proc.pid, stubs, started)
-            if why is None or self._stop.is_set():
-                continue
-            if not self._restart(why):
-                return
-            stubs, started = {}, time.monotonic()
-
-    def _check_stubs(self, pid: int, known: dict[int, str], started: float) -> tuple[str | None, dict[int, str]]:
-        """-> (why a restart is needed or None, the stubs now known)."""
-        now = procs.stubs_of(pid)
-        if not known:
-            if self.server.is_ready():  # every model loaded: these are the stubs that must stay
-                if self._down_since is not None:
-                    self.say(f"triton-vlm: tritonserver is serving again after {time.monotonic() - self._down_since:.1f} s "
-                             f"(restart {self.restart_count})")
-                    self._down_since = None
-                return None, now
-            if time.monotonic() - started > self.ready_timeout:
-                return f"tritonserver not ready after {self.ready_timeout:.0f} s", known
-            return None, known
-        dead = {p: m for p, m in known.items() if p not in now}
-        if dead:
-            names = ", ".join(f"{m} (pid {p})" for p, m in sorted(dead.items()))
-            return f"the python stub of model {names} died", known
-        return None, {**known, **now}
-
-    def _restart(self, why: str) -> bool:
         now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > self.window_s:
-            self.restarts.popleft()
-        if len(self.restarts) >= self.max_restarts:
-            self.say(f"triton-vlm: {why}; {len(self.restarts)} restarts in the last {self.window_s:.0f} s, "
-                     "giving up")
-            self.server.stop(timeout=self.grace_s)
-            self.failed.set()
+        watches = [_Watch(c, started=now) for c in self.children]
+        while watches and not self._stop.wait(self.interval):
+            for w in list(watches):
+                why = self._check(w)
+                if why is None or self._stop.is_set():
+                    continue
+                if not self._restart(w, why):
+                    watches.remove(w)
+                    self.failed.set()
+
+    def _check(self, w: _Watch) -> str | None:
+        """Why `w`'s child needs a restart, or None."""
+        proc = w.child.proc
+        if proc is None:
+            return None
+        rc = proc.poll()
+        if rc is not None:
+            return f"{w.child.name} exited with {describe_exit(rc)}"
+        if not w.ready:
+            if w.child.is_ready():  # loaded: the processes it has now are those that must stay
+                w.ready, w.failed_starts, w.watched = True, 0, w.child.watched()
+                if w.down_since is not None:
+                    self.say(f"triton-vlm: {w.child.name} is serving again after "
+                             f"{time.monotonic() - w.down_since:.1f} s (restart {self.restart_count})")
+                    w.down_since = None
+            elif time.monotonic() - w.started > self.ready_timeout:
+                return f"{w.child.name} not ready after {self.ready_timeout:.0f} s"
+            return None
+        now = w.child.watched()
+        dead = {p: d for p, d in w.watched.items() if p not in now}
+        if dead:
+            return "; ".join(f"{d} (pid {p}) died" for p, d in sorted(dead.items()))
+        w.watched = {**w.watched, **now}
+        return None
+
+    def _restart(self, w: _Watch, why: str) -> bool:
+        """Restart `w`'s child, or give up (stop it, False) when a bound is reached."""
+        now = time.monotonic()
+        if not w.ready:
+            w.failed_starts += 1
+        while w.restarts and now - w.restarts[0] > self.window_s:
+            w.restarts.popleft()
+        if w.failed_starts >= self.max_failed_starts or len(w.restarts) >= self.max_restarts:
+            w.child.stop(timeout=self.grace_s)
+            if w.failed_starts >= self.max_failed_starts:
+                bound = f"{w.failed_starts} starts in a row never became ready"
+            else:
+                bound = f"{len(w.restarts)} restarts in the last {self.window_s:.0f} s"
+            cause = w.child.failure_cause() if not w.ready else None
+            self.say(f"triton-vlm: {why}; {bound}, giving up" + (f"\n{cause}" if cause else ""))
             return False
-        self.restarts.append(now)
+        w.restarts.append(now)
         self.restart_count += 1
-        self._down_since = self._down_since or now
-        self.say(f"triton-vlm: {why}; restarting tritonserver (restart {self.restart_count})")
-        self.server.stop(timeout=self.grace_s)  # SIGINT, then SIGKILL after grace_s: hung requests end now
-        self.server.start()
+        w.down_since = w.down_since or now
+        self.say(f"triton-vlm: {why}; restarting {w.child.name} (restart {self.restart_count})")
+        w.child.stop(timeout=self.grace_s)  # SIGINT, then SIGKILL after grace_s: hung requests end now
+        w.started, w.ready, w.watched = time.monotonic(), False, {}
+        try:
+            w.child.start()
+        except Exception as e:  # noqa: BLE001 - it cannot be started again (a file gone, a port taken)
+            self.say(f"triton-vlm: restarting {w.child.name} failed ({type(e).__name__}: {e}), giving up")
+            w.child.stop(timeout=self.grace_s)
+            return False
         return True
 
 
-def _describe_exit(rc: int) -> str:
+def describe_exit(rc: int) -> str:
     if rc < 0:
-        import signal  # noqa: PLC0415
-
         try:
             return f"signal {-rc} ({signal.Signals(-rc).name})"
         except ValueError:
