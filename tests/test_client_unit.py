@@ -154,6 +154,9 @@ def test_parse_result_from_http_json_scalars_and_lists():
     r = parse_result(one)
     assert (r.texts, r.output_ids, r.sequence_lengths, r.dropped_images) == (["ans"], [[5]], [1], 1)
     assert r.cum_log_probs is None and r.output_log_probs is None and r.text == "ans"
+    assert r.num_input_tokens is None and r.num_output_tokens is None
+    counted = parse_result({**one, "num_input_tokens": 12, "num_output_tokens": [1]})
+    assert (counted.num_input_tokens, counted.num_output_tokens) == (12, 1)
     two = {"text_output": ["a", "bb"], "output_ids": [1, 2, -1, 3, 4, 5], "sequence_length": [2, 3],
            "cum_log_probs": [-1.0, -2.0], "output_log_probs": [-0.5, -0.5, 0.0, -1.0, -0.5, -0.5]}
     r = parse_result(two, log_probs=True)
@@ -222,13 +225,15 @@ def test_cli_params_defaults():
 def test_cli_params_all_options():
     ns = _ns("--image", "a.jpg", "--image", "b.png", "--max-tokens", "9", "--beam-width", "3",
              "--num-return-sequences", "2", "--length-penalty", "0.7", "--early-stopping", "never",
-             "--min-tokens", "2", "--repetition-penalty", "1.2", "--no-repeat-ngram-size", "3",
+             "--min-tokens", "2", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+             "--frequency-penalty", "-0.25", "--no-repeat-ngram-size", "3",
              "--bad-word", "x", "--bad-word", "y z", "--stop-word", "END", "--end-id", "2", "--pad-id", "0",
              "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "42", "--return-log-probs",
              "--include-input", "--protocol", "http", "--url", "h:1", "--model", "m", "--timeout", "3")
     assert cli.params_from_args(ns) == {
         "max_tokens": 9, "exclude_input_in_output": False, "beam_width": 3, "num_return_sequences": 2,
-        "length_penalty": 0.7, "min_tokens": 2, "repetition_penalty": 1.2, "no_repeat_ngram_size": 3,
+        "length_penalty": 0.7, "min_tokens": 2, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+        "frequency_penalty": -0.25, "no_repeat_ngram_size": 3,
         "end_id": 2, "pad_id": 0, "temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 42,
         "return_log_probs": True, "early_stopping": "never", "bad_words": ["x", "y z"], "stop_words": ["END"]}
     assert ns.image == ["a.jpg", "b.png"] and (ns.protocol, ns.url, ns.model, ns.timeout) == ("http", "h:1", "m", 3.0)
@@ -288,7 +293,7 @@ def test_cli_json_output_shape(fake_cli, capsys):
     assert cli.main(["hi", "--json", "--max-tokens", "3", "--protocol", "http"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"texts", "output_ids", "sequence_lengths", "cum_log_probs", "output_log_probs",
-                        "dropped_images"}
+                        "dropped_images", "num_input_tokens", "num_output_tokens"}
     assert out["texts"] == ["first", "second"] and out["output_ids"] == [[1], [2, 3]]
     (args, prompt, images, params), = fake_cli.calls
     assert args == (None, "http", "ensemble", 60.0) and prompt == "hi" and params["max_tokens"] == 3

@@ -70,15 +70,15 @@ def service(backend, gens):
         g = next(items)
         if isinstance(g, Exception):
             raise g
-        return g
+        return g if isinstance(g, list) else [g]
 
     svc.parse = parse
     svc.start()
     return svc
 
 
-def gen(rid="r0", stream=False, exclude=False, prompt=(1, 2, 99, 99, 3)):
-    p = GenerationParams(max_tokens=8, stream=stream, exclude_input_in_output=exclude, pad_id=-1)
+def gen(rid="r0", stream=False, exclude=False, prompt=(1, 2, 99, 99, 3), **params):
+    p = GenerationParams(max_tokens=8, stream=stream, exclude_input_in_output=exclude, pad_id=-1, **params)
     return GenerationRequest(request_id=rid, input_ids=list(prompt), params=p)
 
 
@@ -154,3 +154,115 @@ def test_shutdown_answers_what_is_still_running():
     svc.shutdown()  # the fake backend never finishes it
     assert [f for _, f in request.sender.sent] == [0, 1]
     assert request.sender.sent[-1][0]["error"] == "Unavailable"
+
+
+def test_batched_rows_answer_with_their_batch_index_and_the_last_one_is_final():
+    backend = FakeBackend()
+    rows = [gen("r0/0", exclude=True), gen("r0/1", stream=True, prompt=(5, 6))]
+    svc = service(backend, [rows])
+    request = FakeRequest()
+    svc.execute([request])
+    assert set(backend.submitted) == {"r0/0", "r0/1"}
+    backend.submitted["r0/1"](GenerationResult("r0/1", [Sequence_([4], "<4>")], final=False))
+    backend.submitted["r0/1"](GenerationResult("r0/1", [Sequence_([4, 3], "<4><3>")], final=True))
+    backend.submitted["r0/0"](GenerationResult("r0/0", [Sequence_([7], "<7>")], final=True))
+    assert request.sender.done.wait(5)
+    svc.shutdown()
+    sent = request.sender.sent
+    assert [(r[N.BATCH_INDEX], r[N.TEXT_OUTPUT], f) for r, f in sent] == [
+        ([1], ["<4>"], 0), ([1], ["<3>"], 0), ([0], ["<7>"], 1)]
+
+
+def test_a_failing_row_ends_the_request_naming_the_row_and_cancels_the_others():
+    backend = FakeBackend()
+    svc = service(backend, [[gen("r0/0"), gen("r0/1"), gen("r0/2")]])
+    request = FakeRequest()
+    svc.execute([request])
+    backend.submitted["r0/0"](GenerationResult("r0/0", [Sequence_([7], "<7>")], final=True))
+    backend.submitted["r0/1"](GenerationResult("r0/1", [], final=True, error=InvalidArgument("bad image count")))
+    assert request.sender.done.wait(5)
+    svc.shutdown()
+    assert [f for _, f in request.sender.sent] == [0, 1]
+    assert request.sender.sent[-1][0] == {"error": "InvalidArgument",
+                                          "message": "row 1 of the batch: bad image count"}
+    assert backend.cancelled == ["r0/2"]
+
+
+def test_a_refused_row_refuses_the_request_and_cancels_the_rows_submitted():
+    class RefuseSecond(FakeBackend):
+        def submit(self, gen, on_result):
+            if gen.request_id.endswith("/1"):
+                raise Unavailable("the request queue is full")
+            super().submit(gen, on_result)
+
+    backend = RefuseSecond()
+    svc = service(backend, [[gen("r0/0"), gen("r0/1")]])
+    request = FakeRequest()
+    svc.execute([request])
+    assert request.sender.done.wait(5)
+    svc.shutdown()
+    assert request.sender.sent == [({"error": "Unavailable", "message": "row 1 of the batch: the request queue is "
+                                                                        "full"}, 1)]
+    assert backend.cancelled == ["r0/0"]
+
+
+def test_cancelling_a_batched_request_cancels_every_row():
+    backend = FakeBackend()
+    svc = service(backend, [[gen("r0/0"), gen("r0/1")]])
+    svc.execute([FakeRequest()])
+    svc._cancel("r0")
+    svc.shutdown()
+    assert sorted(backend.cancelled) == ["r0/0", "r0/1"]
+
+
+def test_token_counts_only_when_asked_and_per_response_when_streaming():
+    backend = FakeBackend()
+    svc = service(backend, [gen(stream=True, return_num_input_tokens=True, return_num_output_tokens=True)])
+    sent = run(svc, backend, [GenerationResult("r0", [Sequence_([7, 8], "<7><8>")], final=False),
+                              GenerationResult("r0", [Sequence_([7, 8, 9], "<7><8><9>")], final=True)])
+    assert [(r[N.NUM_INPUT_TOKENS], r[N.NUM_OUTPUT_TOKENS]) for r, _ in sent] == [([5], [2]), ([5], [1])]
+    backend = FakeBackend()
+    svc = service(backend, [gen(return_num_output_tokens=True)])
+    [(resp, _)] = run(svc, backend, [GenerationResult("r0", [Sequence_([7, 8], "<7><8>"), Sequence_([9], "<9>")],
+                                                      final=True)])
+    assert resp[N.NUM_OUTPUT_TOKENS] == [3] and N.NUM_INPUT_TOKENS not in resp
+    backend = FakeBackend()
+    svc = service(backend, [gen()])
+    [(resp, _)] = run(svc, backend, [GenerationResult("r0", [Sequence_([7], "<7>")], final=True)])
+    assert N.NUM_INPUT_TOKENS not in resp and N.NUM_OUTPUT_TOKENS not in resp
+
+
+def test_own_copies_do_not_share_memory_with_the_input():
+    import torch
+
+    from triton_vlm.triton.llm import own_copies
+
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    a, none = own_copies([x[0], None])
+    x.zero_()  # the input buffer is reused after execute() returns
+    assert none is None and a.sum().item() == sum(range(12))
+
+
+@pytest.mark.gpu
+def test_own_copies_on_cuda_are_complete_when_they_return():
+    """Complete when it returns (the buffer is then rewritten from another stream, as Triton reuses it), without
+    waiting for the work queued on the default stream (the engine's forward passes)."""
+    import torch
+
+    from triton_vlm.triton.llm import own_copies
+
+    dev = torch.device("cuda")
+    src = torch.randn(4, 576, 4096, device=dev)
+    want = src.clone()
+    big = torch.randn(8192, 8192, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(40):  # a long tail of work on the default stream
+        big = big @ big
+        big /= big.norm()
+    [copy] = own_copies([src])
+    assert not torch.cuda.default_stream(dev).query(), "own_copies waited for the default stream"
+    other = torch.cuda.Stream(dev)
+    with torch.cuda.stream(other):
+        src.fill_(float("nan"))
+    torch.cuda.synchronize()
+    assert torch.equal(copy, want)

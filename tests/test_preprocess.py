@@ -303,3 +303,31 @@ def test_repeated_images_come_from_the_cache(ckpt, monkeypatch):
     assert len(calls) == 4
     uncached = Preprocessor(ckpt, image_cache_size=0)(prompt, [a], max_tokens=8)
     np.testing.assert_array_equal(uncached.pixel_values, first.pixel_values)
+
+
+def test_too_many_words_are_refused_before_tokenizing(pp):
+    with pytest.raises(InvalidArgument, match="bad_words holds 1025 words; at most 1024"):
+        pp("USER: hi ASSISTANT:", max_tokens=4, bad_words=["x"] * 1025)
+
+
+def test_rows_of_a_batched_request_are_padded_and_decode_back(pp):
+    from triton_vlm import names as N
+    from triton_vlm.params import words_from_flat
+    from triton_vlm.preprocess import stack_rows
+
+    rows = [pp(PROMPT.replace("<image>", "<image><image>"), [RED, BLUE], max_tokens=4, bad_words=["red", "x y"]),
+            pp("USER: hi ASSISTANT:", max_tokens=4, stop_words=["."])]
+    out = stack_rows(rows)
+    assert out[N.NUM_IMAGES].tolist() == [[2], [0]] and out[N.DROPPED_IMAGES].tolist() == [[0], [0]]
+    assert out[N.PIXEL_VALUES].shape == (2, 2, *rows[0].pixel_values.shape[1:])
+    assert np.array_equal(out[N.PIXEL_VALUES][0], rows[0].pixel_values) and not out[N.PIXEL_VALUES][1].any()
+    assert out[N.IMAGE_KEYS].tolist() == [[k.encode() for k in rows[0].image_keys], [b"", b""]]
+    for i, r in enumerate(rows):
+        ids = out[N.INPUT_IDS][i].tolist()
+        assert ids[:len(r.input_ids)] == r.input_ids and set(ids[len(r.input_ids):]) <= {N.INPUT_IDS_PAD}
+        assert words_from_flat(out[N.BAD_WORDS_IDS][i]) == r.bad_words_ids
+        assert words_from_flat(out[N.STOP_WORDS_IDS][i]) == r.stop_words_ids
+    one = stack_rows(rows[:1])  # a single row is not padded
+    assert one[N.INPUT_IDS].shape == (1, len(rows[0].input_ids))
+    with pytest.raises(InvalidArgument, match="malformed"):
+        words_from_flat([1, 5, 0, 3])  # a zero length followed by more ids is not padding

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--early-stopping", choices=sorted(_EARLY), help="beam search stop rule")
     g.add_argument("--min-tokens", type=int)
     g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--presence-penalty", type=float, help="OpenAI's presence penalty (-2.0..2.0)")
+    g.add_argument("--frequency-penalty", type=float, help="OpenAI's frequency penalty (-2.0..2.0)")
     g.add_argument("--no-repeat-ngram-size", type=int)
     g.add_argument("--bad-word", action="append", default=[], metavar="W", help="never generate W (repeatable)")
     g.add_argument("--stop-word", action="append", default=[], metavar="W", help="stop after W (repeatable)")
@@ -76,7 +78,7 @@ def params_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The generation keyword arguments of VLMClient.generate/stream the command line asked for."""
     params: dict[str, Any] = {P.MAX_TOKENS: ns.max_tokens, P.EXCLUDE_INPUT_IN_OUTPUT: ns.exclude_input_in_output}
     for name in (P.BEAM_WIDTH, P.NUM_RETURN_SEQUENCES, P.LENGTH_PENALTY, P.MIN_TOKENS, P.REPETITION_PENALTY,
-                 P.NO_REPEAT_NGRAM_SIZE, P.END_ID, P.PAD_ID, P.TEMPERATURE, P.TOP_K, P.TOP_P, P.SEED,
+                 P.PRESENCE_PENALTY, P.FREQUENCY_PENALTY, P.NO_REPEAT_NGRAM_SIZE, P.END_ID, P.PAD_ID, P.TEMPERATURE, P.TOP_K, P.TOP_P, P.SEED,
                  P.RETURN_LOG_PROBS):
         value = getattr(ns, name)
         if value is not None:

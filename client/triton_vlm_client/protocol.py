@@ -33,6 +33,8 @@ EARLY_STOPPING = "early_stopping"
 MIN_TOKENS = "min_tokens"
 MIN_LENGTH = "min_length"  # older name of min_tokens
 REPETITION_PENALTY = "repetition_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 NO_REPEAT_NGRAM_SIZE = "no_repeat_ngram_size"
 END_ID = "end_id"
 PAD_ID = "pad_id"
@@ -42,6 +44,8 @@ TOP_P = "top_p"
 SEED = "seed"
 RANDOM_SEED = "random_seed"  # older name of seed
 RETURN_LOG_PROBS = "return_log_probs"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
 LORA_TASK_ID = "lora_task_id"
@@ -58,6 +62,8 @@ OUTPUT_LOG_PROBS = "output_log_probs"
 BATCH_INDEX = "batch_index"
 SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
 
 # early_stopping on the wire (transformers' False / True / "never")
 EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, EARLY_STOPPING_NEVER = 0, 1, 2
@@ -75,6 +81,8 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(MIN_TOKENS, INT32, (1,)),
     TensorInfo(MIN_LENGTH, INT32, (1,)),
     TensorInfo(REPETITION_PENALTY, FP32, (1,)),
+    TensorInfo(PRESENCE_PENALTY, FP32, (1,)),
+    TensorInfo(FREQUENCY_PENALTY, FP32, (1,)),
     TensorInfo(NO_REPEAT_NGRAM_SIZE, INT32, (1,)),
     TensorInfo(END_ID, INT32, (1,)),
     TensorInfo(PAD_ID, INT32, (1,)),
@@ -84,6 +92,8 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(SEED, UINT64, (1,)),
     TensorInfo(RANDOM_SEED, UINT64, (1,)),
     TensorInfo(RETURN_LOG_PROBS, BOOL, (1,)),
+    TensorInfo(RETURN_NUM_INPUT_TOKENS, BOOL, (1,)),
+    TensorInfo(RETURN_NUM_OUTPUT_TOKENS, BOOL, (1,)),
     TensorInfo(EXCLUDE_INPUT_IN_OUTPUT, BOOL, (1,)),
     TensorInfo(STREAM, BOOL, (1,)),
     TensorInfo(LORA_TASK_ID, UINT64, (1,)),
@@ -101,6 +111,8 @@ OUTPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(BATCH_INDEX, INT32, (1,)),
     TensorInfo(SEQUENCE_INDEX, INT32, (1,)),
     TensorInfo(DROPPED_IMAGES, INT32, (1,)),
+    TensorInfo(NUM_INPUT_TOKENS, INT32, (1,)),  # with return_num_input_tokens
+    TensorInfo(NUM_OUTPUT_TOKENS, INT32, (1,)),  # with return_num_output_tokens: new tokens in this response
 )
 
 INPUTS_BY_NAME: dict[str, TensorInfo] = {t.name: t for t in INPUTS}

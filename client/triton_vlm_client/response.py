@@ -23,6 +23,8 @@ class GenerateResult:
     cum_log_probs: Optional[list[float]] = None  # [sequences]; None unless return_log_probs
     output_log_probs: Optional[list[list[float]]] = None  # [sequences][new_tokens]; None unless return_log_probs
     dropped_images: int = 0  # images the server removed when truncating the prompt
+    num_input_tokens: Optional[int] = None  # prompt tokens (image tokens included) with return_num_input_tokens
+    num_output_tokens: Optional[int] = None  # new tokens of all sequences with return_num_output_tokens
 
     @property
     def text(self) -> str:
@@ -73,10 +75,6 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def has_outputs(outputs: Outputs) -> bool:
-    return P.TEXT_OUTPUT in outputs
-
-
 # ---------------------------------------------------------------- final result
 
 
@@ -97,8 +95,11 @@ def parse_result(outputs: Outputs, log_probs: bool = False) -> GenerateResult:
         cum = [float(x) for x in flat(outputs.get(P.CUM_LOG_PROBS))] or None
         olp = _rows([float(x) for x in flat(outputs.get(P.OUTPUT_LOG_PROBS))], n) or None
     dropped = flat(outputs.get(P.DROPPED_IMAGES))
+    n_in, n_out = flat(outputs.get(P.NUM_INPUT_TOKENS)), flat(outputs.get(P.NUM_OUTPUT_TOKENS))
     return GenerateResult(texts=texts, output_ids=ids, sequence_lengths=lengths, cum_log_probs=cum,
-                          output_log_probs=olp, dropped_images=int(dropped[0]) if dropped else 0)
+                          output_log_probs=olp, dropped_images=int(dropped[0]) if dropped else 0,
+                          num_input_tokens=int(n_in[0]) if n_in else None,
+                          num_output_tokens=int(n_out[0]) if n_out else None)
 
 
 # ---------------------------------------------------------------- streamed pieces

@@ -116,10 +116,6 @@ class ModelInfo:
         return pipe.describe(d, comps, context_length=context_length, image_start=image_start or "",
                              image_end=image_end or "")
 
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        return (3, *self.image_size)
-
 
 # --- pipelines -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -43,6 +43,29 @@ class _StopWords:
         return done
 
 
+class PresenceFrequencyPenalty:
+    """OpenAI's presence / frequency penalties as a transformers LogitsProcessor (HF has none): the same
+    expression as the engine's (`engine.logits.presence_frequency_penalty`), over the ids after the prompt.
+    `generate()` puts custom processors after its own (repetition penalty ... min new tokens), before the
+    sampling warpers; the engine applies them right after the repetition penalty, which gives the same scores
+    (see `engine/logits.py`)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, float(presence), float(frequency)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from .engine.logits import presence_frequency_penalty  # noqa: PLC0415
+
+        return presence_frequency_penalty(input_ids[:, self.prompt_len:], scores, self.presence, self.frequency)
+
+
+def penalty_processors(prompt_len: int, presence: float, frequency: float) -> list:
+    """[PresenceFrequencyPenalty] when either penalty is set, else [] (for `generate(logits_processor=...)`)."""
+    if presence == 0.0 and frequency == 0.0:
+        return []
+    return [PresenceFrequencyPenalty(prompt_len, presence, frequency)]
+
+
 class HFGenerator:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
         from transformers import AutoTokenizer, LlavaForConditionalGeneration  # noqa: PLC0415
@@ -121,7 +144,7 @@ class HFGenerator:
         on_result(GenerationResult(req.request_id, self._sequences(req, out, eos_ids), True))
 
     def _generate(self, req: GenerationRequest, ids, embeds, eos_ids: list[int], cancelled, on_result):
-        from transformers import StoppingCriteriaList  # noqa: PLC0415
+        from transformers import LogitsProcessorList, StoppingCriteriaList  # noqa: PLC0415
 
         p = req.params
         sample = dict(do_sample=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p) if p.do_sample \
@@ -136,7 +159,9 @@ class HFGenerator:
             no_repeat_ngram_size=p.no_repeat_ngram_size or None, bad_words_ids=req.bad_words_ids or None,
             eos_token_id=eos_ids, pad_token_id=self.pad_id, output_scores=True, output_logits=True,
             return_dict_in_generate=True, streamer=self._streamer(req, on_result),
-            stopping_criteria=StoppingCriteriaList([_StopWords(req.stop_words_ids, cancelled)]), **sample)
+            stopping_criteria=StoppingCriteriaList([_StopWords(req.stop_words_ids, cancelled)]),
+            logits_processor=LogitsProcessorList(
+                penalty_processors(len(req.input_ids), p.presence_penalty, p.frequency_penalty)), **sample)
 
     def _streamer(self, req: GenerationRequest, on_result: OnResult):
         """A transformers streamer sending each new token as a streamed piece (greedy / sampling, one sequence)."""

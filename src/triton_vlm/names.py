@@ -49,6 +49,8 @@ EARLY_STOPPING = "early_stopping"
 MIN_TOKENS = "min_tokens"
 MIN_LENGTH = "min_length"  # older TensorRT-LLM name of min_tokens
 REPETITION_PENALTY = "repetition_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 NO_REPEAT_NGRAM_SIZE = "no_repeat_ngram_size"
 BAD_WORDS = "bad_words"
 STOP_WORDS = "stop_words"
@@ -60,6 +62,8 @@ TOP_P = "top_p"
 SEED = "seed"
 RANDOM_SEED = "random_seed"  # older TensorRT-LLM name of seed
 RETURN_LOG_PROBS = "return_log_probs"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
 LORA_TASK_ID = "lora_task_id"
@@ -75,6 +79,8 @@ OUTPUT_LOG_PROBS = "output_log_probs"
 BATCH_INDEX = "batch_index"
 SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
 
 # Required inputs that config.pbtxt declares optional and the models check themselves. Triton 2.51 checks only
 # the number of inputs: a request that leaves out `text_input` but sends an optional input instead passes, and
@@ -87,8 +93,15 @@ INPUT_IDS = "input_ids"
 PIXEL_VALUES = "pixel_values"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_KEYS = "image_keys"
+NUM_IMAGES = "num_images"
 BAD_WORDS_IDS = "bad_words_ids"
 STOP_WORDS_IDS = "stop_words_ids"
+
+# A request may stack several prompts (batch dim > 1, as TensorRT-LLM's clients send with `--batch-inputs`): each
+# row is answered as its own sequence set, its responses carrying `batch_index` = the row. Between the ensemble
+# steps the rows of such a request are padded to a common shape: `input_ids` with INPUT_IDS_PAD, word lists with
+# 0 (a zero length ends a list), `pixel_values` / `image_embeds` / `image_keys` beyond each row's `num_images`.
+INPUT_IDS_PAD = -1
 
 # early_stopping on the wire (HF's True / False / "never")
 EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, EARLY_STOPPING_NEVER = 0, 1, 2
@@ -104,6 +117,10 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _in(MIN_TOKENS, INT32, default=0, doc="EOS / end_id forbidden before this many new tokens"),
     _in(MIN_LENGTH, INT32, default=0, doc="older name of min_tokens"),
     _in(REPETITION_PENALTY, FP32, default=1.0, doc="CTRL repetition penalty (1.0 = off); sees prompt ids too"),
+    _in(PRESENCE_PENALTY, FP32, default=0.0,
+        doc="OpenAI's: subtracted from every token generated so far (-2.0..2.0; 0 = off)"),
+    _in(FREQUENCY_PENALTY, FP32, default=0.0,
+        doc="OpenAI's: subtracted once per time a token was generated so far (-2.0..2.0; 0 = off)"),
     _in(NO_REPEAT_NGRAM_SIZE, INT32, default=0, doc="forbid repeating n-grams of this size (0 = off)"),
     _in(END_ID, INT32, default=None, doc="end-of-sequence id (default: the checkpoint's eos ids)"),
     _in(PAD_ID, INT32, default=-1, doc="fills output_ids after each sequence's end"),
@@ -113,6 +130,8 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _in(SEED, UINT64, default=None, doc="sampling seed (sampling is on when temperature/top_k/top_p are set)"),
     _in(RANDOM_SEED, UINT64, default=None, doc="older name of seed"),
     _in(RETURN_LOG_PROBS, BOOL, default=False, doc="fill cum_log_probs and output_log_probs"),
+    _in(RETURN_NUM_INPUT_TOKENS, BOOL, default=False, doc="add num_input_tokens to every response"),
+    _in(RETURN_NUM_OUTPUT_TOKENS, BOOL, default=False, doc="add num_output_tokens to every response"),
     _in(EXCLUDE_INPUT_IN_OUTPUT, BOOL, default=False, doc="text_output/output_ids hold only new tokens"),
     _in(STREAM, BOOL, default=False, doc="send tokens as they are generated (decoupled responses)"),
 )
@@ -140,9 +159,13 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(SEQUENCE_LENGTH, INT32, (-1,), doc="[sequences] valid length of each row of output_ids"),
     TensorSpec(CUM_LOG_PROBS, FP32, (-1,), doc="[sequences] sum of token log probs (beam: the ranking score)"),
     TensorSpec(OUTPUT_LOG_PROBS, FP32, (-1, -1), doc="[sequences, new_tokens] log prob of each new token"),
-    TensorSpec(BATCH_INDEX, INT32, (1,), doc="always 0 (one prompt per request)"),
+    TensorSpec(BATCH_INDEX, INT32, (1,), doc="the row of the request this response answers (0 for one prompt)"),
     TensorSpec(SEQUENCE_INDEX, INT32, (1,), doc="which sequence a streamed piece belongs to"),
     TensorSpec(DROPPED_IMAGES, INT32, (1,), doc="images removed by truncation"),
+    TensorSpec(NUM_INPUT_TOKENS, INT32, (1,),
+               doc="prompt tokens, image tokens included (with return_num_input_tokens)"),
+    TensorSpec(NUM_OUTPUT_TOKENS, INT32, (1,),
+               doc="new tokens in this response, all its sequences (with return_num_output_tokens)"),
 )
 
 # --- per model ------------------------------------------------------------------------------------------
@@ -160,10 +183,12 @@ PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
     TensorSpec(DROPPED_IMAGES, INT32, (1,)),
     TensorSpec(IMAGE_KEYS, BYTES, (-1,)),  # SHA-256 hex of each kept image's file: the embedding cache's key
+    TensorSpec(NUM_IMAGES, INT32, (1,)),  # images of the row (pixel_values / image_keys are padded beyond it)
 )
 VISION_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),
     _in(IMAGE_KEYS, BYTES, (-1,)),  # optional: without keys nothing is cached
+    _in(NUM_IMAGES, INT32),  # optional: without it every image of pixel_values is real
 )
 VISION_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),)  # [images, T, hidden]
 LLM_INPUTS: tuple[TensorSpec, ...] = (
@@ -172,6 +197,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(BAD_WORDS_IDS, INT32, (-1,)),
     _in(STOP_WORDS_IDS, INT32, (-1,)),
     _in(DROPPED_IMAGES, INT32),
+    _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
 ) + GENERATION_INPUTS + LORA_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 

@@ -15,6 +15,12 @@ from . import names as N
 from .errors import InvalidArgument
 
 MAX_BEAM_WIDTH = 16
+# OpenAI's range for presence_penalty / frequency_penalty
+PENALTY_RANGE = (-2.0, 2.0)
+# bad_words / stop_words per request: each word costs a comparison per generated token, and bad words covering
+# the whole vocabulary leave no token to choose
+MAX_WORDS = 1024
+MAX_WORD_IDS = 16384  # token ids over all words of one list
 EARLY_STOPPING_WIRE = {N.EARLY_STOPPING_FALSE: False, N.EARLY_STOPPING_TRUE: True, N.EARLY_STOPPING_NEVER: "never"}
 
 
@@ -27,6 +33,8 @@ class GenerationParams:
     early_stopping: bool | str = False  # True / False / "never", as in transformers
     min_tokens: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens
     no_repeat_ngram_size: int = 0
     end_ids: tuple[int, ...] = ()  # empty = the checkpoint's eos ids
     pad_id: int = -1
@@ -36,6 +44,8 @@ class GenerationParams:
     seed: Optional[int] = None
     do_sample: bool = False
     return_log_probs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
     exclude_input_in_output: bool = False
     stream: bool = False
 
@@ -80,6 +90,8 @@ class GenerationParams:
             early_stopping=EARLY_STOPPING_WIRE[es_raw],
             min_tokens=max(integer(N.MIN_TOKENS, 0), integer(N.MIN_LENGTH, 0)),
             repetition_penalty=real(N.REPETITION_PENALTY, 1.0),
+            presence_penalty=real(N.PRESENCE_PENALTY, 0.0),
+            frequency_penalty=real(N.FREQUENCY_PENALTY, 0.0),
             no_repeat_ngram_size=integer(N.NO_REPEAT_NGRAM_SIZE, 0),
             end_ids=() if end_id is None else (end_id,),
             pad_id=integer(N.PAD_ID, -1),
@@ -91,6 +103,8 @@ class GenerationParams:
             # temperature 0 or top_k 1 mean greedy.
             do_sample=beam_width == 1 and sampling_asked and temperature > 0 and top_k != 1,
             return_log_probs=bool(get(N.RETURN_LOG_PROBS, False)),
+            return_num_input_tokens=bool(get(N.RETURN_NUM_INPUT_TOKENS, False)),
+            return_num_output_tokens=bool(get(N.RETURN_NUM_OUTPUT_TOKENS, False)),
             exclude_input_in_output=bool(get(N.EXCLUDE_INPUT_IN_OUTPUT, False)),
             stream=bool(get(N.STREAM, False)),
         )
@@ -114,6 +128,8 @@ class GenerationParams:
         _real_in(N.LENGTH_PENALTY, self.length_penalty, -1e6, 1e6)
         _int_in(N.MIN_TOKENS, self.min_tokens, 0)
         _real_in(N.REPETITION_PENALTY, self.repetition_penalty, 0.0, lo_open=True)
+        _real_in(N.PRESENCE_PENALTY, self.presence_penalty, *PENALTY_RANGE)
+        _real_in(N.FREQUENCY_PENALTY, self.frequency_penalty, *PENALTY_RANGE)
         _int_in(N.NO_REPEAT_NGRAM_SIZE, self.no_repeat_ngram_size, 0)
         for e in self.end_ids:
             _int_in(N.END_ID, e, 0)
@@ -121,10 +137,6 @@ class GenerationParams:
         _real_in(N.TEMPERATURE, self.temperature, 0.0, lo_open=self.do_sample)
         _int_in(N.TOP_K, self.top_k, 0)
         _real_in(N.TOP_P, self.top_p, 0.0, 1.0, lo_open=True)
-
-    @property
-    def num_sequences(self) -> int:
-        return self.num_return_sequences
 
 
 def _int_in(name: str, v: int, lo: int, hi: int | None = None) -> int:
@@ -188,11 +200,21 @@ class GenerationRequest:
         check_context(len(ids), p.max_tokens, limits.context_length)
         check_ids(N.END_ID, self.end_ids(limits), limits.vocab_size)
         for what, words in ((N.BAD_WORDS, self.bad_words_ids), (N.STOP_WORDS, self.stop_words_ids)):
+            check_word_count(what, len(words))
+            n_ids = sum(len(w) for w in words)
+            if n_ids > MAX_WORD_IDS:
+                raise InvalidArgument(f"{what} hold {n_ids} token ids in all; at most {MAX_WORD_IDS} are accepted")
             for w in words:
                 check_ids(what, w, limits.vocab_size)
         n_eos = len(self.end_ids(limits))
         if p.beam_width > 1 and max(2, 1 + n_eos) * p.beam_width > p.beam_width * limits.vocab_size:
             raise InvalidArgument(f"beam_width {p.beam_width} is too large for a vocabulary of {limits.vocab_size}")
+
+
+def check_word_count(what: str, n: int) -> None:
+    """At most MAX_WORDS bad / stop words per request (checked before tokenizing them, and again in the llm)."""
+    if n > MAX_WORDS:
+        raise InvalidArgument(f"{what} holds {n} words; at most {MAX_WORDS} are accepted")
 
 
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
@@ -243,11 +265,14 @@ class GenerationResult:
 
 
 def words_from_flat(flat: Sequence[int]) -> list[list[int]]:
-    """Decode the length-prefixed word lists used between preprocess and llm: [n, id_1..id_n, m, ...]."""
+    """Decode the length-prefixed word lists used between preprocess and llm: [n, id_1..id_n, m, ...]; a length
+    of 0 followed by zeros only is padding (the rows of a batched request share one width)."""
     out, i = [], 0
-    flat = list(flat)
+    flat = [int(t) for t in flat]
     while i < len(flat):
-        n = int(flat[i])
+        n = flat[i]
+        if n == 0 and not any(flat[i:]):
+            break
         if n <= 0 or i + 1 + n > len(flat):
             raise InvalidArgument(f"malformed word list at position {i}: length {n}")
         out.append([int(t) for t in flat[i + 1:i + 1 + n]])

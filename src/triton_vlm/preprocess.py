@@ -28,9 +28,11 @@ from typing import Sequence, Union
 import numpy as np
 
 from .checkpoint import ModelInfo, load_components
+from . import names as N
 from .errors import InvalidArgument
 from .image_cache import ImageCache, image_key
 from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, payload_to_bytes
+from .params import check_word_count, words_to_flat
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
 Text = Union[str, bytes]
@@ -44,10 +46,6 @@ class PreprocessResult:
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0  # images removed by truncation
     image_keys: list[str] = field(default_factory=list)  # SHA-256 hex of each kept image's file, in order
-
-    @property
-    def num_images(self) -> int:
-        return int(self.pixel_values.shape[0])
 
 
 @dataclass
@@ -106,6 +104,7 @@ class Preprocessor:
     # --- words -------------------------------------------------------------------------------------------
     def encode_words(self, words: Sequence[Text] | None, name: str = "words") -> list[list[int]]:
         """Each non-empty word -> its ids without special tokens."""
+        check_word_count(name, len(words or ()))
         out = []
         for i, w in enumerate(words or ()):
             w = _as_str(w, f"{name}[{i}]")
@@ -230,3 +229,33 @@ class Preprocessor:
             dropped_images=len(decoded) - len(kept_images),
             image_keys=[keys[i].hex() for i in kept_images],
         )
+
+
+def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
+    """The outputs of a request's rows (one per prompt), each with the batch dim, rows padded to a common shape
+    (see `names.INPUT_IDS_PAD`); a single row is not padded at all."""
+    b = len(results)
+    length = max(len(r.input_ids) for r in results)
+    input_ids = np.full((b, length), N.INPUT_IDS_PAD, np.int32)  # [B, T]
+    n_img = [int(r.pixel_values.shape[0]) for r in results]
+    shape = results[0].pixel_values.shape[1:]
+    pixel_values = np.zeros((b, max(n_img), *shape), np.float32)  # [B, images, 3, H, W]
+    keys = np.full((b, max(n_img)), b"", dtype=np.object_)  # [B, images]
+    words = {}
+    for name, get in ((N.BAD_WORDS_IDS, lambda r: r.bad_words_ids), (N.STOP_WORDS_IDS, lambda r: r.stop_words_ids)):
+        flats = [words_to_flat(get(r)) for r in results]
+        words[name] = np.zeros((b, max(len(f) for f in flats)), np.int32)  # [B, W], 0 = end of the list
+        for i, f in enumerate(flats):
+            words[name][i, :len(f)] = f
+    for i, r in enumerate(results):
+        input_ids[i, :len(r.input_ids)] = r.input_ids
+        pixel_values[i, :n_img[i]] = r.pixel_values
+        keys[i, :n_img[i]] = [k.encode() for k in r.image_keys]
+    return {
+        N.INPUT_IDS: input_ids,
+        N.PIXEL_VALUES: pixel_values,
+        **words,
+        N.DROPPED_IMAGES: np.array([[r.dropped_images] for r in results], np.int32),  # [B, 1]
+        N.IMAGE_KEYS: keys,
+        N.NUM_IMAGES: np.array([[n] for n in n_img], np.int32),  # [B, 1]
+    }

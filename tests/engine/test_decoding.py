@@ -9,10 +9,11 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from triton_vlm.engine.decoder import Decoder, StepResult
 from triton_vlm.errors import Internal, InvalidArgument
+from triton_vlm.hf_generate import penalty_processors
 from triton_vlm.params import GenerationParams, GenerationRequest, ModelLimits
 
 V = 199
@@ -89,6 +90,8 @@ def hf_generate(model, prompt, p: GenerationParams, eos, bad=(), stop=()):
         kw["bad_words_ids"] = [list(w) for w in bad]
     if stop:
         kw["stopping_criteria"] = StoppingCriteriaList([StopWords(stop, len(prompt))])
+    kw["logits_processor"] = LogitsProcessorList(penalty_processors(len(prompt), p.presence_penalty,
+                                                                    p.frequency_penalty))
     if p.do_sample:
         torch.manual_seed(p.seed)
     with torch.no_grad():
@@ -170,6 +173,11 @@ FEATURES = {
     "no_repeat_ngram": dict(no_repeat_ngram_size=2),
     "no_repeat_unigram": dict(no_repeat_ngram_size=1),
     "everything": dict(min_tokens=3, repetition_penalty=1.2, no_repeat_ngram_size=3),
+    "presence_penalty": dict(presence_penalty=1.5),
+    "frequency_penalty": dict(frequency_penalty=2.0),
+    "penalties_negative": dict(presence_penalty=-0.7, frequency_penalty=-0.4),
+    "penalties_with_repetition": dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=1.1,
+                                      min_tokens=4),
 }
 
 
@@ -181,6 +189,37 @@ def test_processors_match_hf(model, feature, nb):
     # the prompt repeats some ids so penalties / n-gram bans bite from the first step
     prompt = prompt_for(nb + 10) + [40, 41, 40, 41]
     check(model, prompt, p)
+
+
+def test_presence_frequency_penalty_is_openais_formula():
+    """logits[t] -= presence * (count[t] > 0) + frequency * count[t], counted over generated ids only."""
+    from triton_vlm.engine.logits import LogitsPipeline
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn((2, 11), generator=g)
+    prompt = [[4, 4, 9], [4, 6, 6]]
+    gen = [[3, 3, 5, 0], [7, 1, 1, 1]]
+    pipe = LogitsPipeline(prompt_len=3, eos_ids=[], vocab_size=11, presence_penalty=0.5, frequency_penalty=0.25)
+    got = pipe(torch.tensor([p + q for p, q in zip(prompt, gen)]), scores.clone())
+    want = scores.clone()
+    for r in range(2):
+        for t in set(gen[r]):
+            want[r, t] -= 0.5 + 0.25 * gen[r].count(t)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert got[0, 4] == scores[0, 4] and got[1, 6] == scores[1, 6]  # prompt ids are not penalised
+
+
+@pytest.mark.parametrize("nb", [1, 3])
+def test_penalties_change_the_output(model, nb):
+    prompt = prompt_for(90 + nb)
+    base = dict(max_tokens=16, beam_width=nb, num_return_sequences=1)
+    free = check(model, prompt, GenerationParams(**base))[0].token_ids
+    assert len(set(free)) < len(free), "the free run repeats a token (else penalties cannot bite)"
+    freq = check(model, prompt, GenerationParams(**base, frequency_penalty=2.0))[0].token_ids
+    assert freq != free
+    assert len(set(freq)) / len(freq) > len(set(free)) / len(free)  # fewer repeats
+    reward = check(model, prompt, GenerationParams(**base, presence_penalty=-2.0))[0].token_ids
+    assert reward != free
 
 
 @pytest.mark.parametrize("nb", [1, 2, 5])
@@ -219,6 +258,7 @@ SAMPLING_CASES = [  # temperature, top_k, top_p, num_return_sequences, seed, ext
     (1.3, 0, 0.9, 4, 2, {}),
     (0.9, 50, 0.8, 2, 3, dict(repetition_penalty=1.2, min_tokens=2)),
     (1.5, 0, 1.0, 6, 4, dict(no_repeat_ngram_size=2)),
+    (0.8, 0, 1.0, 3, 6, dict(presence_penalty=1.2, frequency_penalty=0.9)),
     (2.0, 5, 0.95, 5, 5, {}),
 ]
 
@@ -294,6 +334,11 @@ def test_invalid_requests_are_refused_at_the_boundary():
                         "num_return_sequences"),
                        (req(params=dataclasses.replace(p, num_return_sequences=2)), "needs beam_width > 1"),
                        (req(params=dataclasses.replace(p, do_sample=True, temperature=0.0)), "temperature"),
+                       (req(params=dataclasses.replace(p, presence_penalty=2.5)),
+                        r"presence_penalty must be a finite number >= -2.0 and <= 2.0, got 2.5"),
+                       (req(params=dataclasses.replace(p, frequency_penalty=float("nan"))), "frequency_penalty"),
+                       (req(bad_words_ids=[[3]] * 1025), "bad_words holds 1025 words; at most 1024"),
+                       (req(stop_words_ids=[[3] * 20] * 1000), "stop_words hold 20000 token ids in all; at most 16384"),
                        (req(ids=[1] * 61), "exceeds the context length 64; max_tokens can be at most 3")]:
         with pytest.raises(InvalidArgument, match=match):
             bad.validate(limits)

@@ -1,15 +1,15 @@
 """preprocess: prompt + images -> input ids with image placeholders, pixel values, word lists.
 
-Thin adapter: the logic is `triton_vlm.preprocess.Preprocessor`.
+Thin adapter: the logic is `triton_vlm.preprocess.Preprocessor`. A request of several rows (prompts) is
+preprocessed row by row (a bad row refuses the request, naming the row); the outputs are padded to one shape
+(`preprocess.stack_rows`). In a row of a batched request, empty `images` entries are padding (rows with fewer
+images than others).
 """
 from triton_vlm.triton import lifeline
 
 lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
 
-import numpy as np
-
 from triton_vlm import names as N
-from triton_vlm.params import words_to_flat
 from triton_vlm.triton import config, tensors
 from triton_vlm.triton.errors import error_response
 
@@ -40,25 +40,29 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
+        from triton_vlm.preprocess import stack_rows
+
         try:
-            self.lora(request)
-            res = self.pre(
-                tensors.scalar(request, _IN[N.TEXT_INPUT]),
-                tensors.blobs(request, N.IMAGES),
-                tensors.scalar(request, _IN[N.MAX_TOKENS]),
-                tensors.strings(request, N.BAD_WORDS),
-                tensors.strings(request, N.STOP_WORDS),
-            )
-            return tensors.response({
-                N.INPUT_IDS: (_OUT[N.INPUT_IDS], np.asarray(res.input_ids, np.int32)),
-                N.PIXEL_VALUES: (_OUT[N.PIXEL_VALUES], res.pixel_values),  # [images, 3, H, W]
-                N.BAD_WORDS_IDS: (_OUT[N.BAD_WORDS_IDS], np.asarray(words_to_flat(res.bad_words_ids), np.int32)),
-                N.STOP_WORDS_IDS: (_OUT[N.STOP_WORDS_IDS], np.asarray(words_to_flat(res.stop_words_ids), np.int32)),
-                N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [res.dropped_images]),
-                N.IMAGE_KEYS: (_OUT[N.IMAGE_KEYS], res.image_keys),
-            })
+            rows = tensors.batch_size(request, _IN)
+            results = tensors.per_row(rows, lambda row: self._row(request, row))
+            out = stack_rows(results)  # every output with the batch dim, e.g. pixel_values [B, images, 3, H, W]
+            return tensors.batch_response({name: (_OUT[name], value) for name, value in out.items()})
         except Exception as e:  # noqa: BLE001 - each request gets its own error; the others are unaffected
             return error_response(e)
+
+    def _row(self, request, row):
+        self.lora(request, row)
+        images = tensors.blobs(request, N.IMAGES, row)
+        if row is not None:
+            while images and not images[-1]:  # padding of a row with fewer images than the others
+                images.pop()
+        return self.pre(
+            tensors.scalar(request, _IN[N.TEXT_INPUT], row),
+            images,
+            tensors.scalar(request, _IN[N.MAX_TOKENS], row),
+            tensors.strings(request, N.BAD_WORDS, row),
+            tensors.strings(request, N.STOP_WORDS, row),
+        )
 
 
 class _LoraCheck:
@@ -71,9 +75,9 @@ class _LoraCheck:
         self.spec = CheckpointSpec.load(model_dir).text
         self.registry, self.max_rank = Registry(lora_dir, self.spec), max_rank
 
-    def __call__(self, request) -> None:
+    def __call__(self, request, row=None) -> None:
         from triton_vlm.lora.request import parse_request
 
-        inputs = tensors.lora_inputs(request)
+        inputs = tensors.lora_inputs(request, row)
         if inputs is not None:
             parse_request(*inputs, self.spec, self.registry, self.max_rank)

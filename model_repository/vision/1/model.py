@@ -1,8 +1,10 @@
 """vision: the vision tower + projector on the images of every queued request, each image at most once.
 
 Thin adapter: backends are `triton_vlm.vision.backends` (`vision_backend`: torch | onnxruntime | tensorrt), the
-batching and the embedding cache `triton_vlm.vision.batch.VisionService`. A text-only request carries zero
-images; a request with bad pixel values or keys gets its own INVALID_ARG.
+batching and the embedding cache `triton_vlm.vision.service.VisionService`. A text-only request carries zero
+images; a request with bad pixel values or keys gets its own INVALID_ARG. A request of several rows (a batched
+ensemble request) is encoded row by row, each row's first `num_images` images; its `image_embeds` are
+[B, max images, T, hidden], zero padded.
 """
 from triton_vlm.triton import lifeline
 
@@ -28,13 +30,14 @@ class TritonPythonModel:
         self.metrics = VisionMetrics(self.service)
 
     def execute(self, requests):
-        inputs = []
+        inputs = []  # per request: its rows' (pixels, keys), or its error
         for r in requests:
             try:
-                inputs.append((tensors.input_array(r, N.PIXEL_VALUES), tensors.strings(r, N.IMAGE_KEYS) or None))
+                rows = tensors.batch_size(r, [N.PIXEL_VALUES])
+                inputs.append(tensors.per_row(rows, lambda row: _row(r, row)))
             except Exception as e:  # noqa: BLE001 - its own error; the others are unaffected
                 inputs.append(e)
-        valid = [x for x in inputs if not isinstance(x, Exception)]
+        valid = [row for x in inputs if not isinstance(x, Exception) for row in x]
         try:
             encoded = iter(self.service.encode(valid))
         except Exception as e:  # noqa: BLE001 - the encoder failed: every request gets the error
@@ -43,10 +46,28 @@ class TritonPythonModel:
             self.metrics.update()
         out = []
         for x in inputs:
-            result = x if isinstance(x, Exception) else next(encoded)
-            out.append(error_response(result) if isinstance(result, Exception)
-                       else tensors.torch_response(N.IMAGE_EMBEDS, result))  # [n, T, hidden]
+            results = x if isinstance(x, Exception) else [next(encoded) for _ in x]
+            if not isinstance(results, Exception):
+                results = next((tensors.in_row(e, i, len(results)) for i, e in enumerate(results)
+                                if isinstance(e, Exception)), results)
+            out.append(error_response(results) if isinstance(results, Exception)
+                       else tensors.torch_response(N.IMAGE_EMBEDS, results))  # [B, n, T, hidden]
         return out
 
     def finalize(self):
         self.metrics.close()
+
+
+def _row(request, row):
+    """(pixel values [n, 3, H, W], keys or None) of one row: its first `num_images` images when sent."""
+    from triton_vlm.errors import InvalidArgument
+
+    pixels = tensors.input_array(request, N.PIXEL_VALUES, row)
+    keys = tensors.strings(request, N.IMAGE_KEYS, row) or None
+    n = tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row)
+    if n is not None and pixels is not None:
+        if not 0 <= n <= pixels.shape[0]:
+            raise InvalidArgument(f"num_images {n} is outside [0, {pixels.shape[0]}] (pixel_values rows)")
+        pixels, keys = pixels[:n], None if keys is None else keys[:n]
+    return pixels, keys
+

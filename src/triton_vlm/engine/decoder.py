@@ -55,7 +55,8 @@ class Decoder:
         min_keep = (len(eos_ids) + 1 if eos_ids else 2) if beam else 1
         pipeline = LogitsPipeline(
             prompt_len=len(prompt_ids), eos_ids=eos_ids, vocab_size=vocab_size,
-            repetition_penalty=params.repetition_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
+            repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
             min_new_tokens=params.min_tokens, bad_words_ids=bad_words_ids, sampling=sampling,
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep)
         stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,

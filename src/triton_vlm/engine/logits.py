@@ -1,10 +1,16 @@
 """Logits processors and stopping criteria, matching transformers 5.x `generate()` bit for bit.
 
 `LogitsPipeline` applies, in Hugging Face's order (`GenerationMixin._get_logits_processor`):
-repetition penalty -> no-repeat-ngram -> bad words -> min new tokens, then, only when sampling,
-temperature -> top-k -> top-p. Each step is the same torch expression HF uses, so processed scores are
-bitwise equal given equal inputs. Processors see the full context of each row (prompt ids, image placeholder
-ids included, followed by the generated ids), as HF's processors see `input_ids`.
+repetition penalty -> presence / frequency penalties -> no-repeat-ngram -> bad words -> min new tokens, then,
+only when sampling, temperature -> top-k -> top-p. Each step is the same torch expression HF uses, so processed
+scores are bitwise equal given equal inputs. Processors see the full context of each row (prompt ids, image
+placeholder ids included, followed by the generated ids), as HF's processors see `input_ids`.
+
+Presence / frequency penalties are OpenAI's (`logits[t] -= presence * (count[t] > 0) + frequency * count[t]`,
+count over the GENERATED tokens only), applied as vLLM applies them: after the repetition penalty, frequency
+first, before temperature. HF has no such processor; `hf_generate.PresenceFrequencyPenalty` is the same
+expression for the baseline (added after HF's own processors: the -inf masks of no-repeat-ngram, bad words and
+min new tokens commute with a finite subtraction, so the result is the same).
 
 `StopCriteria` is HF's `EosTokenCriteria | MaxLengthCriteria` plus token-level stop words: a row stops when its
 last token is an EOS id, when it holds `max_tokens` new tokens, or when its generated tokens end with a stop
@@ -28,13 +34,16 @@ class LogitsPipeline:
     """Stateless per-step processing of a request's scores; built once per request."""
 
     def __init__(self, *, prompt_len: int, eos_ids: Sequence[int], vocab_size: int,
-                 repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, min_new_tokens: int = 0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 no_repeat_ngram_size: int = 0, min_new_tokens: int = 0,
                  bad_words_ids: Sequence[Sequence[int]] = (), sampling: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, min_tokens_to_keep: int = 1):
         self.prompt_len = prompt_len
         self.vocab_size = vocab_size
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long)  # [n_eos]
         self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
         self.ngram = int(no_repeat_ngram_size)
         self.min_new_tokens = int(min_new_tokens) if len(eos_ids) else 0
         self.sampling = sampling
@@ -90,6 +99,10 @@ class LogitsPipeline:
         score = torch.where(score < 0, score * self.repetition_penalty, score / self.repetition_penalty)
         return scores.scatter(1, input_ids, score)[..., :vocab_size]
 
+    def _presence_frequency(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return presence_frequency_penalty(input_ids[:, self.prompt_len:], scores, self.presence_penalty,
+                                          self.frequency_penalty)
+
     def _no_repeat_ngram(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         n = self.ngram
         cur_len = input_ids.shape[-1]
@@ -138,6 +151,8 @@ class LogitsPipeline:
         new_len = input_ids.shape[-1] - self.prompt_len
         if self.repetition_penalty != 1.0:
             scores = self._repetition_penalty(input_ids, scores)
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            scores = self._presence_frequency(input_ids, scores)
         if self.ngram > 0:
             scores = self._no_repeat_ngram(input_ids, scores)
         if self.has_bad_words:
@@ -152,6 +167,17 @@ class LogitsPipeline:
             if self.top_p < 1.0:
                 scores = self._top_p(scores)
         return scores
+
+
+def presence_frequency_penalty(generated: torch.Tensor, scores: torch.Tensor, presence: float,
+                               frequency: float) -> torch.Tensor:
+    """OpenAI's penalties as vLLM computes them: generated [rows, n] ids (< V), scores [rows, V] ->
+    scores - frequency * count - presence * (count > 0), count[t] = occurrences of t among the generated ids."""
+    counts = torch.zeros_like(scores)  # [rows, V]
+    if generated.shape[1]:
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+    scores = scores - frequency * counts
+    return scores - presence * (counts > 0).to(scores.dtype)
 
 
 class StopCriteria:

@@ -11,6 +11,11 @@ Streaming protocol (`stream` true): non-final responses carry one piece of one s
 was streamed for j (`text_output` [n], index j), so that per sequence the concatenation of everything received
 equals the non-streamed text; `output_ids` / `output_log_probs` likewise hold only the ids not yet sent, and
 `cum_log_probs` the final scores.
+
+Batched requests (batch dim B > 1, TensorRT-LLM's `--batch-inputs`): every row is its own generation request
+(engine id `<key>/<row>`), validated on its own (an error names the row and refuses the whole request); its
+responses carry `batch_index` = the row, and the last row to finish sends the request's FINAL flag with its
+final response, as TensorRT-LLM's ensemble does. A row's error ends the request (the other rows are cancelled).
 """
 from __future__ import annotations
 
@@ -35,10 +40,34 @@ _OUT = {s.name: s for s in N.LLM_OUTPUTS}
 
 
 @dataclass
-class _Live:
+class _Row:
     gen: GenerationRequest
+    index: int = 0  # batch_index: the row of the request
     streamed: dict[int, str] = field(default_factory=dict)  # sequence index -> text sent so far
     streamed_ids: dict[int, list[int]] = field(default_factory=dict)  # sequence index -> ids sent so far
+    done: bool = False
+
+
+@dataclass
+class _Live:
+    """One Triton request: its rows (one per prompt)."""
+
+    rows: list[_Row]
+
+    def __post_init__(self):
+        self.by_id = {r.gen.request_id: r for r in self.rows}
+
+    @property
+    def gen(self) -> GenerationRequest:  # the request of a one-row request
+        return self.rows[0].gen
+
+    def pending(self) -> list[_Row]:
+        return [r for r in self.rows if not r.done]
+
+
+def request_key(row_id: str) -> str:
+    """The responder's key of a row's engine request id (`r5` for one row, `r5/1` for row 1 of a batch)."""
+    return row_id.split("/", 1)[0]
 
 
 class LLMService:
@@ -53,6 +82,7 @@ class LLMService:
         self._response = make_response or tensors.response
         self._error = make_error or error_response
         self._ids = itertools.count()
+        self._batches: dict[str, list[str]] = {}  # key -> row ids, for requests of several rows
         self.adapters = adapters  # lora.cache.AdapterCache, or None when the backend applies no adapters
         self.metrics = LLMMetrics(enabled=False)  # the real ones are created once, in start()
         self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
@@ -74,53 +104,80 @@ class LLMService:
     def _tick(self) -> None:
         self.metrics.update_gauges()
 
-    def _cancel(self, request_id: str) -> None:
-        """The client cancelled the request or went away: the backend drops it (its final result is ignored)."""
+    def _cancel(self, key: str) -> None:
+        """The client cancelled the request or went away: the backend drops its rows (their final results are
+        ignored)."""
         self.metrics.outcome("cancelled")
-        self.backend.cancel(request_id)
+        for row_id in self._batches.pop(key, [key]):
+            self.backend.cancel(row_id)
 
     # --- requests ----------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                gen = self.parse(request)
+                gens = self.parse(request)
             except Exception as e:  # noqa: BLE001 - one bad request never affects the others
                 self.metrics.outcome(getattr(e, "code", "INTERNAL"))
                 sender.send(self._error(e), flags=FINAL)  # never opened: this thread is its only owner
                 continue
-            self.responder.open(gen.request_id, sender, _Live(gen))
-            try:
-                self.backend.submit(gen, self._on_result)
-            except Exception as e:  # noqa: BLE001 - refused (queue full, invalid): the responder answers
-                self.metrics.outcome(getattr(e, "code", "INTERNAL"))
-                self.responder.fail(gen.request_id, e)
+            key = request_key(gens[0].request_id)
+            if len(gens) > 1:
+                self._batches[key] = [g.request_id for g in gens]
+            self.responder.open(key, sender, _Live([_Row(g, i) for i, g in enumerate(gens)]))
+            for i, gen in enumerate(gens):
+                try:
+                    self.backend.submit(gen, self._on_result)
+                except Exception as e:  # noqa: BLE001 - refused (queue full, invalid): the responder answers
+                    self.metrics.outcome(getattr(e, "code", "INTERNAL"))
+                    for done in gens[:i]:
+                        self.backend.cancel(done.request_id)
+                    self._batches.pop(key, None)
+                    self.responder.fail(key, tensors.in_row(e, i, len(gens)))
+                    break
 
-    def parse(self, request) -> GenerationRequest:
-        ids = tensors.input_array(request, N.INPUT_IDS)
+    def parse(self, request) -> list[GenerationRequest]:
+        """The request's rows (one for a single prompt), each validated on its own."""
+        rows = tensors.batch_size(request, [s.name for s in N.LLM_INPUTS])
+        key = f"r{next(self._ids)}"
+        gens = tensors.per_row(rows, lambda row: self._parse_row(request, row, key if row is None
+                                                                  else f"{key}/{row}"))
+        embeds = own_copies([g.image_embeds for g in gens])  # the engine reads them after execute() returned
+        for g, e in zip(gens, embeds):
+            g.image_embeds = e
+        return gens
+
+    def _parse_row(self, request, row, request_id: str) -> GenerationRequest:
+        ids = tensors.input_array(request, N.INPUT_IDS, row)
+        if ids is not None and row is not None:  # rows of a batch are padded to one length
+            ids = _strip_padding(ids.reshape(-1))
         if ids is None or ids.size == 0:
             raise InvalidArgument("the prompt is empty: send a non-empty text_input")
-        values = tensors.scalars(request, N.GENERATION_INPUTS)
+        values = tensors.scalars(request, N.GENERATION_INPUTS, row)
         params = GenerationParams.from_inputs(values)  # the request itself is validated by backend.submit
-        emb = tensors.input_tensor(request, N.IMAGE_EMBEDS)  # [images, T, hidden], the device it came on
-        bad = tensors.input_array(request, N.BAD_WORDS_IDS)
-        stop = tensors.input_array(request, N.STOP_WORDS_IDS)
-        dropped = tensors.input_array(request, N.DROPPED_IMAGES)
+        emb = tensors.input_tensor(request, N.IMAGE_EMBEDS, row)  # [images, T, hidden], the device it came on
+        n_images = tensors.scalar(request, N.spec(N.NUM_IMAGES, N.LLM_INPUTS), row)
+        if emb is not None and n_images is not None:
+            if not 0 <= n_images <= emb.shape[0]:
+                raise InvalidArgument(f"num_images {n_images} is outside [0, {emb.shape[0]}] (image_embeds rows)")
+            emb = emb[:n_images]
+        bad = tensors.input_array(request, N.BAD_WORDS_IDS, row)
+        stop = tensors.input_array(request, N.STOP_WORDS_IDS, row)
+        dropped = tensors.input_array(request, N.DROPPED_IMAGES, row)
         return GenerationRequest(
-            request_id=f"r{next(self._ids)}",
-            adapter=self._adapter(request),
+            request_id=request_id,
+            adapter=self._adapter(request, row),
             input_ids=[int(t) for t in ids.reshape(-1)],
             params=params,
-            # our own copy (on the same device): the engine reads it after execute() has returned
-            image_embeds=None if emb is None or emb.numel() == 0 else emb.clone(),
+            image_embeds=None if emb is None or emb.numel() == 0 else emb,  # a view of Triton's buffer for now
             bad_words_ids=[] if bad is None else words_from_flat(bad.reshape(-1)),
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
         )
 
-    def _adapter(self, request):
+    def _adapter(self, request, row=None):
         """The LoRA adapter the request asks for (task id, wire tensors, or a registry name), or None."""
-        inputs = tensors.lora_inputs(request)
+        inputs = tensors.lora_inputs(request, row)
         if inputs is None:
             return None
         if self.adapters is None:
@@ -130,24 +187,42 @@ class LLMService:
 
     # --- results (the responder's thread) ------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:
-        self.responder.post(result.request_id, result)
+        self.responder.post(request_key(result.request_id), result)
 
-    def _build(self, _key: str, live: _Live, result: GenerationResult):
-        """-> (response, final) for one backend result."""
+    def _build(self, key: str, live: _Live, result: GenerationResult):
+        """-> (response, final) for one backend result of one of the request's rows."""
+        row = live.by_id[result.request_id]
         if result.final:
             self.metrics.outcome("success" if result.error is None else getattr(result.error, "code", "INTERNAL"))
             self.metrics.finished(result.stats)
         if result.error is not None:
-            return self._error(result.error), True
+            for other in live.pending():
+                if other is not row:
+                    self.backend.cancel(other.gen.request_id)
+            self._batches.pop(key, None)
+            return self._error(tensors.in_row(result.error, row.index, len(live.rows))), True
         if not result.final:
-            return self._piece(live, result), False
-        return self._final(live, result), True
+            return self._piece(row, result), False
+        row.done = True
+        last = not live.pending()
+        if last:
+            self._batches.pop(key, None)
+        return self._final(row, result), last
 
-    def _piece(self, live: _Live, result: GenerationResult):
+    def _counts(self, row: _Row, new_tokens: int) -> dict:
+        """num_input_tokens / num_output_tokens when the request asked for them (TensorRT-LLM's outputs)."""
+        p, out = row.gen.params, {}
+        if p.return_num_input_tokens:
+            out[N.NUM_INPUT_TOKENS] = (_OUT[N.NUM_INPUT_TOKENS], [len(row.gen.input_ids)])
+        if p.return_num_output_tokens:
+            out[N.NUM_OUTPUT_TOKENS] = (_OUT[N.NUM_OUTPUT_TOKENS], [new_tokens])
+        return out
+
+    def _piece(self, row: _Row, result: GenerationResult):
         seq = result.sequences[0]
         j = result.sequence_index
-        live.streamed[j] = live.streamed.get(j, "") + seq.text
-        live.streamed_ids.setdefault(j, []).extend(seq.token_ids)
+        row.streamed[j] = row.streamed.get(j, "") + seq.text
+        row.streamed_ids.setdefault(j, []).extend(seq.token_ids)
         return self._response({
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], [seq.text]),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], np.array([seq.token_ids], dtype=np.int32).reshape(1, -1)),
@@ -155,21 +230,22 @@ class LLMService:
             N.CUM_LOG_PROBS: (_OUT[N.CUM_LOG_PROBS], [seq.cum_log_prob]),
             N.OUTPUT_LOG_PROBS: (_OUT[N.OUTPUT_LOG_PROBS],
                                  np.array([seq.log_probs or [0.0] * len(seq.token_ids)], np.float32).reshape(1, -1)),
-            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [0]),
+            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [row.index]),
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [j]),
-            N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [live.gen.dropped_images]),
+            N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [row.gen.dropped_images]),
+            **self._counts(row, len(seq.token_ids)),
         })
 
-    def _final(self, live: _Live, result: GenerationResult):
-        p, gen = live.gen.params, live.gen
+    def _final(self, row: _Row, result: GenerationResult):
+        p, gen = row.gen.params, row.gen
         # streamed responses never repeat the prompt (as in TensorRT-LLM), the final one included
         prompt_ids = [] if p.exclude_input_in_output or p.stream else gen.input_ids
         prompt_text = "" if p.exclude_input_in_output or p.stream else self.prompt_text(gen.input_ids)
-        texts, rows, lps = [], [], []
+        texts, rows, lps, new_tokens = [], [], [], 0
         for j, s in enumerate(result.sequences):
             full, ids, lp = prompt_text + s.text, prompt_ids + list(s.token_ids), list(s.log_probs)
             if p.stream:  # only what sequence j has not received yet
-                sent, sent_ids = live.streamed.get(j, ""), live.streamed_ids.get(j, [])
+                sent, sent_ids = row.streamed.get(j, ""), row.streamed_ids.get(j, [])
                 if full.startswith(sent) and ids[:len(sent_ids)] == sent_ids:
                     full, ids, lp = full[len(sent):], ids[len(sent_ids):], lp[len(sent_ids):]
                 else:  # cannot happen with the engine (it streams a stable prefix only)
@@ -177,6 +253,7 @@ class LLMService:
             texts.append(full)
             rows.append(ids)
             lps.append(lp)
+            new_tokens += len(ids) if p.stream else len(s.token_ids)  # streamed: those not sent yet
         width = max((len(r) for r in rows), default=0)
         out_ids = np.full((len(rows), width), p.pad_id, dtype=np.int32)  # [sequences, max_len]
         for i, r in enumerate(rows):
@@ -193,9 +270,10 @@ class LLMService:
             N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(r) for r in rows]),
             N.CUM_LOG_PROBS: (_OUT[N.CUM_LOG_PROBS], [s.cum_log_prob for s in result.sequences]),
             N.OUTPUT_LOG_PROBS: (_OUT[N.OUTPUT_LOG_PROBS], out_lp),
-            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [0]),
+            N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [row.index]),
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [0]),
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
+            **self._counts(row, new_tokens),
         })
 
     def prompt_text(self, ids: list[int]) -> str:
@@ -212,3 +290,45 @@ class LLMService:
             prev_img = is_img
         parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
         return "".join(parts)
+
+
+def _strip_padding(ids: np.ndarray) -> np.ndarray:
+    """A row of a batched request's `input_ids` without the trailing INPUT_IDS_PAD (never a token id)."""
+    n = len(ids)
+    while n and ids[n - 1] == N.INPUT_IDS_PAD:
+        n -= 1
+    return ids[:n]
+
+
+def own_copies(embeds: list) -> list:
+    """Each row's image embeddings (a view of Triton's input buffer, or None) copied, the copies complete when
+    this returns. The python backend frees (and reuses) the input buffer as soon as execute() returns, and the
+    engine reads the embeddings later. On CUDA a plain clone() is only queued on the current stream, behind the
+    engine's forward passes already queued there, so it could run after the buffer was reused and read another
+    request's embeddings: the copies run on a stream of their own, which is synchronized (waiting for these
+    copies only, not for the engine's work). The engine reads them on the default stream: `record_stream` keeps
+    the caching allocator from reusing their memory before the work queued there when they are freed is done."""
+    cuda = [e for e in embeds if e is not None and e.is_cuda]
+    if not cuda:  # host memory: clone() is complete when it returns
+        return [None if e is None else e.clone() for e in embeds]
+    import torch  # noqa: PLC0415
+
+    stream = _copy_stream(cuda[0].device)
+    with torch.cuda.stream(stream):
+        out = [None if e is None else e.clone() for e in embeds]
+    stream.synchronize()
+    for e in out:
+        if e is not None and e.is_cuda:
+            e.record_stream(torch.cuda.default_stream(e.device))
+    return out
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device):
+    import torch  # noqa: PLC0415
+
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[device]

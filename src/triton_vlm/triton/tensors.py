@@ -2,10 +2,14 @@
 
 The only module (with `errors.py` and `config.py`) that imports `triton_python_backend_utils`; the model.py
 files and the rest of the package never touch Triton types directly.
+
+Rows: a request may stack several prompts (batch dim B > 1, see `names.INPUT_IDS_PAD`). The readers take
+`row=None` for "the request is one row" (batch dim 1 required, the message says so otherwise) or the row to
+read; `per_row` runs a function on every row and names the row in a domain error.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -14,15 +18,58 @@ try:  # available only inside the python backend stub
 except ImportError:  # pragma: no cover - unit tests import this module outside the server
     pb_utils = None
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, VLMError
 from .. import names as N
 from ..names import BOOL, BYTES, FP32, INT32, UINT64, TensorSpec
 
 _NUMPY = {BOOL: np.bool_, BYTES: np.object_, FP32: np.float32, INT32: np.int32, UINT64: np.uint64}
+T = TypeVar("T")
 
 
-def input_array(request, name: str) -> np.ndarray | None:
-    """The input as numpy without the batch dimension (each request is one batch row), or None if absent."""
+def batch_size(request, names: Iterable[str]) -> int:
+    """The request's batch dim, read from the first of `names` it carries (Triton checks that every input of
+    a request has the same one); 1 when it carries none of them."""
+    for name in names:
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is not None:
+            shape = list(t.shape())
+            return int(shape[0]) if shape else 1
+    return 1
+
+
+def per_row(rows: int, fn: Callable[[Optional[int]], T]) -> list[T]:
+    """[fn(None)] for a request of one row (its messages unchanged), else fn(row) for each row; a domain error
+    in a row of a batched request is re-raised naming the row."""
+    if rows == 1:
+        return [fn(None)]
+    out = []
+    for row in range(rows):
+        try:
+            out.append(fn(row))
+        except VLMError as e:
+            raise in_row(e, row, rows) from None
+    return out
+
+
+def in_row(error: BaseException, row: int, rows: int) -> BaseException:
+    """A domain error of one row of a batched request, naming the row; other errors (and one-row requests')
+    unchanged."""
+    if rows == 1 or not isinstance(error, VLMError):
+        return error
+    return type(error)(f"row {row} of the batch: {error.message}")
+
+
+def _select(arr, name: str, row: Optional[int]):
+    if row is None:
+        if arr.shape[0] != 1:
+            raise InvalidArgument(f"input {name!r} must have batch size 1 per request, got shape {list(arr.shape)}")
+        return arr[0]
+    return arr[row]
+
+
+def input_array(request, name: str, row: Optional[int] = None) -> np.ndarray | None:
+    """The input as numpy without the batch dimension (`row` None: the request must be one row), or None if
+    absent."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return None
@@ -34,14 +81,12 @@ def input_array(request, name: str) -> np.ndarray | None:
         arr = torch.from_dlpack(t.to_dlpack()).cpu().numpy()
     if arr.ndim == 0:
         return arr.reshape(1)
-    if arr.shape[0] != 1:
-        raise InvalidArgument(f"input {name!r} must have batch size 1 per request, got shape {list(arr.shape)}")
-    return arr[0]
+    return _select(arr, name, row)
 
 
-def scalar(request, spec: TensorSpec) -> Any:
+def scalar(request, spec: TensorSpec, row: Optional[int] = None) -> Any:
     """A [1] input as a Python scalar (None if absent)."""
-    arr = input_array(request, spec.name)
+    arr = input_array(request, spec.name, row)
     if arr is None:
         return None
     if arr.size != 1:
@@ -54,25 +99,25 @@ def scalar(request, spec: TensorSpec) -> Any:
     return v.item()
 
 
-def strings(request, name: str) -> list[str]:
-    arr = input_array(request, name)
+def strings(request, name: str, row: Optional[int] = None) -> list[str]:
+    arr = input_array(request, name, row)
     if arr is None:
         return []
     return [_text(v, name) for v in arr.reshape(-1)]
 
 
-def blobs(request, name: str) -> list[bytes]:
-    arr = input_array(request, name)
+def blobs(request, name: str, row: Optional[int] = None) -> list[bytes]:
+    arr = input_array(request, name, row)
     if arr is None:
         return []
     return [v if isinstance(v, bytes) else str(v).encode() for v in arr.reshape(-1)]
 
 
-def scalars(request, specs: Iterable[TensorSpec]) -> dict[str, Any]:
+def scalars(request, specs: Iterable[TensorSpec], row: Optional[int] = None) -> dict[str, Any]:
     """All scalar inputs of `specs` that the request carried."""
     out = {}
     for s in specs:
-        v = scalar(request, s)
+        v = scalar(request, s, row)
         if v is not None:
             out[s.name] = v
     return out
@@ -100,7 +145,16 @@ def response(outputs: dict[str, tuple[TensorSpec, Any]]) -> "pb_utils.InferenceR
     return pb_utils.InferenceResponse(output_tensors=[output_tensor(s, v) for s, v in outputs.values()])
 
 
-def input_tensor(request, name: str):
+def batch_response(outputs: dict[str, tuple[TensorSpec, np.ndarray]]) -> "pb_utils.InferenceResponse":
+    """Outputs that already hold the batch dim (every row of a request)."""
+    tensors = []
+    for spec, value in outputs.values():
+        arr = np.asarray(value, dtype=_NUMPY[spec.dtype])
+        tensors.append(pb_utils.Tensor(spec.name, arr))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def input_tensor(request, name: str, row: Optional[int] = None):
     """A numeric input as a torch tensor without the batch dim, by DLPack: no copy, any dtype (BF16 included),
     on the device it arrived on (a GPU tensor when the model that produced it left it there and this model
     sets FORCE_CPU_ONLY_INPUT_TENSORS "no"); None if absent."""
@@ -110,26 +164,37 @@ def input_tensor(request, name: str):
     if t is None:
         return None
     x = torch.from_dlpack(t.to_dlpack())
-    if x.dim() == 0 or x.shape[0] != 1:
-        raise InvalidArgument(f"input {name!r} must have batch size 1 per request, got shape {list(x.shape)}")
-    return x[0]
+    if x.dim() == 0:
+        raise InvalidArgument(f"input {name!r} must have a batch dim, got a scalar")
+    return _select(x, name, row)
 
 
-def torch_response(name: str, x) -> "pb_utils.InferenceResponse":
-    """One output from a torch tensor (batch dim added) by DLPack: it stays on its device, in its dtype."""
+def torch_response(name: str, rows: Sequence) -> "pb_utils.InferenceResponse":
+    """One output from the torch tensors of a request's rows, each [n_i, ...] (the same trailing dims), by
+    DLPack: it stays on its device, in its dtype. One row: [1, n, ...] without a copy; several rows:
+    [B, max n_i, ...], each row zero padded beyond its n_i."""
+    import torch  # noqa: PLC0415
     from torch.utils.dlpack import to_dlpack  # noqa: PLC0415
 
-    tensor = pb_utils.Tensor.from_dlpack(name, to_dlpack(x[None].contiguous()))
+    if len(rows) == 1:
+        out = rows[0][None].contiguous()
+    else:
+        first = rows[0]
+        out = torch.zeros((len(rows), max(r.shape[0] for r in rows), *first.shape[1:]), dtype=first.dtype,
+                          device=first.device)
+        for i, r in enumerate(rows):
+            out[i, :r.shape[0]] = r
+    tensor = pb_utils.Tensor.from_dlpack(name, to_dlpack(out))
     return pb_utils.InferenceResponse(output_tensors=[tensor])
 
 
-def lora_inputs(request) -> tuple | None:
+def lora_inputs(request, row: Optional[int] = None) -> tuple | None:
     """(lora_task_id, lora_weights [N, W], lora_config [N, 3], lora_name), each None when absent or empty; None
     when the request sent none of them."""
-    task = scalar(request, N.spec(N.LORA_TASK_ID, N.LORA_INPUTS))
-    name = scalar(request, N.spec(N.LORA_NAME, N.LORA_INPUTS))
-    weights = input_array(request, N.LORA_WEIGHTS)
-    config = input_array(request, N.LORA_CONFIG)
+    task = scalar(request, N.spec(N.LORA_TASK_ID, N.LORA_INPUTS), row)
+    name = scalar(request, N.spec(N.LORA_NAME, N.LORA_INPUTS), row)
+    weights = input_array(request, N.LORA_WEIGHTS, row)
+    config = input_array(request, N.LORA_CONFIG, row)
     weights = None if weights is None or weights.size == 0 else weights
     config = None if config is None or config.size == 0 else config
     if task is None and name is None and weights is None and config is None:
