@@ -14,6 +14,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
+from lora_cases import bad_wire, preprocess_error
 from triton_vlm.lora.format import to_trtllm
 from triton_vlm.lora.peft import load_peft
 from triton_vlm.spec import CheckpointSpec
@@ -142,6 +143,28 @@ def test_weights_first_then_id_alone_and_a_registry_task_id_folder(lora_setup):
     assert grpc_ids(server, PROMPTS[0]) == refs[("base", PROMPTS[0])]
 
 
+def test_weights_under_a_registry_id_are_refused(lora_setup):
+    """A registry task id, an all-digit folder's or a name's computed one, cannot be uploaded over: INVALID_ARG
+    naming the id and its owner (the status code as preprocess answers it; through the ensemble's stream, where
+    gRPC carries no code, the message), and the registry adapter still answers by id and by name afterwards
+    (zero weights were sent, which would answer as the base model)."""
+    from triton_vlm.lora.registry import task_id_for_name
+
+    server, refs, (weights, config) = lora_setup
+    zeros = np.zeros_like(weights)
+    for task_id, owner in ((4242, "4242"), (task_id_for_name("tenant-a"), "tenant-a")):
+        why = f"lora_task_id {task_id} belongs to the registry adapter '{owner}'"
+        status, message = preprocess_error(server.grpc_url, PROMPTS[0], task_id=task_id, weights=zeros, config=config)
+        assert status == "StatusCode.INVALID_ARGUMENT" and why in message, (status, message)
+        with pytest.raises(RuntimeError) as e:
+            grpc_ids(server, PROMPTS[0], task_id=task_id, weights=zeros, config=config)
+        assert why in str(e.value), str(e.value)
+    assert preprocess_error(server.grpc_url, PROMPTS[0], task_id=80, weights=zeros, config=config) == (None, None)
+    assert grpc_ids(server, PROMPTS[0], task_id=4242) == refs[("b", PROMPTS[0])]
+    assert grpc_ids(server, PROMPTS[0], task_id=task_id_for_name("tenant-a")) == refs[("a", PROMPTS[0])]
+    assert http(server, {"text_input": PROMPTS[0], "lora_name": "tenant-a"})[1]["output_ids"] == refs[("a", PROMPTS[0])]
+
+
 def scrape(server) -> str:
     with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
         return r.read().decode()
@@ -198,34 +221,7 @@ def test_lora_errors_are_invalid_arg(lora_setup, body, message):
     assert status == 400 and message in out["error"], out
 
 
-def _bad_wire(weights, config):
-    """(name, lora kwargs, message) for every kind of bad wire tensors."""
-    def cfg(row, col, value):
-        c = config.copy()
-        c[row, col] = value
-        return c
-
-    nan = weights.copy()
-    nan[1, 0] = np.nan
-    return [
-        ("layer", dict(task_id=78, weights=weights, config=cfg(0, 1, 99)),
-         "lora_config row 0: Expected layerId to be in the range [0, 2), got 99"),
-        ("module", dict(task_id=78, weights=weights, config=cfg(2, 0, 12)),
-         "lora_config row 2: lora module 12 not enabled for this model"),
-        ("rank", dict(task_id=78, weights=weights, config=cfg(0, 2, 65)),
-         "Invalid low_rank (r) 65; must be in [1, 64] (max_lora_rank)"),
-        ("rank0", dict(task_id=78, weights=weights, config=cfg(0, 2, 0)), "Invalid low_rank (r) 0"),
-        ("short", dict(task_id=78, weights=weights[:, :10], config=config), "lora_weights row 0 has to few values"),
-        ("rows", dict(task_id=78, weights=weights[:-1], config=config),
-         "Expected dim1 lora_weights and lora_config to have the same size"),
-        ("nan", dict(task_id=78, weights=nan, config=config), "lora_weights holds NaN or infinite values"),
-        ("no id", dict(weights=weights, config=config), "need a lora_task_id"),
-        ("weights only", dict(task_id=78, weights=weights), "must be sent together (got only lora_weights)"),
-        ("config only", dict(task_id=78, config=config), "must be sent together (got only lora_config)"),
-    ]
-
-
-def test_wire_tensor_errors_are_refused_by_preprocess(lora_setup):
+def test_wire_tensor_errors_are_refused_by_preprocess(lora_setup, demo_model):
     """Each bad input is INVALID_ARG naming the row and what is allowed, refused by preprocess (before vision and
     llm run: their request counts do not move), and the server goes on answering."""
     import re
@@ -237,7 +233,7 @@ def test_wire_tensor_errors_are_refused_by_preprocess(lora_setup):
                            scrape(server), re.M)
         return sum(float(v) for m, v in found if m in ("vision", "llm")), {m for m, _ in found}
 
-    cases = _bad_wire(weights, config)
+    cases = bad_wire(weights, config, CheckpointSpec.load(demo_model).text.num_layers)
     before, models = counts()
     assert {"vision", "llm"} <= models
     for name, lora, message in cases:
@@ -248,29 +244,45 @@ def test_wire_tensor_errors_are_refused_by_preprocess(lora_setup):
     assert grpc_ids(server, PROMPTS[0], task_id=79, weights=weights, config=config) == refs[("a", PROMPTS[0])]
 
 
-def test_adapter_cache_metrics(lora_setup):
+def _lora_state(server) -> tuple[dict, dict, float]:
+    """(LoRA cache metrics by (name, level), the Gateway gauge's labels, its value) from one scrape."""
     import re
-    import time
 
+    text = scrape(server)
+    values = {(m.group(1), m.group(2)): float(m.group(3)) for m in
+              re.finditer(r'^(triton_vlm_lora_cache_\w+)\{[^}]*level="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M)}
+    info = re.findall(r"^triton_vlm_lora_requests_info\{([^}]*)\} ([0-9.e+]+)$", text, re.M)
+    assert len(info) <= 1, info  # one series, whatever its labels
+    return values, dict(re.findall(r'(\w+)="([^"]*)"', info[0][0])) if info else {}, \
+        float(info[0][1]) if info else 0.0
+
+
+def test_adapter_cache_metrics(lora_setup):
     server, refs, _ = lora_setup
     for body in ({"lora_name": "tenant-a"}, {"lora_task_id": 4242}, {"lora_name": "tenant-a"}):
         assert http(server, {"text_input": PROMPTS[0], **body})[0] == 200  # loads (first time), then hits
     assert http(server, {"text_input": PROMPTS[0], "lora_task_id": 999})[0] == 400  # a miss
-    time.sleep(1.5)  # gauges and counters are refreshed every 0.5 s
-    text = scrape(server)
-    values = {(m.group(1), m.group(2)): float(m.group(3)) for m in
-              re.finditer(r'^(triton_vlm_lora_cache_\w+)\{[^}]*level="(\w+)"[^}]*\} ([0-9.e+]+)$', text, re.M)}
-    assert values[("triton_vlm_lora_cache_registry_loads_total", "host")] >= 2  # tenant-a, task 4242 from disk
-    assert values[("triton_vlm_lora_cache_hits_total", "host")] >= 1
-    assert values[("triton_vlm_lora_cache_misses_total", "host")] >= 3  # the two loads and the unknown id 999
-    assert values[("triton_vlm_lora_cache_adapters", "host")] >= 2
-    assert values[("triton_vlm_lora_cache_bytes", "host")] > 0
-    assert values[("triton_vlm_lora_cache_misses_total", "device")] >= 2  # copied into a device slot
-    assert values[("triton_vlm_lora_cache_adapters", "device")] >= 1  # idle adapters stay resident
-    assert values[("triton_vlm_lora_cache_evictions_total", "device")] >= 2  # one slot: a, 4242, a
-    # the Gateway API Inference Extension's LoRA gauge: one series, value the time of the last update
-    info = re.findall(r"^triton_vlm_lora_requests_info\{([^}]*)\} ([0-9.e+]+)$", text, re.M)
-    assert len(info) == 1, info
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0][0]))
-    assert labels["max_lora"] == "1" and labels["running_lora_adapters"] == ""
-    assert labels["waiting_lora_adapters"] == "" and abs(float(info[0][1]) - time.time()) < 30
+    def unmet(values: dict, labels: dict, stamp: float) -> list[str]:
+        def v(name, level):
+            return values.get((f"triton_vlm_lora_cache_{name}", level), 0.0)
+
+        checks = {
+            "registry loads >= 2 (tenant-a, task 4242 from disk)": v("registry_loads_total", "host") >= 2,
+            "host hits >= 1": v("hits_total", "host") >= 1,
+            "host misses >= 3 (the two loads and the unknown id 999)": v("misses_total", "host") >= 3,
+            "host adapters >= 2": v("adapters", "host") >= 2,
+            "host bytes > 0": v("bytes", "host") > 0,
+            "device misses >= 2 (copied into a device slot)": v("misses_total", "device") >= 2,
+            "device adapters >= 1 (idle adapters stay resident)": v("adapters", "device") >= 1,
+            "device evictions >= 2 (one slot: a, 4242, a)": v("evictions_total", "device") >= 2,
+            # the Gateway API Inference Extension's LoRA gauge: one series, value the time of the last update
+            "gauge labels idle, max_lora 1": (labels.get("running_lora_adapters"), labels.get("waiting_lora_adapters"),
+                                              labels.get("max_lora")) == ("", "", "1"),
+            "gauge value a recent time": abs(stamp - time.time()) < 30,
+        }
+        return [what for what, ok in checks.items() if not ok]
+
+    deadline = time.monotonic() + 15  # gauges and counters are refreshed every 0.5 s: wait for the state
+    while (missing := unmet(*_lora_state(server))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not missing, (missing, _lora_state(server))
