@@ -66,7 +66,8 @@ class TritonPythonModel:
 
 
 class _LoraCheck:
-    """Refuses bad LoRA inputs (`lora.request.parse_request`) before the images are decoded and encoded."""
+    """Refuses bad LoRA inputs (`lora.request.check_request`: the wire weights are checked in place, no adapter
+    is built) before the images are decoded and encoded."""
 
     def __init__(self, model_dir, lora_dir, max_rank: int):
         from triton_vlm.lora.registry import Registry
@@ -76,8 +77,8 @@ class _LoraCheck:
         self.registry, self.max_rank = Registry(lora_dir, self.spec), max_rank
 
     def __call__(self, request, row=None) -> None:
-        from triton_vlm.lora.request import parse_request
+        from triton_vlm.lora.request import check_request
 
         inputs = tensors.lora_inputs(request, row)
         if inputs is not None:
-            parse_request(*inputs, self.spec, self.registry, self.max_rank)
+            check_request(*inputs, self.spec, self.registry, self.max_rank)
