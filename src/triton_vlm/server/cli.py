@@ -23,7 +23,7 @@ from ..paths import cache_dir
 from . import rundir
 from .process import TritonServer
 from .repository import check_parameters
-from .supervisor import Supervisor
+from .supervisor import Supervised, Supervisor
 
 
 def _demo_png() -> bytes:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not stopping.is_set():
         _print_banner(args, model, log_file)
-        rc = _supervise(server, stopping, args.timeout)
+        rc = _supervise(stopping, args.timeout, server)
     else:
         rc = 0
     server.stop()
@@ -136,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _supervise(server: TritonServer, stopping: threading.Event, ready_timeout: float) -> int:
-    """Keep `server` serving until SIGINT / SIGTERM (0) or until the supervisor gives up (1)."""
-    supervisor = Supervisor(server, say=lambda m: print(m, flush=True), ready_timeout=ready_timeout).start()
+def _supervise(stopping: threading.Event, ready_timeout: float, *children: Supervised) -> int:
+    """Keep `children` (started and ready: the tritonserver, and any process serving beside it) running until
+    SIGINT / SIGTERM (0) or until the supervisor gives up on one of them (1); then stop them all."""
+    supervisor = Supervisor(*children, say=lambda m: print(m, flush=True), ready_timeout=ready_timeout).start()
     while not stopping.wait(0.5) and not supervisor.failed.is_set():
         pass
     supervisor.stop()
+    for child in reversed(children):
+        child.stop()
     return 1 if supervisor.failed.is_set() else 0
 
 
