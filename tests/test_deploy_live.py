@@ -82,7 +82,12 @@ def test_probes_ports_and_metric_names_are_the_servers(triton_server):
 
 # --- the picker's view -----------------------------------------------------------------------------------------
 REPLICA_PARAMS = {"max_rows": "2", "max_loras": "2", "kv_cache_mb": "0", "kv_cache_tokens": "1024"}
-PROMPT_TOKENS, NEW_TOKENS = 300, 150  # a long prompt: KV blocks are taken at prefill, so the load shows at once
+# a's requests: a 300-token prompt (19 KV blocks taken at prefill) and 150 new tokens. b's one request: a short
+# prompt and 480 new tokens, so b is busy most of the time (the demo model decodes fast: with a long prompt and
+# few new tokens b's request was in the engine 12% of the time) and holds at most 31 blocks, fewer than a's two
+# prefilled prompts (38).
+PROMPT_TOKENS, NEW_TOKENS = 300, 150
+SHORT_PROMPT, LONG_NEW_TOKENS = "USER: Say hello. ASSISTANT:", 480
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +119,14 @@ def long_prompt(demo_model) -> str:
 
 class Load:
     """Threads that each send one long request after another to a replica until stopped (bounded: each request
-    is NEW_TOKENS tokens; every answer must succeed)."""
+    has a fixed number of new tokens; every answer must succeed)."""
 
     def __init__(self):
         self.stop, self.threads, self.errors, self.done = threading.Event(), [], [], 0
         self.lock = threading.Lock()
 
-    def add(self, server, adapter: str, prompt: str, count: int) -> None:
-        body = json.dumps({"text_input": prompt, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+    def add(self, server, adapter: str, prompt: str, new_tokens: int, count: int) -> None:
+        body = json.dumps({"text_input": prompt, "max_tokens": new_tokens, "min_tokens": new_tokens,
                            "exclude_input_in_output": True, "lora_name": adapter}).encode()
         url = f"http://{server.http_url}/v2/models/ensemble/generate"
 
@@ -193,9 +198,9 @@ def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
     before = {k: scrape(s) for k, s in servers.items()}
 
     load = Load()
-    try:  # a: 4 requests of adapter french for 2 rows; b: 1 request of adapter sentence
-        load.add(servers["a"], "french", prompt, 4)
-        load.add(servers["b"], "sentence", prompt, 1)
+    try:  # a: 4 streams of adapter french for 2 rows; b: 1 stream of adapter sentence
+        load.add(servers["a"], "french", prompt, NEW_TOKENS, 4)
+        load.add(servers["b"], "sentence", SHORT_PROMPT, LONG_NEW_TOKENS, 1)
         view = wait_for(servers, engine, lambda v: (
             v["a"].running == 2 and v["a"].waiting >= 1 and v["b"].running == 1 and v["b"].waiting == 0
             and v["a"].active_models == {"french"} and v["b"].active_models == {"sentence"}
