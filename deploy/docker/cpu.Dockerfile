@@ -34,7 +34,7 @@ RUN python3 -c "from triton_vlm.server.install import prepare_server_tree; prepa
 
 # HTTP, gRPC, Prometheus metrics, the OpenAI-compatible API
 EXPOSE 8000 8001 8002 9000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://localhost:8000/v2/health/ready', timeout=2)"]
 ENTRYPOINT ["triton-vlm-serve"]
 CMD ["--log-file", "-"]

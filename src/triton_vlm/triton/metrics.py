@@ -15,7 +15,8 @@ counters, `triton_vlm_lora_cache_{adapters,bytes}{level}` gauges. And the LoRA g
 API Inference Extension's model-server protocol, with vLLM's `lora_requests_info` semantics:
 `triton_vlm_lora_requests_info{running_lora_adapters="a,b",waiting_lora_adapters="c",max_lora="16"}`, value the
 Unix time of the last update (one series at a time: the previous label set is removed when the adapters change).
-An endpoint picker reads it with `--lora-info-metric triton_vlm_lora_requests_info`.
+The endpoint picker reads it as the `loraSpec` of its EndpointPickerConfig (deploy/kubernetes/overlays/
+inference-gateway/endpoint-picker-config.yaml).
 
 Without the python backend (unit tests) every method is a no-op. A Metric is only valid while its
 MetricFamily lives, so the families are kept here and dropped after the metrics in `close()`.
