@@ -302,7 +302,10 @@ def test_leftover_check_counts_only_processes_of_this_session():
     other = subprocess.Popen(fake, env={k: v for k, v in os.environ.items() if k != conftest.SESSION_MARK})
     mine = subprocess.Popen(fake)
     try:
-        named = lambda pid: (p := procs.read_proc(pid)) is not None and p.argv[0].endswith("tritonserver")  # noqa: E731
+        def named(pid: int) -> bool:  # exec'd as "tritonserver" (argv is empty for a moment during exec)
+            p = procs.read_proc(pid)
+            return p is not None and bool(p.argv) and p.argv[0].endswith("tritonserver")
+
         assert _wait(lambda: named(other.pid) and named(mine.pid), 10), (procs.read_proc(other.pid),
                                                                         procs.read_proc(mine.pid))
         assert conftest._ours(procs.read_proc(mine.pid)), os.environ[conftest.SESSION_MARK]
