@@ -266,3 +266,22 @@ def test_own_copies_on_cuda_are_complete_when_they_return():
         src.fill_(float("nan"))
     torch.cuda.synchronize()
     assert torch.equal(copy, want)
+
+
+def test_top_log_probs_only_when_asked_padded_and_not_repeated_after_streaming():
+    backend = FakeBackend()
+    svc = service(backend, [gen(top_log_probs=2)])
+    a = Sequence_([7, 8], "<7><8>", -1.0, [-0.5, -0.5], [[-0.5, -1.0], [-0.5, -2.0]], [[7, 3], [8, 4]])
+    b = Sequence_([9], "<9>", -0.125, [-0.125], [[-0.125, -3.0]], [[9, 5]])
+    [(resp, _)] = run(svc, backend, [GenerationResult("r0", [a, b], final=True)])
+    assert resp[N.OUTPUT_TOP_LOG_PROB_IDS].tolist() == [[[7, 3], [8, 4]], [[9, 5], [-1, -1]]]
+    assert resp[N.OUTPUT_TOP_LOG_PROBS].tolist() == [[[-0.5, -1.0], [-0.5, -2.0]], [[-0.125, -3.0], [0.0, 0.0]]]
+    backend = FakeBackend()
+    svc = service(backend, [gen(stream=True, top_log_probs=2)])
+    piece = Sequence_([7], "<7>", 0.0, [-0.5], [[-0.5, -1.0]], [[7, 3]])
+    sent = run(svc, backend, [GenerationResult("r0", [piece], final=False), GenerationResult("r0", [a], final=True)])
+    assert [r[N.OUTPUT_TOP_LOG_PROB_IDS].tolist() for r, _ in sent] == [[[[7, 3]]], [[[8, 4]]]]
+    backend = FakeBackend()
+    svc = service(backend, [gen()])
+    [(resp, _)] = run(svc, backend, [GenerationResult("r0", [a], final=True)])
+    assert N.OUTPUT_TOP_LOG_PROBS not in resp and N.OUTPUT_TOP_LOG_PROB_IDS not in resp

@@ -242,3 +242,54 @@ def test_num_input_and_output_tokens(triton_server, demo_model, streaming):
     plain, err = send(triton_server, {k: v for k, v in inputs.items() if not k.startswith("return_num")},
                       outputs=("text_output",))
     assert err is None and all("num_input_tokens" not in r for r in plain)
+
+
+# --- top-k log probs per generated token (OpenAI's top_logprobs) -------------------------------------------
+TOP = ("text_output", "output_ids", "sequence_length", "output_log_probs", "output_top_log_probs",
+       "output_top_log_prob_ids")
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_top_log_probs_streamed_and_not(triton_server, sampling):
+    """k = 5: greedy picks each step's most likely token, so the top-1 is the answer; sampling (seeded) too is
+    reproducible; the streamed pieces' arrays concatenate to the non-streamed ones."""
+    extra = dict(temperature=1.0, seed=11) if sampling else {}
+
+    def ask(streaming):
+        inputs = prepare_inputs(DESCRIBE.replace("<image>", inline(png("square", "red", 4))), 8, streaming,
+                                return_top_log_probs=5, return_log_probs=True, **extra)
+        if sampling:
+            inputs["seed"] = np.array([[11]], dtype=np.uint64)
+        responses, err = send(triton_server, inputs, outputs=TOP)
+        assert err is None, err
+        ids = np.concatenate([r["output_ids"][0, 0, :int(r["sequence_length"].reshape(-1)[0])] for r in responses])
+        lps = np.concatenate([r["output_log_probs"][0, 0, :int(r["sequence_length"].reshape(-1)[0])]
+                              for r in responses])
+        top = np.concatenate([r["output_top_log_probs"][0, 0] for r in responses])  # [new_tokens, 5]
+        top_ids = np.concatenate([r["output_top_log_prob_ids"][0, 0] for r in responses])
+        return ids, lps, top, top_ids
+
+    ids, lps, top, top_ids = ask(False)
+    assert top.shape == top_ids.shape == (len(ids), 5)
+    assert (np.diff(top, axis=1) <= 0).all() and (top <= 0).all(), "best first, log probs"
+    for t, lp, row_ids, row_lp in zip(ids, lps, top_ids, top):  # the chosen token, where it ranks in the top k
+        if t in row_ids:
+            assert row_lp[list(row_ids).index(t)] == pytest.approx(lp, abs=1e-5)
+        else:
+            assert lp <= row_lp[-1] + 1e-5
+    if not sampling:
+        assert top_ids[:, 0].tolist() == ids.tolist()
+    s_ids, s_lps, s_top, s_top_ids = ask(True)
+    assert s_ids.tolist() == ids.tolist() and s_top_ids.tolist() == top_ids.tolist()
+    np.testing.assert_allclose(s_top, top, atol=1e-6)
+    np.testing.assert_allclose(s_lps, lps, atol=1e-6)
+
+
+def test_top_log_probs_refused_with_beam_search_and_above_20(triton_server):
+    for extra, needle in ((dict(return_top_log_probs=2), "return_top_log_probs needs beam_width 1"),
+                          (dict(return_top_log_probs=21), "return_top_log_probs must be in [0, 20], got 21")):
+        inputs = prepare_inputs(HELLO, 4, False, **extra)
+        if "needs beam" in needle:
+            inputs["beam_width"] = np.array([[2]], dtype=np.int32)
+        responses, err = send(triton_server, inputs)
+        assert not responses and err is not None and needle in err, err

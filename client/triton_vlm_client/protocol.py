@@ -46,6 +46,7 @@ RANDOM_SEED = "random_seed"  # older name of seed
 RETURN_LOG_PROBS = "return_log_probs"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+RETURN_TOP_LOG_PROBS = "return_top_log_probs"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
 LORA_TASK_ID = "lora_task_id"
@@ -64,6 +65,8 @@ SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"
+OUTPUT_TOP_LOG_PROB_IDS = "output_top_log_prob_ids"
 
 # early_stopping on the wire (transformers' False / True / "never")
 EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, EARLY_STOPPING_NEVER = 0, 1, 2
@@ -94,6 +97,7 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(RETURN_LOG_PROBS, BOOL, (1,)),
     TensorInfo(RETURN_NUM_INPUT_TOKENS, BOOL, (1,)),
     TensorInfo(RETURN_NUM_OUTPUT_TOKENS, BOOL, (1,)),
+    TensorInfo(RETURN_TOP_LOG_PROBS, INT32, (1,)),
     TensorInfo(EXCLUDE_INPUT_IN_OUTPUT, BOOL, (1,)),
     TensorInfo(STREAM, BOOL, (1,)),
     TensorInfo(LORA_TASK_ID, UINT64, (1,)),
@@ -113,6 +117,8 @@ OUTPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(DROPPED_IMAGES, INT32, (1,)),
     TensorInfo(NUM_INPUT_TOKENS, INT32, (1,)),  # with return_num_input_tokens
     TensorInfo(NUM_OUTPUT_TOKENS, INT32, (1,)),  # with return_num_output_tokens: new tokens in this response
+    TensorInfo(OUTPUT_TOP_LOG_PROBS, FP32, (-1, -1, -1)),  # [sequences, new_tokens, k] with return_top_log_probs
+    TensorInfo(OUTPUT_TOP_LOG_PROB_IDS, INT32, (-1, -1, -1)),  # their token ids
 )
 
 INPUTS_BY_NAME: dict[str, TensorInfo] = {t.name: t for t in INPUTS}

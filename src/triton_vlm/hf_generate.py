@@ -193,14 +193,18 @@ class HFGenerator:
     def _sequences(self, req: GenerationRequest, out, eos_ids: list[int]) -> list[Sequence_]:
         """generate()'s output -> the returned sequences, each cut at its EOS or stop word, with scores."""
         new = out.sequences[:, len(req.input_ids):]  # [n, new]
+        top = None
         if req.params.beam_width > 1:
             step_lp = self.model.compute_transition_scores(out.sequences, out.scores, out.beam_indices,
                                                            normalize_logits=False)
             cums = out.sequences_scores.tolist()
         else:
             logits = torch.stack(out.logits, dim=1).float()  # [n, new, vocab]
-            step_lp = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
+            logp = torch.log_softmax(logits, -1)
+            step_lp = logp.gather(-1, new[..., None]).squeeze(-1)
             cums = None
+            if req.params.top_log_probs:
+                top = torch.topk(logp, req.params.top_log_probs, dim=-1)  # [n, new, k] each, best first
         seqs = []
         for i in range(new.shape[0]):
             toks = new[i].tolist()
@@ -212,5 +216,8 @@ class HFGenerator:
             toks = toks[:n]
             lps = step_lp[i, :n].tolist()
             cum = cums[i] if cums is not None else float(sum(lps))
-            seqs.append(Sequence_(toks, self.tokenizer.decode(toks, skip_special_tokens=True), cum, lps))
+            seq = Sequence_(toks, self.tokenizer.decode(toks, skip_special_tokens=True), cum, lps)
+            if top is not None:
+                seq.top_log_probs, seq.top_ids = top.values[i, :n].tolist(), top.indices[i, :n].tolist()
+            seqs.append(seq)
         return seqs

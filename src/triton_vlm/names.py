@@ -64,6 +64,7 @@ RANDOM_SEED = "random_seed"  # older TensorRT-LLM name of seed
 RETURN_LOG_PROBS = "return_log_probs"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+RETURN_TOP_LOG_PROBS = "return_top_log_probs"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 STREAM = "stream"
 LORA_TASK_ID = "lora_task_id"
@@ -81,6 +82,8 @@ SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"
+OUTPUT_TOP_LOG_PROB_IDS = "output_top_log_prob_ids"
 
 # Required inputs that config.pbtxt declares optional and the models check themselves. Triton 2.51 checks only
 # the number of inputs: a request that leaves out `text_input` but sends an optional input instead passes, and
@@ -132,6 +135,8 @@ GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _in(RETURN_LOG_PROBS, BOOL, default=False, doc="fill cum_log_probs and output_log_probs"),
     _in(RETURN_NUM_INPUT_TOKENS, BOOL, default=False, doc="add num_input_tokens to every response"),
     _in(RETURN_NUM_OUTPUT_TOKENS, BOOL, default=False, doc="add num_output_tokens to every response"),
+    _in(RETURN_TOP_LOG_PROBS, INT32, default=0,
+        doc="k (0..20): the k most likely tokens and their log probs at each new token (beam_width 1 only)"),
     _in(EXCLUDE_INPUT_IN_OUTPUT, BOOL, default=False, doc="text_output/output_ids hold only new tokens"),
     _in(STREAM, BOOL, default=False, doc="send tokens as they are generated (decoupled responses)"),
 )
@@ -166,6 +171,11 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
                doc="prompt tokens, image tokens included (with return_num_input_tokens)"),
     TensorSpec(NUM_OUTPUT_TOKENS, INT32, (1,),
                doc="new tokens in this response, all its sequences (with return_num_output_tokens)"),
+    TensorSpec(OUTPUT_TOP_LOG_PROBS, FP32, (-1, -1, -1),
+               doc="[sequences, new_tokens, k] the k highest log probs at each new token, best first "
+                   "(with return_top_log_probs)"),
+    TensorSpec(OUTPUT_TOP_LOG_PROB_IDS, INT32, (-1, -1, -1),
+               doc="[sequences, new_tokens, k] their token ids (with return_top_log_probs)"),
 )
 
 # --- per model ------------------------------------------------------------------------------------------

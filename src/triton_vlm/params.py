@@ -15,6 +15,7 @@ from . import names as N
 from .errors import InvalidArgument
 
 MAX_BEAM_WIDTH = 16
+MAX_TOP_LOG_PROBS = 20  # OpenAI's bound on top_logprobs
 # OpenAI's range for presence_penalty / frequency_penalty
 PENALTY_RANGE = (-2.0, 2.0)
 # bad_words / stop_words per request: each word costs a comparison per generated token, and bad words covering
@@ -46,6 +47,7 @@ class GenerationParams:
     return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    top_log_probs: int = 0  # k most likely tokens per new token (greedy / sampling)
     exclude_input_in_output: bool = False
     stream: bool = False
 
@@ -105,6 +107,7 @@ class GenerationParams:
             return_log_probs=bool(get(N.RETURN_LOG_PROBS, False)),
             return_num_input_tokens=bool(get(N.RETURN_NUM_INPUT_TOKENS, False)),
             return_num_output_tokens=bool(get(N.RETURN_NUM_OUTPUT_TOKENS, False)),
+            top_log_probs=integer(N.RETURN_TOP_LOG_PROBS, 0),
             exclude_input_in_output=bool(get(N.EXCLUDE_INPUT_IN_OUTPUT, False)),
             stream=bool(get(N.STREAM, False)),
         )
@@ -137,6 +140,10 @@ class GenerationParams:
         _real_in(N.TEMPERATURE, self.temperature, 0.0, lo_open=self.do_sample)
         _int_in(N.TOP_K, self.top_k, 0)
         _real_in(N.TOP_P, self.top_p, 0.0, 1.0, lo_open=True)
+        _int_in(N.RETURN_TOP_LOG_PROBS, self.top_log_probs, 0, MAX_TOP_LOG_PROBS)
+        if self.top_log_probs and self.beam_width > 1:
+            raise InvalidArgument(f"{N.RETURN_TOP_LOG_PROBS} needs beam_width 1 (greedy or sampling), got "
+                                  f"beam_width {self.beam_width}")
 
 
 def _int_in(name: str, v: int, lo: int, hi: int | None = None) -> int:
@@ -209,6 +216,9 @@ class GenerationRequest:
         n_eos = len(self.end_ids(limits))
         if p.beam_width > 1 and max(2, 1 + n_eos) * p.beam_width > p.beam_width * limits.vocab_size:
             raise InvalidArgument(f"beam_width {p.beam_width} is too large for a vocabulary of {limits.vocab_size}")
+        if p.top_log_probs > limits.vocab_size:
+            raise InvalidArgument(f"{N.RETURN_TOP_LOG_PROBS} {p.top_log_probs} exceeds the vocabulary "
+                                  f"({limits.vocab_size} tokens)")
 
 
 def check_word_count(what: str, n: int) -> None:
@@ -232,6 +242,8 @@ class Sequence_:
     text: str  # detokenized new tokens
     cum_log_prob: float = 0.0  # beam search: the ranking (length-penalised) score
     log_probs: list[float] = field(default_factory=list)  # per new token
+    top_log_probs: list[list[float]] = field(default_factory=list)  # [new_tokens][k] when asked, best first
+    top_ids: list[list[int]] = field(default_factory=list)  # [new_tokens][k] their token ids
 
 
 @dataclass(frozen=True)

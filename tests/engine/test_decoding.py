@@ -222,6 +222,36 @@ def test_penalties_change_the_output(model, nb):
     assert reward != free
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_top_log_probs_match_hf(model, sample):
+    """The k most likely tokens at each step: log_softmax of the raw logits, as HF's `output_logits`."""
+    extra = dict(do_sample=True, temperature=0.9, top_k=40, seed=3, num_return_sequences=2) if sample else {}
+    p = GenerationParams(max_tokens=10, top_log_probs=5, **extra)
+    prompt = prompt_for(95)
+    if sample:
+        torch.manual_seed(p.seed)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=10, eos_token_id=[EOS], pad_token_id=PAD, do_sample=sample,
+                             num_return_sequences=p.num_return_sequences, return_dict_in_generate=True,
+                             output_logits=True, **({"temperature": 0.9, "top_k": 40} if sample else {}))
+    ref = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(5, dim=-1)  # [n, new, 5]
+    dec = Decoder(p, prompt, eos_ids=(EOS,), vocab_size=V)
+    got = drive(model, dec, prompt)
+    assert len(got) == p.num_return_sequences
+    for i, g in enumerate(got):
+        n = len(g.token_ids)
+        assert g.token_ids == out.sequences[i, len(prompt):len(prompt) + n].tolist()
+        assert g.top_ids == ref.indices[i, :n].tolist()
+        assert torch.allclose(torch.tensor(g.top_log_probs), ref.values[i, :n], atol=TOL)
+        assert dec.token_info(i, 0, n) == (g.log_probs, g.top_log_probs, g.top_ids)  # what streaming sends
+        if not sample:  # greedy: the chosen token is the most likely one
+            assert [t[0] for t in g.top_ids] == g.token_ids
+            assert [t[0] for t in g.top_log_probs] == g.log_probs
+    beam = Decoder(GenerationParams(max_tokens=4, beam_width=2), prompt, eos_ids=(EOS,), vocab_size=V)
+    assert beam.token_info(0, 0, 1) is None
+
+
 @pytest.mark.parametrize("nb", [1, 2, 5])
 def test_multiple_eos_and_bad_words_match_hf(model, nb):
     prompt = prompt_for(30 + nb)
@@ -338,6 +368,10 @@ def test_invalid_requests_are_refused_at_the_boundary():
                         r"presence_penalty must be a finite number >= -2.0 and <= 2.0, got 2.5"),
                        (req(params=dataclasses.replace(p, frequency_penalty=float("nan"))), "frequency_penalty"),
                        (req(bad_words_ids=[[3]] * 1025), "bad_words holds 1025 words; at most 1024"),
+                       (req(params=dataclasses.replace(p, top_log_probs=21)),
+                        r"return_top_log_probs must be in \[0, 20\], got 21"),
+                       (req(params=dataclasses.replace(p, top_log_probs=2, beam_width=2)),
+                        "return_top_log_probs needs beam_width 1"),
                        (req(stop_words_ids=[[3] * 20] * 1000), "stop_words hold 20000 token ids in all; at most 16384"),
                        (req(ids=[1] * 61), "exceeds the context length 64; max_tokens can be at most 3")]:
         with pytest.raises(InvalidArgument, match=match):

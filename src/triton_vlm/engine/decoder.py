@@ -71,7 +71,8 @@ class Decoder:
         else:
             self._search = Sampler(
                 prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
-                max_new_tokens=params.max_tokens, do_sample=sampling, pipeline=pipeline, stop=stop, seed=params.seed)
+                max_new_tokens=params.max_tokens, do_sample=sampling, pipeline=pipeline, stop=stop, seed=params.seed,
+                top_log_probs=params.top_log_probs)
 
     @property
     def seed(self) -> int | None:
@@ -123,6 +124,12 @@ class Decoder:
         one, the common prefix of every hypothesis still in the running; greedy / sampling: every sequence's
         tokens so far."""
         return self._search.stream_prefixes()
+
+    def token_info(self, j: int, start: int, end: int):
+        """Sequence j's new tokens [start, end): (log probs, top-k log probs, top-k ids), or None where the search
+        does not know them before it finishes (beam search)."""
+        info = getattr(self._search, "token_info", None)
+        return None if info is None else info(j, start, end)
 
     def finalize(self) -> list[Sequence_]:
         """Ranked best first (beam search) or in sampling order; params.num_return_sequences of them."""

@@ -67,8 +67,13 @@ class OutputProcessor:
             text += st.detok.flush()
         if not new and not text:
             return
-        st.sent.extend(new)
         piece = Sequence_(token_ids=new, text=text)
+        p = a.req.params
+        if new and (p.return_log_probs or p.top_log_probs):  # greedy / sampling know them already
+            info = a.decoder.token_info(j, n, n + len(new))
+            if info is not None:
+                piece.log_probs, piece.top_log_probs, piece.top_ids = info
+        st.sent.extend(new)
         out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j)))
 
 

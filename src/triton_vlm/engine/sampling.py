@@ -5,6 +5,8 @@ ONE `torch.multinomial(probs [n, V], 1)` over all n rows, finished rows included
 call depends only on the shape, so finished rows (the scheduler no longer computes them) are filled with uniform
 probabilities and the surviving rows draw exactly the tokens HF draws from `torch.manual_seed(seed)`.
 Processors run on raw fp32 logits (HF does not log-softmax before processing outside beam search).
+Log probs (the chosen token's, and the `top_log_probs` k best when asked) are log_softmax of the raw logits: the
+model's own distribution, as OpenAI's `logprobs` / `top_logprobs` and HF's `normalize_logits=True`.
 
 A row with no finite processed score (every token excluded, e.g. by bad words and min_tokens; or NaN / inf
 logits) has no distribution to draw from: `multinomial` would reject it (a device-side assert on CUDA, which
@@ -30,7 +32,7 @@ def resolve_seed(seed: int | None) -> int:
 
 class Sampler:
     def __init__(self, *, prompt_ids: list[int], num_rows: int, max_new_tokens: int, do_sample: bool,
-                 pipeline: LogitsPipeline, stop: StopCriteria, seed: int | None = None):
+                 pipeline: LogitsPipeline, stop: StopCriteria, seed: int | None = None, top_log_probs: int = 0):
         self.prompt = torch.tensor(prompt_ids, dtype=torch.long)  # [Lp]
         self.Lp = len(prompt_ids)
         self.n = num_rows
@@ -39,6 +41,7 @@ class Sampler:
         self.pipeline = pipeline
         self.stop = stop
         self.seed = resolve_seed(seed)
+        self.k = top_log_probs
         self.generator: torch.Generator | None = None
         self.t = 0
         self.alive: list[int] = list(range(num_rows))  # rows (of n) still generating, in logits order
@@ -52,6 +55,9 @@ class Sampler:
         self.seqs = torch.zeros((self.n, self.Lp + self.max_new), dtype=torch.long, device=device)  # [n, Lmax]
         self.seqs[:, :self.Lp] = self.prompt.to(device)
         self.tok_lp = torch.zeros((self.n, self.max_new), dtype=torch.float, device=device)  # [n, max_new]
+        if self.k:
+            self.top_lp = torch.zeros((self.n, self.max_new, self.k), dtype=torch.float, device=device)  # [n, T, k]
+            self.top_ids = torch.zeros((self.n, self.max_new, self.k), dtype=torch.long, device=device)  # [n, T, k]
         if self.do_sample:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.seed)
@@ -84,9 +90,14 @@ class Sampler:
             tokens = next_all[alive]
         else:
             tokens = torch.argmax(scores, dim=-1)  # [rows]
-        chosen_lp = nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]
+        logp = nn.functional.log_softmax(raw, dim=-1)  # [rows, V]
+        chosen_lp = logp.gather(1, tokens[:, None])[:, 0]
         self.seqs[alive, L] = tokens
         self.tok_lp[alive, t] = chosen_lp
+        if self.k:
+            top = torch.topk(logp, self.k, dim=-1)  # [rows, k] each, best first
+            self.top_lp[alive, t] = top.values
+            self.top_ids[alive, t] = top.indices
         hits, stuck_rows = torch.stack((self.stop(self.seqs[alive, :L + 1], t + 1), stuck)).tolist()
         if any(stuck_rows):
             bad = torch.tensor(stuck_rows, device=raw.device)
@@ -110,15 +121,21 @@ class Sampler:
         gen = self.seqs[:, self.Lp:].tolist()
         return [gen[r][:self.lengths[r]] for r in range(self.n)]
 
+    def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list[list[float]], list[list[int]]]:
+        """Row r's new tokens [start, end): their log probs, and the top-k log probs / ids ([] without k)."""
+        lp = self.tok_lp[r, start:end].tolist()
+        if not self.k:
+            return lp, [], []
+        return lp, self.top_lp[r, start:end].tolist(), self.top_ids[r, start:end].tolist()
+
     def finalize(self, n: int) -> list[Sequence_]:
         """The first n rows in sampling order (HF does not re-rank); `log_probs` = log_softmax of the raw
-        logits at each chosen token, `cum_log_prob` their sum."""
+        logits at each chosen token, `cum_log_prob` their sum; the top-k of the same distribution when asked."""
         if not self._init:
             return [Sequence_([], "", 0.0, []) for _ in range(n)]
         gen = self.seqs[:, self.Lp:].tolist()
-        lps = self.tok_lp.tolist()
         out = []
         for r in range(min(n, self.n)):
-            lp = lps[r][:self.lengths[r]]
-            out.append(Sequence_(gen[r][:self.lengths[r]], "", float(sum(lp)), lp))
+            lp, top_lp, top_ids = self.token_info(r, 0, self.lengths[r])
+            out.append(Sequence_(gen[r][:self.lengths[r]], "", float(sum(lp)), lp, top_lp, top_ids))
         return out

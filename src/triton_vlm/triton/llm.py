@@ -218,6 +218,21 @@ class LLMService:
             out[N.NUM_OUTPUT_TOKENS] = (_OUT[N.NUM_OUTPUT_TOKENS], [new_tokens])
         return out
 
+    def _top(self, row: _Row, tops: list[list[list[float]]], ids: list[list[list[int]]]) -> dict:
+        """output_top_log_probs / output_top_log_prob_ids [sequences, new_tokens, k] when asked (padding: log
+        prob 0, id -1)."""
+        k = row.gen.params.top_log_probs
+        if not k:
+            return {}
+        width = max((len(t) for t in tops), default=0)
+        lp = np.zeros((len(tops), width, k), np.float32)  # [sequences, new_tokens, k]
+        tid = np.full((len(tops), width, k), -1, np.int32)
+        for i, (t, d) in enumerate(zip(tops, ids)):
+            if t:
+                lp[i, :len(t)], tid[i, :len(d)] = t, d
+        return {N.OUTPUT_TOP_LOG_PROBS: (_OUT[N.OUTPUT_TOP_LOG_PROBS], lp),
+                N.OUTPUT_TOP_LOG_PROB_IDS: (_OUT[N.OUTPUT_TOP_LOG_PROB_IDS], tid)}
+
     def _piece(self, row: _Row, result: GenerationResult):
         seq = result.sequences[0]
         j = result.sequence_index
@@ -234,6 +249,7 @@ class LLMService:
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [j]),
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [row.gen.dropped_images]),
             **self._counts(row, len(seq.token_ids)),
+            **self._top(row, [seq.top_log_probs], [seq.top_ids]),
         })
 
     def _final(self, row: _Row, result: GenerationResult):
@@ -241,18 +257,22 @@ class LLMService:
         # streamed responses never repeat the prompt (as in TensorRT-LLM), the final one included
         prompt_ids = [] if p.exclude_input_in_output or p.stream else gen.input_ids
         prompt_text = "" if p.exclude_input_in_output or p.stream else self.prompt_text(gen.input_ids)
-        texts, rows, lps, new_tokens = [], [], [], 0
+        texts, rows, lps, new_tokens, tops, top_ids = [], [], [], 0, [], []
         for j, s in enumerate(result.sequences):
             full, ids, lp = prompt_text + s.text, prompt_ids + list(s.token_ids), list(s.log_probs)
+            top, top_id = list(s.top_log_probs), list(s.top_ids)
             if p.stream:  # only what sequence j has not received yet
                 sent, sent_ids = row.streamed.get(j, ""), row.streamed_ids.get(j, [])
                 if full.startswith(sent) and ids[:len(sent_ids)] == sent_ids:
                     full, ids, lp = full[len(sent):], ids[len(sent_ids):], lp[len(sent_ids):]
+                    top, top_id = top[len(sent_ids):], top_id[len(sent_ids):]
                 else:  # cannot happen with the engine (it streams a stable prefix only)
                     log.warning("request %s: final sequence %d does not extend what was streamed", gen.request_id, j)
             texts.append(full)
             rows.append(ids)
             lps.append(lp)
+            tops.append(top)
+            top_ids.append(top_id)
             new_tokens += len(ids) if p.stream else len(s.token_ids)  # streamed: those not sent yet
         width = max((len(r) for r in rows), default=0)
         out_ids = np.full((len(rows), width), p.pad_id, dtype=np.int32)  # [sequences, max_len]
@@ -274,6 +294,7 @@ class LLMService:
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [0]),
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
             **self._counts(row, new_tokens),
+            **self._top(row, tops, top_ids),
         })
 
     def prompt_text(self, ids: list[int]) -> str:
