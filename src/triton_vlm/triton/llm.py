@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,8 @@ class LLMService:
                                   lora_slots=getattr(self.backend, "lora_slots", None) if lora else None,
                                   lora_info=getattr(self.backend, "lora_info", None) if lora else None)
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
+        if hasattr(self.backend, "on_fatal"):
+            self.backend.on_fatal = self._fatal
         self.backend.start()
         self.responder.start()
 
@@ -100,6 +103,13 @@ class LLMService:
         self.backend.shutdown()  # queues a final result for every request it still holds
         self.responder.stop()  # sends them; anything still live gets UNAVAILABLE
         self.metrics.close()
+
+    def _fatal(self, error: BaseException) -> None:
+        """The engine stopped on a CUDA error (the context may be unusable): send the final errors queued, then
+        end this stub so that the python backend starts a fresh one."""
+        log.critical("llm: the engine stopped on a CUDA error (%s); exiting so that the model restarts", error)
+        self.responder.stop(timeout=2.0)
+        os._exit(1)
 
     def _tick(self) -> None:
         self.metrics.update_gauges()
