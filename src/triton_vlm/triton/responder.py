@@ -9,12 +9,15 @@ SIGSEGV (`TRITONBACKEND_ResponseFactoryIsCancelled`). So a request's whole lifet
 - one thread, the responder, sends every response and removes a request from the table in the same step that
   sends its final response;
 - one other thread, the poller, asks `is_cancelled()`. In the python backend that call is a blocking round trip
-  to the server (the stub's stub-to-parent thread, then the server's message thread: about 50 us each, measured
-  by `bench/cancel_poll.py`), so it never runs on the thread that sends: with 1,024 live requests one sweep of
-  them took about 55 ms, and every response waited behind it. The poller asks at most `max_batch` requests per
-  `poll_s` (round robin), enough for a full sweep every `sweep_s` up to `max_batch * sweep_s / poll_s` live
-  requests (640 by default; 1,024 are swept in 0.8 s). A cancelled request is queued to the responder, which
-  sends its CANCELLED response like any other.
+  to the server (queued to the stub's stub-to-parent thread, answered by the server's message thread; about
+  50 us on an idle 2-core machine, 150-300 us on a busy one), so it never runs on the thread that sends: asked
+  there, a sweep of 1,024 live requests took 40-55 ms, every 50 ms, and every response waited behind it
+  (`bench/cancel_poll.py`). The poller works in sweeps: each asks every request live when it starts,
+  `ceil(live * poll_s / sweep_s)` of them (at most `max_batch`) every `poll_s`. So a cancellation is seen within
+  `sweep_s` up to `max_batch * sweep_s / poll_s` live requests (640 by default) and within 0.85 s at the default
+  limits (1,088 live: `max_queue` 1,024 waiting + `max_rows` 64 running); the round trips are bounded by
+  `max_batch / poll_s` a second (1,280). A cancelled request is queued to the responder, which sends its
+  CANCELLED response like any other.
 
 The handshake between the two threads (`_lock` guards the table and each entry's `polling` flag): the poller
 marks an entry `polling` under the lock only while it is still in the table, and clears it after the call;
