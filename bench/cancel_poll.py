@@ -30,8 +30,9 @@ thread in bounded batches.
 | 256 | 5.9 / 5.4 | 64.0 / 16.0 | 18.3 / 6.2 | 503 / 647 | 0.15 / 0.50 |
 | 1,024 | 39.6 / 5.1 | 72.3 / 16.6 | 40.5 / 8.0 | 204 / 615 | 0.47 / 0.87 |
 
-(Probe tok/s is lower with background requests open even after: one background row runs beside the probe, with
-a LoRA adapter.) Instrumented copies logged, before: a sweep of 1,024 live requests 40-55 ms on the sending
+(Every row has one background request running beside the probes, with a LoRA adapter. After, probe tok/s still
+falls from 1 to 1,024 open: the poller's round trips, 1,280 a second at most, use CPU on these 2 cores.)
+Instrumented copies logged, before: a sweep of 1,024 live requests 40-55 ms on the sending
 thread (up to 240 ms mean when the machine was busiest); after: 1,280 round trips a second at most, 80-250 us
 each on the poller thread.
 
