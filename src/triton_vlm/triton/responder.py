@@ -23,7 +23,9 @@ The handshake between the two threads (`_lock` guards the table and each entry's
 marks an entry `polling` under the lock only while it is still in the table, and clears it after the call;
 the responder takes an entry out of the table and then waits until it is not `polling` before it sends FINAL.
 So no `is_cancelled()` ever overlaps or follows a request's final response, and a request leaves the table
-exactly once. The wait is at most one round trip, for that one request only.
+exactly once. The wait is at most one round trip, for that one request only. A non-final send may overlap a
+poll of the same request: the python backend takes both from any thread (the send is pushed by the calling
+thread, the poll goes through the stub's stub-to-parent thread), and only a FINAL frees the response factory.
 
 Every request that was opened gets exactly one final response: its result, its error, CANCELLED when the
 client cancelled it, UNAVAILABLE when a non-final response could not be delivered (its generation is stopped)
