@@ -2,8 +2,8 @@
 
 `execute()` parses each request, hands it to a `Responder` (which owns it from then on) and to the backend
 (our engine or the `transformers` baseline), and returns at once. The backend's thread only queues its
-results; the responder's thread sends every response and polls `is_cancelled()`, so nothing touches a request
-after its final response (see `responder.py`). Triton 2.51 forwards a client's cancellation to a request sent
+results; the responder's thread sends every response and a poller thread asks `is_cancelled()` in bounded
+batches, so nothing touches a request after its final response (see `responder.py`). Triton 2.51 forwards a client's cancellation to a request sent
 to `llm` directly; through the ensemble it checks cancellation only between steps.
 
 Streaming protocol (`stream` true): non-final responses carry one piece of one sequence (`text_output` [1],
