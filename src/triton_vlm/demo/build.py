@@ -50,8 +50,30 @@ def ensure_demo_model(progress: bool = True) -> Path:
     """Path of the cached demo model; builds it first (about a minute or two) if it is missing."""
     path = demo_model_path()
     if is_complete(path):
+        ensure_chat_template(path)
         return path
     return build_demo_model(path, progress=progress)
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where LlavaProcessor.save_pretrained writes the processor's template
+
+
+def ensure_chat_template(path: Path) -> None:
+    """Give a cached demo model the current chat template (llava-1.5's) without retraining: the template is not
+    part of the weights. Rewritten atomically, only when it differs; a read-only cache is left as it is."""
+    from triton_vlm.demo.checkpoint import CHAT_TEMPLATE
+
+    f = path / CHAT_TEMPLATE_FILE
+    try:
+        if f.is_file() and f.read_text() == CHAT_TEMPLATE:
+            return
+        with _lock(path):
+            tmp = path / f".{CHAT_TEMPLATE_FILE}.tmp-{os.getpid()}"
+            tmp.write_text(CHAT_TEMPLATE)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, f)
+    except OSError:
+        pass
 
 
 def read_info(path: Path | None = None) -> dict:

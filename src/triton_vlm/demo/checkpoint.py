@@ -41,17 +41,18 @@ DEFAULT_TEXTS = [
     "red green blue yellow circle square triangle shape color image describe",
 ]
 
-# Llama-style chat template (used only by callers that want apply_chat_template).
+# llava-1.5's chat template (llava-hf/llava-1.5-7b-hf chat_template.json), the format the demo model is trained on:
+# [image, "What color is the shape?"] + generation prompt -> "USER: <image>\nWhat color is the shape? ASSISTANT:".
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT:{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}"
+    "{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
 
