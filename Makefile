@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml client/pyproject.toml deploy/docker/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the one install script, shared with the container images (torch first, pinned)
-	bash deploy/docker/install.sh --python $(PY) --extras test,bench
+	bash deploy/docker/install.sh --python $(PY) --extras test,bench,openai
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,79 @@
+"""`build_app(config)`: the FastAPI application (run it with uvicorn; `python -m triton_vlm.openai` does).
+
+At start-up (lifespan) it waits for Triton, reads the llm model's parameters (`model_path`, `lora_dir`,
+`context_length`) for what the command line left out, and loads the served model (tokenizer, chat template).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from .config import FrontendConfig
+from .errors import install_handlers
+from .media import MediaPolicy
+from .metrics import FrontendMetrics
+from .served import ServedModel
+from .service import Frontend
+from .triton import LLM, TritonClient
+
+log = logging.getLogger("triton_vlm.openai")
+
+
+async def _server_parameters(client: TritonClient, timeout_s: float) -> dict[str, str]:
+    """The llm model's parameters once Triton answers (waiting up to `timeout_s`), or {} when it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await client.ready((LLM,)):
+            try:
+                return await client.model_parameters(LLM)
+            except Exception as e:  # noqa: BLE001
+                log.warning("cannot read the llm model's config: %s", e)
+                return {}
+        if time.monotonic() > deadline:
+            return {}
+        await asyncio.sleep(0.5)
+
+
+async def start_frontend(config: FrontendConfig) -> Frontend:
+    client = TritonClient(config.triton, route=config.route, channels=config.grpc_channels,
+                          timeout_s=config.request_timeout_s)
+    params = await _server_parameters(client, config.startup_timeout_s)
+    model_dir = config.model_dir or (Path(params["model_path"]) if params.get("model_path") else None)
+    if model_dir is None or not Path(model_dir).is_dir():
+        await client.close()
+        raise SystemExit(f"triton-vlm openai: no checkpoint folder: pass --model-dir (the server at {config.triton} "
+                         f"{'reported ' + repr(params.get('model_path')) if params else 'did not answer'})")
+    lora_dir = config.lora_dir or (Path(params["lora_dir"]) if params.get("lora_dir") else None)
+    context = int(params.get("context_length") or 0)
+    served = await asyncio.to_thread(ServedModel, Path(model_dir), served_name=config.served_model_name,
+                                     lora_dir=lora_dir, chat_template=config.chat_template, context_length=context)
+    client.context_length = served.context_length
+    media = MediaPolicy(tuple(config.allowed_image_domains), config.max_image_bytes, config.image_fetch_timeout_s)
+    log.info("serving %s (%s) from Triton at %s, route %s, adapters %s, chat template %s", served.base_id,
+             served.model_dir, config.triton, config.route, served.adapters.names() or "none",
+             served.chat.origin if served.chat else "none")
+    return Frontend(client, served, media, FrontendMetrics(config.metrics_url()), api_key=config.api_key)
+
+
+def build_app(config: FrontendConfig):
+    """The ASGI application for `config` (the front end starts when the server's lifespan starts)."""
+    from fastapi import FastAPI
+
+    from .routers import chat, completions, health, models
+
+    @asynccontextmanager
+    async def lifespan(app):
+        app.state.frontend = await start_frontend(config)
+        try:
+            yield
+        finally:
+            await app.state.frontend.client.close()
+
+    app = FastAPI(title="triton-vlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_handlers(app)
+    for module in (models, chat, completions, health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,32 @@
+"""The front end's settings (one dataclass, filled by the command line or by the launcher)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    triton: str = "localhost:8001"  # Triton's gRPC endpoint, host:port
+    model_dir: Optional[Path] = None  # the checkpoint (tokenizer, chat template); default: the server's model_path
+    served_model_name: Optional[str] = None  # default: the checkpoint folder's name
+    lora_dir: Optional[Path] = None  # the adapter registry; default: the server's llm lora_dir
+    api_key: Optional[str] = None  # require `Authorization: Bearer <key>` on /v1/*
+    chat_template: Optional[Path] = None
+    allowed_image_domains: tuple[str, ...] = ()
+    max_image_bytes: int = DEFAULT_MAX_BYTES
+    image_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
+    triton_metrics_url: Optional[str] = None  # default: http://<triton host>:<gRPC port + 1>/metrics
+    route: str = "pipeline"  # "pipeline" (cancellable, default) or "ensemble" (see triton.py)
+    grpc_channels: int = 2
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 120.0  # how long to wait for Triton at start
+
+    def metrics_url(self) -> str:
+        if self.triton_metrics_url:
+            return self.triton_metrics_url
+        host, _, port = self.triton.rpartition(":")
+        return f"http://{host or 'localhost'}:{int(port) + 1}/metrics"

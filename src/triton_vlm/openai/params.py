@@ -1,0 +1,148 @@
+"""An OpenAI request's sampling fields -> the ensemble's generation inputs (`Plan`).
+
+Ranges the engine checks (temperature, top_p, penalties, max_tokens against the context, ...) are left to it:
+its INVALID_ARG messages reach the client unchanged. Checked here is only what belongs to the API:
+
+- `n` choices: beam search returns the `n` best of `best_of` beams (vLLM's `use_beam_search`, beam width
+  `best_of`, default `n`); sampling returns `n` samples (`num_return_sequences`), or the `n` most likely of
+  `best_of` samples; greedy decoding is deterministic, so `n` greedy choices are one generation returned `n`
+  times (the engine refuses `num_return_sequences` > 1 without sampling or beams).
+- no temperature / top_p / top_k in the request: the checkpoint's generation_config decides (`served.py`);
+  `temperature` 0 is greedy. vLLM's `top_k` -1 (off) is the ensemble's 0.
+- `stop`: sent as the ensemble's `stop_words` (ends a sequence early, at the token level) and matched on the
+  text by the front end (`choices.StopMatcher`), which removes the stop string as OpenAI does.
+- `ignore_eos`: `min_tokens` = `max_tokens` (EOS is never chosen).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from .. import names as N
+from .errors import bad_request, unsupported
+from .schemas import MAX_N, MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
+
+MAX_STOP = 16
+EARLY_STOPPING = {False: N.EARLY_STOPPING_FALSE, True: N.EARLY_STOPPING_TRUE, "never": N.EARLY_STOPPING_NEVER}
+# the engine's streamed pieces carry no per-token log probs yet: streamed requests that ask for logprobs are run
+# unstreamed and sent as SSE chunks once the final response is in
+STREAMED_LOG_PROBS = False
+TOP_LOG_PROBS_INPUT: Optional[str] = getattr(N, "TOP_LOG_PROBS", None)  # the ensemble's top-k log probs, if any
+
+
+@dataclass
+class Plan:
+    inputs: dict[str, object] = field(default_factory=dict)  # ensemble generation input -> scalar
+    max_tokens: Optional[int] = None
+    n: int = 1  # choices returned
+    copies: int = 1  # greedy n > 1: the one generation returned this many times
+    rank_best_of: bool = False  # sampling best_of > n: keep the n best by cumulative log prob
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    stream_engine: bool = False  # stream from the engine (False: stream=true answered from the final response)
+    include_usage: bool = False
+    continuous_usage: bool = False
+    ignore_eos: bool = False
+    beam: bool = False
+
+
+def _stop_list(stop: Union[str, list[str], None]) -> list[str]:
+    words = [stop] if isinstance(stop, str) else list(stop or [])
+    words = [w for w in words if w]
+    if len(words) > MAX_STOP:
+        raise bad_request(f"stop holds {len(words)} strings; at most {MAX_STOP} are accepted", param="stop")
+    return words
+
+
+def _sampling(body, defaults: dict, inputs: dict) -> bool:
+    """Fill temperature / top_p / top_k; True when the request samples (the ensemble's own rule)."""
+    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k") if getattr(body, k) is not None}
+    values = given if given else dict(defaults)
+    if "top_k" in values and values["top_k"] < 0:
+        if values["top_k"] != -1:
+            raise bad_request(f"top_k must be -1 (off) or >= 0, got {values['top_k']}", param="top_k")
+        values["top_k"] = 0
+    for k, name in (("temperature", N.TEMPERATURE), ("top_p", N.TOP_P), ("top_k", N.TOP_K)):
+        if k in values:
+            inputs[name] = values[k]
+    temperature = values.get("temperature", 1.0)
+    return bool(values) and temperature > 0 and values.get("top_k", 0) != 1
+
+
+def make_plan(body: Union[ChatCompletionRequest, CompletionRequest], defaults: dict) -> Plan:
+    p = Plan(max_tokens=body.max_new_tokens, stream=body.stream, ignore_eos=body.ignore_eos)
+    inputs = p.inputs
+    if not 1 <= body.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
+    p.n = body.n
+    if body.stream_options is not None:
+        if not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        p.include_usage = body.stream_options.include_usage or body.stream_options.continuous_usage_stats
+        p.continuous_usage = body.stream_options.continuous_usage_stats
+    _logprobs(body, p)
+    sampling = _sampling(body, defaults, inputs)
+    if body.seed is not None:
+        if body.seed < 0 or body.seed >= 2**64:
+            raise bad_request(f"seed must be in [0, 2**64), got {body.seed}", param="seed")
+        inputs[N.SEED] = body.seed
+    for k, name in (("presence_penalty", N.PRESENCE_PENALTY), ("frequency_penalty", N.FREQUENCY_PENALTY),
+                    ("repetition_penalty", N.REPETITION_PENALTY)):
+        value = getattr(body, k)
+        if value is not None:
+            inputs[name] = value
+    if body.min_tokens:
+        inputs[N.MIN_TOKENS] = body.min_tokens
+    p.stop = _stop_list(body.stop)
+    _choices(body, p, sampling)
+    if p.logprobs or p.rank_best_of:
+        inputs[N.RETURN_LOG_PROBS] = True
+    p.stream_engine = p.stream and (STREAMED_LOG_PROBS or not p.logprobs)
+    return p
+
+
+def _logprobs(body, p: Plan) -> None:
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        p.logprobs, p.top_logprobs = body.logprobs, top or 0
+    else:
+        p.logprobs, p.top_logprobs = body.logprobs is not None, body.logprobs or 0
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
+                          param="top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs")
+    if p.top_logprobs and TOP_LOG_PROBS_INPUT is None:
+        raise unsupported("top_logprobs", "the engine returns the log prob of each chosen token only "
+                          "(top_logprobs 0)")
+
+
+def _choices(body, p: Plan, sampling: bool) -> None:
+    n, best_of = body.n, body.best_of
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if body.use_beam_search:
+        width = best_of or n
+        p.beam = True
+        p.inputs.update({N.BEAM_WIDTH: width, N.NUM_RETURN_SEQUENCES: n, N.LENGTH_PENALTY: body.length_penalty,
+                         N.EARLY_STOPPING: EARLY_STOPPING[body.early_stopping]})
+        return
+    if body.length_penalty != 1.0 or body.early_stopping is not False:
+        raise bad_request("length_penalty and early_stopping apply to beam search only (use_beam_search: true)",
+                          param="length_penalty" if body.length_penalty != 1.0 else "early_stopping")
+    if not sampling:
+        if best_of is not None and best_of > 1:
+            raise bad_request("best_of > 1 needs sampling (temperature > 0) or use_beam_search", param="best_of")
+        p.copies = n
+        return
+    k = best_of or n
+    if k > MAX_N:
+        raise bad_request(f"best_of must be in [1, {MAX_N}], got {k}", param="best_of")
+    if k > n:
+        if body.stream:
+            raise bad_request("best_of > n cannot be streamed", param="best_of")
+        p.rank_best_of = True
+    if k > 1:
+        p.inputs[N.NUM_RETURN_SEQUENCES] = k

@@ -1,0 +1,115 @@
+"""OpenAI's response bodies, as plain dicts: chat completions and their chunks, text completions and theirs,
+usage and log probs in both endpoints' formats, and Server-Sent Events framing."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Optional
+
+from .choices import Choice
+
+DONE = b"data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- log probs ------------------------------------------------------------------------------------------
+def chat_logprobs(tokens: list[tuple[int, str, float]]) -> dict:
+    """Chat's format: one entry per token (`token`, `logprob`, `bytes`, `top_logprobs`)."""
+    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                        for _, text, lp in tokens], "refusal": None}
+
+
+def completion_logprobs(tokens: list[tuple[int, str, float]], offset: int = 0) -> dict:
+    """The completions endpoint's format: parallel lists, `text_offset` counting from the choice's text."""
+    offsets, pos = [], offset
+    for _, text, _ in tokens:
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": [t for _, t, _ in tokens], "token_logprobs": [lp for _, _, lp in tokens],
+            "top_logprobs": None, "text_offset": offsets}
+
+
+# --- chat ------------------------------------------------------------------------------------------------
+class ChatFormat:
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model: str, request_id: Optional[str] = None):
+        self.id = request_id or new_id("chatcmpl")
+        self.model, self.created = model, int(time.time())
+
+    def full(self, choices: list[Choice], finish: list[str], logprobs: Optional[list], usage_: dict) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text,
+                                                           "refusal": None, "tool_calls": []},
+                             "logprobs": chat_logprobs(logprobs[i]) if logprobs else None,
+                             "finish_reason": finish[i]} for i, c in enumerate(choices)],
+                "usage": usage_, "system_fingerprint": None}
+
+    def chunk(self, index: int, *, text: Optional[str] = None, role: bool = False,
+              finish_reason: Optional[str] = None, logprobs: Optional[list] = None,
+              usage_: Optional[dict] = None) -> dict:
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+            delta["content"] = ""
+        if text is not None:
+            delta["content"] = text
+        out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+               "choices": [{"index": index, "delta": delta,
+                            "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+                            "finish_reason": finish_reason}]}
+        if usage_ is not None:
+            out["usage"] = usage_
+        return out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_}
+
+
+# --- completions -----------------------------------------------------------------------------------------
+class CompletionFormat:
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, model: str, request_id: Optional[str] = None):
+        self.id = request_id or new_id("cmpl")
+        self.model, self.created = model, int(time.time())
+
+    def full(self, choices: list[Choice], finish: list[str], logprobs: Optional[list], usage_: dict,
+             prefixes: Optional[list[str]] = None) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            prefix = prefixes[i] if prefixes else ""
+            out.append({"index": c.index, "text": prefix + c.text,
+                        "logprobs": completion_logprobs(logprobs[i], len(prefix)) if logprobs else None,
+                        "finish_reason": finish[i]})
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": out, "usage": usage_, "system_fingerprint": None}
+
+    def chunk(self, index: int, *, text: Optional[str] = None, role: bool = False,
+              finish_reason: Optional[str] = None, logprobs: Optional[list] = None,
+              usage_: Optional[dict] = None, offset: int = 0) -> dict:
+        out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+               "choices": [{"index": index, "text": text or "",
+                            "logprobs": completion_logprobs(logprobs, offset) if logprobs is not None else None,
+                            "finish_reason": finish_reason}]}
+        if usage_ is not None:
+            out["usage"] = usage_
+        return out
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_}

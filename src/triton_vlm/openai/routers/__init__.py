@@ -1,0 +1,89 @@
+"""One router per endpoint, and what they share: the API key check, per-request metrics, and cancellation of an
+unstreamed request whose client went away (a streamed one is cancelled by Starlette, which stops the response
+when the client disconnects; closing our generators closes the gRPC stream, and Triton cancels the request)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from typing import Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import APIError, internal
+from ..service import Frontend
+
+
+def frontend(request: Request) -> Frontend:
+    return request.app.state.frontend
+
+
+async def authorize(request: Request) -> None:
+    """With --api-key, /v1/* needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI answers)."""
+    key = frontend(request).api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect API key provided" if token else "Missing bearer token: send "
+                       "'Authorization: Bearer <api key>'", code="invalid_api_key")
+
+
+def request_id(prefix: str, given: str | None) -> str:
+    return given or f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[object]]) -> Response:
+    """Run an endpoint's work: a dict becomes a JSON body, an async iterator an SSE stream. Counts the request in
+    the front end's metrics; cancels the work when the client disconnects before the answer is ready."""
+    fe, t0 = frontend(request), time.perf_counter()
+    fe.metrics.running += 1
+    status, streaming = 200, False
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:  # the client went away: cancel the generation
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            status = 499
+            return Response(status_code=499)
+        try:
+            result = task.result()
+        except APIError as e:
+            status = e.status
+            raise
+        except Exception as e:  # noqa: BLE001
+            status = 500
+            raise internal(e) from None
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        streaming = True
+        return StreamingResponse(_counted(fe, endpoint, t0, result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finally:
+        watch.cancel()
+        if not streaming:
+            fe.metrics.running -= 1
+            fe.metrics.finished(endpoint, status, time.perf_counter() - t0)
+
+
+async def _counted(fe: Frontend, endpoint: str, t0: float, body):
+    status = 200
+    try:
+        async for chunk in body:
+            yield chunk
+    except BaseException:
+        status = 499  # the client went away mid-stream
+        raise
+    finally:
+        await body.aclose()
+        fe.metrics.running -= 1
+        fe.metrics.finished(endpoint, status, time.perf_counter() - t0)

@@ -1,0 +1,76 @@
+"""POST /v1/chat/completions: messages -> the checkpoint's chat template -> the ensemble's prompt and images."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from ..chat_template import Turn, check_text
+from ..errors import bad_request
+from ..params import make_plan
+from ..responses import ChatFormat
+from ..schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, ChatMessage, ImagePart, unsupported_fields
+from ..service import Frontend
+from ..triton import TritonRequest
+from . import authorize, frontend, request_id, serve
+
+router = APIRouter(dependencies=[Depends(authorize)])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await serve(request, "chat", lambda: _chat(frontend(request), body))
+
+
+def _turn(i: int, m: ChatMessage) -> tuple[Turn, list[str]]:
+    """A message's parts (text, or None for an image) and its image URLs, in order."""
+    where = f"messages[{i}]"
+    if m.tool_calls:
+        raise bad_request(f"{where}.tool_calls: tools are not supported by this server", param="messages")
+    role = "system" if m.role == "developer" else m.role
+    if m.content is None:
+        if role != "assistant":
+            raise bad_request(f"{where}.content is required for role {m.role!r}", param="messages")
+        return Turn(role, []), []
+    if isinstance(m.content, str):
+        return Turn(role, [check_text(m.content, f"{where}.content")]), []
+    parts, urls = [], []
+    for k, part in enumerate(m.content):
+        if isinstance(part, ImagePart):
+            if role != "user":
+                raise bad_request(f"{where}.content[{k}]: images are accepted in user messages only",
+                                  param="messages")
+            parts.append(None)
+            urls.append(part.image_url.url)
+        else:
+            parts.append(check_text(part.text, f"{where}.content[{k}].text"))
+    return Turn(role, parts), urls
+
+
+async def _chat(fe: Frontend, body: ChatCompletionRequest):
+    bad = unsupported_fields(body, UNSUPPORTED_CHAT)
+    if bad:
+        raise bad_request(f"not supported by this server: {', '.join(bad)}", param=bad[0],
+                          code="unsupported_parameter")
+    lora_name = fe.served.resolve(body.model)
+    if fe.served.chat is None:
+        raise bad_request(f"the model {fe.served.base_id} has no chat template: use /v1/completions with your own "
+                          "prompt, or start the front end with --chat-template FILE", param="messages",
+                          code="no_chat_template")
+    turns, urls = [], []
+    for i, m in enumerate(body.messages):
+        turn, message_urls = _turn(i, m)
+        turns.append(turn)
+        urls += message_urls
+    plan = make_plan(body, fe.served.defaults)
+    images = list(await asyncio.gather(*(fe.media.load(u) for u in urls)))
+    prompt = fe.served.chat.render(turns, len(images), add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message)
+    rid = request_id("chatcmpl", body.request_id)
+    job = TritonRequest(rid, prompt, images, plan.max_tokens, plan.inputs, plan.stop, lora_name,
+                        stream=plan.stream_engine, ignore_eos=plan.ignore_eos)
+    fmt = ChatFormat(body.model, rid)
+    if plan.stream:
+        return await fe.stream(fmt, [job], plan)
+    return await fe.complete(fmt, [job], plan)
+
