@@ -8,8 +8,8 @@ it fills the defaults llava-1.5's sparse `text_config` relies on and normalises 
   strategy, and the image token count, by one formula (`image_token_count`) that preprocess, the vision
   encoder, the engine and the demo build all use;
 - `eos_ids`: `generation_config.json`'s `eos_token_id`, else the text config's, else the top config's;
-- `context_length`: `max_position_embeddings`, clamped to `sliding_window` (Mistral v0.1: a sequence never
-  outgrows the window, instead of masking by window);
+- `context_length`: `max_position_embeddings` (a `sliding_window` does not shorten it: attention is masked to
+  the window instead, `TextSpec.layer_windows`, as transformers' Mistral and Qwen2 do);
 - `image_token_id`.
 `TensorSource` is the one weight loader: `model.safetensors`, shards listed in `model.safetensors.index.json`,
 or (older checkpoints) `pytorch_model.bin` / its index.
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # Qwen2: Llama with q/k/v biases
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 FEATURE_STRATEGIES = ("default", "full")
 VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
@@ -56,13 +56,16 @@ class TextSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    max_position_embeddings: int  # the context length (sliding window applied): prompt + max_tokens must fit
+    max_position_embeddings: int  # the context length: prompt + max_tokens must fit
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta (+ llama3 / linear fields)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     image_token_id: Optional[int] = None  # LLaVA placeholder id; None for a plain Llama
+    # per layer, the sliding attention window (a query sees the keys q - window < k <= q), 0 = full attention;
+    # () when no layer slides (Mistral with sliding_window: every layer; Qwen2: layer_types "sliding_attention")
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def kv_groups(self) -> int:
@@ -173,9 +176,6 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
     if getattr(text, "hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {text.hidden_act!r} is not supported; only 'silu' (Llama family)")
     max_pos = int(text.max_position_embeddings)
-    window = getattr(text, "sliding_window", None)
-    if window:
-        max_pos = min(max_pos, int(window))
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % kv_heads:
@@ -188,7 +188,22 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
                                                              text.hidden_size // heads),
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
-        mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id)
+        mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
+        layer_windows=_layer_windows(text))
+
+
+def _layer_windows(text: Any) -> tuple[int, ...]:
+    """Sliding windows per layer as transformers applies them: `layer_types` when the config has them (Qwen2:
+    "sliding_attention" layers use `sliding_window`, which its config sets only with use_sliding_window), else
+    `sliding_window` on every layer (Mistral); () when no layer slides."""
+    window = int(getattr(text, "sliding_window", None) or 0)
+    types = getattr(text, "layer_types", None)
+    if not window:
+        return ()
+    if types is None:
+        return (window,) * int(text.num_hidden_layers)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def _vision_spec(top: Any) -> VisionSpec:

@@ -1,11 +1,15 @@
-"""The Llama-family decoder forward (Llama / Vicuna / Mistral layout), reading and writing the paged KV cache.
+"""The Llama-family decoder forward (Llama / Vicuna / Mistral / Qwen2 layout), reading and writing the paged KV cache.
 
 One forward call takes `rows` rows that each get `q_len` new tokens (a prefill chunk of one prompt, or one
 decode token for every running row) as embeddings `[rows, q_len, hidden]` plus an `AttentionBatch` from
 `KVCache.plan`, and returns fp32 logits. Pieces, as in transformers' Llama: RMSNorm computed in fp32, rotary
 embeddings looked up per row from each token's own position (rope_theta; "linear" and Llama-3 "llama3"
 scaling), grouped-query attention with `scaled_dot_product_attention` over each row's gathered keys, masked
-to its own causal length, a SiLU-gated MLP and the lm_head.
+to its own causal length, a SiLU-gated MLP and the lm_head. Qwen2 is the same forward with q/k/v biases (a
+`Linear` takes the checkpoint's bias when it has one). A layer with a sliding window (`TextSpec.layer_windows`:
+Mistral's `sliding_window`, Qwen2's "sliding_attention" layers) also masks the keys at or beyond `window`
+positions back, as transformers' sliding-window causal mask: a query at position q sees keys q - window < k <= q.
+Column j of a row's gathered keys is its position j (`KVCache.plan` reads a row's slots in position order).
 
 Batch invariance: a row only ever attends to its own keys (gathered from its own blocks); padding up to the
 longest row of the call is masked out, so it gets softmax weight exactly 0. What batching can still change
@@ -84,9 +88,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Tensor]:
+    """Attention mask [rows, 1, q_len, T] per window: 0 -> the batch's causal mask; w -> also key k > q - w."""
+    masks = {0: batch.mask}
+    key_pos = torch.arange(batch.mask.shape[-1], device=batch.mask.device)  # [T]: column j is position j
+    for w in windows - {0}:
+        masks[w] = batch.mask & (key_pos > batch.positions[:, None, :, None] - w)
+    return masks
+
+
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0):
         self.input_norm, self.post_norm, self.eps = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"], eps
+        self.window = window  # sliding attention window, 0 = full causal attention
         for m in MODULES:
             setattr(self, m, Linear(w[f"layers.{i}.{m}"], w.get(f"layers.{i}.{m}.bias"), layer=i, module=m))
 
@@ -97,7 +111,8 @@ class LlamaModel:
         self.embed_tokens = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
         self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD)
-        self.layers = [Layer(weights, i, c.rms_norm_eps) for i in range(c.num_layers)]
+        windows = c.layer_windows or (0,) * c.num_layers
+        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i]) for i in range(c.num_layers)]
         self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
         inv = rope_inv_freq(c.rope, c.head_dim)  # [head_dim / 2]
         freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
@@ -128,9 +143,10 @@ class LlamaModel:
         rows, q_len, _ = x.shape
         cos = self.cos[batch.positions][:, None]  # [rows, 1, q_len, head_dim]
         sin = self.sin[batch.positions][:, None]
+        masks = window_masks(batch, {layer.window for layer in self.layers})
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, layer.eps)
-            x = x + self._attention(layer, i, h, cos, sin, batch, cache, adapters)
+            x = x + self._attention(layer, i, h, cos, sin, batch, masks[layer.window], cache, adapters)
             h = rms_norm(x, layer.post_norm, layer.eps)
             x = x + layer.down_proj(F.silu(layer.gate_proj(h, adapters)) * layer.up_proj(h, adapters), adapters)
         if not all_logits:
@@ -139,7 +155,8 @@ class LlamaModel:
         logits = self.lm_head(x, adapters).float()  # [rows, q_len or 1, vocab]
         return logits if all_logits else logits[:, 0]
 
-    def _attention(self, layer: Layer, i: int, h, cos, sin, batch: AttentionBatch, cache: KVCache, adapters):
+    def _attention(self, layer: Layer, i: int, h, cos, sin, batch: AttentionBatch, mask: torch.Tensor,
+                   cache: KVCache, adapters):
         c = self.config
         rows, q_len, _ = h.shape
         q = layer.q_proj(h, adapters).view(rows, q_len, c.num_heads, c.head_dim).transpose(1, 2)
@@ -156,6 +173,6 @@ class LlamaModel:
         values = vc.index_select(0, flat).view(rows, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         # keys / values: [rows, kv_heads, T, head_dim]
         # grouped-query attention without materialising repeated K/V (the repeat was 40% of a beam step)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=c.kv_groups > 1)  # [rows, heads, q_len, hd]
         return layer.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1), adapters)

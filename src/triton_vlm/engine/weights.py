@@ -1,4 +1,4 @@
-"""Read a Llama-family language model (Llama / Vicuna / Mistral layout) out of a Hugging Face checkpoint.
+"""Read a Llama-family language model (Llama / Vicuna / Mistral / Qwen2 layout) out of a Hugging Face checkpoint.
 
 Accepted directories:
 
@@ -7,7 +7,9 @@ Accepted directories:
   transformers 5.x in memory / newer saves: `model.language_model.layers.N...` + `lm_head.weight`;
   older saves (and what transformers 5.x `save_pretrained` still writes): `language_model.model.layers.N...`
   + `language_model.lm_head.weight`.
-- a plain Llama / Mistral checkpoint: `model.layers.N...` + `lm_head.weight`.
+- a plain Llama / Mistral / Qwen2 checkpoint: `model.layers.N...` + `lm_head.weight`.
+
+Biases: every projection whose checkpoint holds a `.bias` gets it (Qwen2: q/k/v; Llama with attention_bias).
 
 Weights come through `spec.TensorSource` (safetensors, sharded or not, or `pytorch_model.bin`); the config is
 `spec.CheckpointSpec.load(model_dir).text`. Tied embeddings (`tie_word_embeddings` or no lm_head tensor)
@@ -87,6 +89,7 @@ def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:
             f"layers.{i}.up_proj": (c.intermediate_size, c.hidden_size),
             f"layers.{i}.down_proj": (c.hidden_size, c.intermediate_size),
         }
+    want |= {f"{name}.bias": (want[name][0],) for name in list(want) if f"{name}.bias" in w}
     for name, shape in want.items():
         if tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config implies {shape}")
