@@ -274,6 +274,7 @@ class GenerationResult:
     sequence_index: int = 0
     error: Optional[Exception] = None
     stats: Optional[RequestStats] = None  # final results of the engine
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed for this request)
 
 
 def words_from_flat(flat: Sequence[int]) -> list[list[int]]:

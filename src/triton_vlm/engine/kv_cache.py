@@ -14,14 +14,26 @@ Design choice: block tables with copy-on-write (as vLLM's PagedAttention), read 
 - Attention reads a row's keys by gathering its slots (`read_slots`, `[rows, T]`) from the pool; a GPU build
   can replace the gather with a paged-attention kernel over the same tables.
 - Budget: the scheduler *reserves* a request's worst case (`blocks_needed`) at admission and releases it at
-  the end, so an allocation during a step never fails and nothing is ever evicted (TensorRT-LLM's
+  the end, so an allocation during a step never fails and no running request ever loses a block (TensorRT-LLM's
   "guaranteed no evict" policy). Requests that do not fit wait in the queue.
+- Prefix caching (`prefix_cache.py`, vLLM v1's design): full blocks whose KV is complete are registered under
+  their block hash (`register`). When no row holds such a block any more it stays cached, *idle*, in least
+  recently used order, instead of going back to the free list; a later request with the same prefix takes it
+  again (`reuse`: its reference count goes from 0 to 1). An allocation takes a free block first, else evicts
+  the least recently used idle block. Idle blocks count as available capacity everywhere (`free_blocks`,
+  `used_blocks`) and are never reserved: the sum of reservations stays <= num_blocks, and blocks held by rows
+  never exceed the reservations of their requests, so a reserved allocation always finds a free or idle
+  block. A row frees its blocks last to first, so the tail of a prefix is evicted before its head.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
+
+from .prefix_cache import BlockHash, PrefixStats
 
 
 class CacheFull(RuntimeError):
@@ -42,6 +54,10 @@ def blocks_needed(prompt_len: int, max_tokens: int, rows: int, block_size: int) 
 class RowKV:
     blocks: list[int] = field(default_factory=list)  # block table
     length: int = 0  # tokens cached
+    # prefix caching (only for requests that hash): the hashes of the row's first len(hashes) blocks, and the
+    # token ids of the positions after them (the block being filled)
+    hashes: list[BlockHash] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,15 +82,27 @@ class KVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: lowest ids handed out first
         self.refcount = [0] * num_blocks
         self.reserved = 0  # blocks promised to admitted requests
+        # prefix cache: hash -> block and back, for full blocks whose KV is complete; the ones no row holds
+        self._by_hash: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; least recently used first
+        self.prefix_stats = PrefixStats()
 
     # --- budget -------------------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and idle cached ones (evicted on demand)."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some row holds."""
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the prefix cache index, held or idle."""
+        return len(self._hash_of)
 
     def try_reserve(self, n: int) -> bool:
         if self.reserved + n > self.num_blocks:
@@ -88,16 +116,23 @@ class KVCache:
 
     # --- blocks ---------------------------------------------------------------------------------------------
     def _alloc(self) -> int:
-        if not self._free:
+        if self._free:
+            b = self._free.pop()
+        elif self._idle:  # evict the least recently used cached block
+            b, _ = self._idle.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(b)]
+        else:
             raise CacheFull(f"all {self.num_blocks} KV blocks are in use")
-        b = self._free.pop()
         self.refcount[b] = 1
         return b
 
     def _decref(self, b: int) -> None:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
-            self._free.append(b)
+            if b in self._hash_of:
+                self._idle[b] = None  # most recently used end
+            else:
+                self._free.append(b)
 
     def new_row(self) -> RowKV:
         return RowKV()
@@ -106,35 +141,41 @@ class KVCache:
         """A new row continuing `row`'s tokens; shares its blocks until one of them writes (copy-on-write)."""
         for b in row.blocks:
             self.refcount[b] += 1
-        return RowKV(list(row.blocks), row.length)
+        return RowKV(list(row.blocks), row.length, list(row.hashes), list(row.tokens))
 
     def free(self, row: RowKV) -> None:
-        for b in row.blocks:
+        for b in reversed(row.blocks):  # last block first: the tail of a cached prefix is evicted first
             self._decref(b)
-        row.blocks, row.length = [], 0
+        row.blocks, row.length, row.hashes, row.tokens = [], 0, [], []
 
-    def _copy_block(self, src: int, dst: int, n: int) -> None:
-        bs = self.block_size
-        self.k[:, dst * bs:dst * bs + n] = self.k[:, src * bs:src * bs + n]
-        self.v[:, dst * bs:dst * bs + n] = self.v[:, src * bs:src * bs + n]
+    # --- prefix cache ---------------------------------------------------------------------------------------
+    def reuse(self, row: RowKV, hashes: Sequence[BlockHash], prompt_len: int) -> int:
+        """Start the empty `row` with the longest run of cached blocks matching `hashes` (a prompt's full-block
+        hashes), leaving at least the prompt's last token to compute (its logits start decoding). Counts the
+        lookup in `prefix_stats` (tokens); returns the tokens reused."""
+        assert not row.blocks, "reuse() starts an empty row"
+        hit: list[int] = []
+        for h in hashes[:(prompt_len - 1) // self.block_size]:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        for b in hit:
+            if self.refcount[b] == 0:
+                del self._idle[b]
+            self.refcount[b] += 1
+        row.blocks, row.length, row.hashes = hit, len(hit) * self.block_size, list(hashes[:len(hit)])
+        st = self.prefix_stats
+        st.requests, st.queries, st.hits = st.requests + 1, st.queries + prompt_len, st.hits + row.length
+        return row.length
 
-    def append(self, row: RowKV, n: int) -> list[int]:
-        """Make room for `n` more tokens of `row`; return their pool slots. Copies the last block first when
-        it is partially filled and shared with another row."""
-        bs = self.block_size
-        used = row.length % bs
-        if used and self.refcount[row.blocks[-1]] > 1:
-            old, new = row.blocks[-1], self._alloc()
-            self._copy_block(old, new, used)
-            self._decref(old)
-            row.blocks[-1] = new
-        slots = []
-        for pos in range(row.length, row.length + n):
-            if pos // bs == len(row.blocks):
-                row.blocks.append(self._alloc())
-            slots.append(row.blocks[pos // bs] * bs + pos % bs)
-        row.length += n
-        return slots
+    def register(self, row: RowKV, index: int, h: BlockHash) -> None:
+        """Block `index` of `row` is full, its KV complete, and hashes to `h`: findable from now on. A hash already
+        cached keeps its first block (this one is then freed as usual when its rows let it go)."""
+        b = row.blocks[index]
+        if h not in self._by_hash and b not in self._hash_of:
+            self._by_hash[h] = b
+            self._hash_of[b] = h
 
     # --- addressing for one forward ---------------------------------------------------------------------
     def plan(self, rows: list[RowKV], q_len: int) -> AttentionBatch:

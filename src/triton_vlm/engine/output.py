@@ -47,7 +47,8 @@ class OutputProcessor:
         if a.req.params.stream:  # the rest of every sequence that was being streamed
             for j in sorted(a.streams):
                 self._piece(a, j, seqs[j].token_ids, out, flush=True)
-        out.append((a.on_result, GenerationResult(a.id, seqs, final=True, stats=_stats(a))))
+        out.append((a.on_result, GenerationResult(a.id, seqs, final=True, stats=_stats(a),
+                                                  cached_tokens=a.kv.cached)))
         return out
 
     def fail(self, a: Active, error: Exception) -> list[Output]:
@@ -74,7 +75,8 @@ class OutputProcessor:
             if info is not None:
                 piece.log_probs, piece.top_log_probs, piece.top_ids = info
         st.sent.extend(new)
-        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j)))
+        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j,
+                                                  cached_tokens=a.kv.cached)))
 
 
 def _stats(a: Active) -> RequestStats:

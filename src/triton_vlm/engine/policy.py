@@ -14,7 +14,8 @@ First come first served. `schedule()`:
    copy runs out of memory, a cache fault), what was taken before is given back, the request leaves the queue
    and is listed in `plan.failed` with the exception (the scheduler ends it with an error), and admission goes
    on with the next request;
-3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first;
+3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first (a
+   request admitted with a cached prefix starts after it: `KVCache.reuse`);
 4. decodes every running request whose prompt is complete after this step's prefill.
 
 `retire()` gives a finished request's budgets back (rows, blocks, reservation, adapter slot; idempotent). The
@@ -89,8 +90,10 @@ class Policy:
 
     def _fits(self, a: Active) -> Optional[str]:
         """Reserve every budget `a` needs, all or nothing: its rows, its worst-case KV blocks, its adapter's
-        device slot and its first KV row. None when it holds them all; else the budget that is short ("rows",
-        "kv" or "slot"), holding none. If taking one raises, the ones taken before are given back first."""
+        device slot and its first KV row, started with the cached blocks of its prompt's longest cached prefix
+        (prefix caching; the reservation counts them too). None when it holds them all; else the budget that is
+        short ("rows", "kv" or "slot"), holding none. If taking one raises, the ones taken before are given
+        back first."""
         if self.rows_reserved + a.width > self.max_rows:
             return "rows"
         if not self.cache.try_reserve(a.kv.reserved):
@@ -104,9 +107,15 @@ class Policy:
                     return "slot"
                 a.lora = lora
             a.kv.rows = [self.cache.new_row()]
+            if a.kv.hasher is not None:
+                a.kv.cached = a.kv.prefilled = self.cache.reuse(a.kv.rows[0], a.kv.hasher.prompt_hashes,
+                                                                a.prompt_len)
         except BaseException:
             lora, a.lora = a.lora, None
+            rows, a.kv.rows, a.kv.cached, a.kv.prefilled = a.kv.rows, [], 0, 0
             try:
+                for r in rows:
+                    self.cache.free(r)
                 self.cache.release(a.kv.reserved)
             finally:
                 if lora is not None:

@@ -6,6 +6,9 @@
   the prompt's last position when the chunk completes the prompt, else None.
 - `decode(actives)`: one forward with one new token for every row of every request given (each row feeds
   `kv.next_tokens`); returns logits [rows, vocab] in that order.
+- Prefix caching: after a forward returned, the full blocks it completed are registered in the cache's index
+  under their hashes (`prefix_cache.py`): a prompt's from the hashes computed at submit, decoded ones from the
+  row's tokens (`RowKV.tokens`), so a later request with the same prefix (a chat's next turn) reuses them.
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -42,6 +45,8 @@ class ModelRunner:
         adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
         kv.prefilled = chunk.start + chunk.length
+        if kv.hasher is not None:
+            self._cache_prompt_blocks(a)
         if not chunk.completes:
             return None
         kv.embeds = None
@@ -54,7 +59,38 @@ class ModelRunner:
         # the per-row adapter map: every row (beam / sample) of a request uses the request's adapter
         adapters = LoraBatch.build([a.lora for a in actives for _ in a.kv.rows], self.lora_stacks,
                                    self.model.device)
-        return self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
+        logits = self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
+        self._cache_decoded_blocks(actives)
+        return logits
+
+    # --- prefix caching: blocks become findable once the forward that completed them returned ---------------
+    def _cache_prompt_blocks(self, a: Active) -> None:
+        """Register the prompt's blocks this chunk filled (their hashes were computed at submit); at the end of
+        the prompt the row keeps the tokens of its partial last block, to hash it once decoding fills it."""
+        kv, bs = a.kv, self.cache.block_size
+        row = kv.rows[0]
+        hashes = kv.hasher.prompt_hashes
+        for i in range(len(row.hashes), kv.prefilled // bs):
+            self.cache.register(row, i, hashes[i])
+            row.hashes.append(hashes[i])
+        if kv.prefilled == a.prompt_len:
+            row.tokens = list(a.req.input_ids[len(row.hashes) * bs:])
+
+    def _cache_decoded_blocks(self, actives: list[Active]) -> None:
+        """Each row fed one token: a row whose block it filled registers that block, hashed from its tokens."""
+        bs = self.cache.block_size
+        for a in actives:
+            hasher = a.kv.hasher
+            if hasher is None:
+                continue
+            for row, token in zip(a.kv.rows, a.kv.next_tokens):
+                row.tokens.append(token)
+                if len(row.tokens) == bs:
+                    i = len(row.hashes)
+                    h = hasher.block(row.hashes[-1] if row.hashes else hasher.root, i * bs, row.tokens)
+                    self.cache.register(row, i, h)
+                    row.hashes.append(h)
+                    row.tokens = []
 
     def reorder(self, active: Active, parents: list[int]) -> None:
         rows: list[RowKV] = active.kv.rows

@@ -17,6 +17,7 @@ import torch
 
 from ..params import GenerationRequest, GenerationResult
 from .kv_cache import RowKV
+from .prefix_cache import RequestHasher
 
 Callback = Callable[[GenerationResult], None]
 Output = tuple[Callback, GenerationResult]
@@ -29,6 +30,8 @@ class KVState:
     prefilled: int = 0  # prompt tokens cached
     embeds: Optional[torch.Tensor] = None  # [P, hidden] prompt embeddings while prefilling
     next_tokens: list[int] = field(default_factory=list)  # the token each row feeds at the next decode step
+    hasher: Optional[RequestHasher] = None  # prefix caching on and the request cacheable: its block hashes
+    cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
 
 
 @dataclass(eq=False)
