@@ -156,8 +156,17 @@ class Load:
         assert not self.errors, self.errors
 
 
-def picker_view(servers, engine) -> dict[str, EndpointMetrics]:
-    return {name: extract(engine, scrape(s)) for name, s in servers.items()}
+def picker_view(servers, engine, attempts: int = 10) -> dict[str, EndpointMetrics]:
+    """One scrape of every replica. The LoRA gauge is replaced (family deleted, then created) when its labels
+    change, so a scrape can fall between the two and find no series; a picker keeps its last value then, and
+    this view scrapes again (a missing series on every try still fails)."""
+    for attempt in range(attempts):
+        try:
+            return {name: extract(engine, scrape(s)) for name, s in servers.items()}
+        except LookupError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
 
 
 def wait_for(servers, engine, condition, what: str, deadline_s: float = 120):
