@@ -148,6 +148,29 @@ class KVCache:
             self._decref(b)
         row.blocks, row.length, row.hashes, row.tokens = [], 0, [], []
 
+    def _copy_block(self, src: int, dst: int, n: int) -> None:
+        bs = self.block_size
+        self.k[:, dst * bs:dst * bs + n] = self.k[:, src * bs:src * bs + n]
+        self.v[:, dst * bs:dst * bs + n] = self.v[:, src * bs:src * bs + n]
+
+    def append(self, row: RowKV, n: int) -> list[int]:
+        """Make room for `n` more tokens of `row`; return their pool slots. Copies the last block first when
+        it is partially filled and shared with another row."""
+        bs = self.block_size
+        used = row.length % bs
+        if used and self.refcount[row.blocks[-1]] > 1:
+            old, new = row.blocks[-1], self._alloc()
+            self._copy_block(old, new, used)
+            self._decref(old)
+            row.blocks[-1] = new
+        slots = []
+        for pos in range(row.length, row.length + n):
+            if pos // bs == len(row.blocks):
+                row.blocks.append(self._alloc())
+            slots.append(row.blocks[pos // bs] * bs + pos % bs)
+        row.length += n
+        return slots
+
     # --- prefix cache ---------------------------------------------------------------------------------------
     def reuse(self, row: RowKV, hashes: Sequence[BlockHash], prompt_len: int) -> int:
         """Start the empty `row` with the longest run of cached blocks matching `hashes` (a prompt's full-block
