@@ -222,8 +222,17 @@ def test_n_samples_and_greedy_copies(client):
     assert len(set(texts)) > 1 and r.usage.completion_tokens == 24
     again = chat(client, messages, n=4, temperature=1.8, seed=7, max_tokens=6, extra_body={"min_tokens": 6})
     assert [c.message.content for c in again.choices] == texts  # seeded
+    streamed: dict[int, str] = {}
+    for chunk in chat(client, messages, n=4, temperature=1.8, seed=7, max_tokens=6, stream=True,
+                      extra_body={"min_tokens": 6}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(4)] == texts
     greedy = chat(client, messages, n=3, temperature=0)
     assert [c.message.content for c in greedy.choices] == [" hello"] * 3
+    chunks = [c for chunk in chat(client, messages, n=3, stream=True) for c in chunk.choices]
+    assert sorted(c.index for c in chunks if c.finish_reason) == [0, 1, 2]
+    assert ["".join(c.delta.content or "" for c in chunks if c.index == i) for i in range(3)] == [" hello"] * 3
 
 
 def test_beam_search_equals_the_ensemble(client, ensemble):
@@ -253,6 +262,12 @@ def test_logprobs_join_to_the_text_and_equal_the_ensemble(client, ensemble):
                          max_tokens=8, extra_body={"min_tokens": 8}))
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    top = chat(client, [{"role": "user", "content": "What colors do you know?"}], logprobs=True, top_logprobs=3)
+    assert "".join(t.token for t in top.choices[0].logprobs.content) == " red green blue yellow"
+    for t in top.choices[0].logprobs.content:  # greedy, no processors: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
     comp = client.completions.create(model="demo-v3", prompt=PROMPT, logprobs=0, **{"max_tokens": 8},
                                      extra_body={"min_tokens": 8})
     lp = comp.choices[0].logprobs
@@ -314,6 +329,7 @@ def test_invalid_requests_are_400_with_openai_errors(client, fe, ensemble):
             "url": "file:///etc/passwd"}}]}]), "not accepted"),
         (dict(messages=[{"role": "user", "content": "hi"}], n=99), "n must be"),
         (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "top_logprobs"),
+        (dict(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=21), "top_logprobs"),
     ]
     for kw, needle in cases:
         kw.setdefault("model", "demo-v3")

@@ -67,13 +67,13 @@ def test_token_texts_join_to_the_text(demo_model):
         c.feed(tok.decode(ids, skip_special_tokens=True).encode(), ids, [-0.5] * len(ids))
         c.finish()
         tokens = c.token_texts(tok, eos)
-        assert "".join(t for _, t, _ in tokens) == c.text == text
+        assert "".join(t for _, t, _, _ in tokens) == c.text == text
         assert len(tokens) == len(ids) - 1  # the end token is left out
     c = Choice(0, StopMatcher([" circle"]))  # cut by a stop string: tokens up to the cut
     ids = tok.encode(" a red circle now", add_special_tokens=False)
     c.feed(" a red circle now".encode(), ids, [0.0] * len(ids))
     c.finish()
-    assert "".join(t for _, t, _ in c.token_texts(tok, eos)) == c.text == " a red"
+    assert "".join(t for _, t, _, _ in c.token_texts(tok, eos)) == c.text == " a red"
     assert c.finish_reason(100, eos) == "stop"
 
 

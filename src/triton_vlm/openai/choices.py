@@ -48,17 +48,23 @@ class Choice:
     sent: int = 0  # characters of `text` already released
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, log prob), best first
     stopped: bool = False  # a stop string ended the text
     done: bool = False
+    _tokens: "_TokenTexts" = field(default_factory=lambda: _TokenTexts())  # shared by this choice's copies
+    _taken: int = 0  # tokens handed out by take_tokens
+    _taken_chars: int = 0
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
-    def feed(self, piece: bytes, ids: list[int], log_probs: list[float]) -> str:
+    def feed(self, piece: bytes, ids: list[int], log_probs: list[float],
+             top: Optional[list[list[tuple[int, float]]]] = None) -> str:
         """Add a piece of generated text (UTF-8 bytes, decoded incrementally) and its tokens; returns the text that
         can be released now."""
         if self.stopped:
             return ""
         self.ids.extend(ids)
         self.log_probs.extend(log_probs)
+        self.top.extend(top or [])
         before = len(self.text)
         self.text += self._utf8.decode(piece)
         if self.matcher.stops:
@@ -91,29 +97,57 @@ class Choice:
             return "length"
         return "stop"  # the engine matched a stop word at the token level
 
-    def token_texts(self, tokenizer, eos_ids: frozenset) -> list[tuple[int, str, float]]:
-        """(id, text, log prob) per generated token, the texts joining to this choice's text exactly: each
-        token's text is what decoding the ids so far adds (a token that ends inside a character adds nothing
-        until the character completes); the end token is left out; after a stop string, nothing."""
-        out: list[tuple[int, str, float]] = []
-        prev, ids, joined = "", [], 0
-        for k, t in enumerate(self.ids):
-            if t in eos_ids and k == len(self.ids) - 1:
-                break
-            ids.append(t)
-            cur = tokenizer.decode(ids, skip_special_tokens=True)
-            if cur.endswith("\ufffd") or not cur.startswith(prev):
+    def token_texts(self, tokenizer, eos_ids: frozenset) -> list[tuple[int, str, float, list]]:
+        """Every token's (id, text, log prob, top alternatives) once the choice is done (see `take_tokens`)."""
+        return self.take_tokens(tokenizer, eos_ids, start=0)
+
+    def take_tokens(self, tokenizer, eos_ids: frozenset, start: Optional[int] = None) -> list:
+        """The tokens whose text has been released and not yet taken: (id, text, log prob, top alternatives), the
+        texts joining to this choice's text exactly. A token's text is what decoding the ids so far adds (a token
+        that ends inside a character adds nothing until the character completes); end tokens are left out; after
+        a stop string, nothing. Alternatives are (text, log prob), each token decoded on its own."""
+        raw = self._tokens.extend(self, tokenizer, eos_ids)
+        i, pos = (self._taken, self._taken_chars) if start is None else (0, 0)
+        out = []
+        while i < len(raw):
+            t, piece, k = raw[i]
+            if pos + len(piece) > self.sent and not self.done:
+                break  # its text is not released yet
+            piece = piece[:max(0, len(self.text) - pos)]
+            if self.done and pos >= len(self.text) and self.stopped:
+                i = len(raw)
+                break  # after a stop string
+            top = [(tokenizer.decode([a]), v) for a, v in self.top[k]] if k < len(self.top) else []
+            out.append((t, piece, self.log_probs[k] if k < len(self.log_probs) else 0.0, top))
+            pos += len(piece)
+            i += 1
+        if self.done and pos < len(self.text) and out:  # characters completed only by the end of the sequence
+            t, piece, lp, top = out[-1]
+            out[-1] = (t, piece + self.text[pos:], lp, top)
+            pos = len(self.text)
+        if start is None:
+            self._taken, self._taken_chars = i, pos
+        return out
+
+
+class _TokenTexts:
+    """Each generated token's text, computed once per sequence (shared by its greedy copies)."""
+
+    def __init__(self):
+        self.raw: list[tuple[int, str, int]] = []  # (id, text, index into the sequence's ids)
+        self.k, self.prev, self.ids = 0, "", []
+
+    def extend(self, choice: "Choice", tokenizer, eos_ids: frozenset) -> list[tuple[int, str, int]]:
+        while self.k < len(choice.ids):
+            k, t = self.k, choice.ids[self.k]
+            self.k += 1
+            if t in eos_ids:
+                continue
+            self.ids.append(t)
+            cur = tokenizer.decode(self.ids, skip_special_tokens=True)
+            if cur.endswith("\ufffd") or not cur.startswith(self.prev):
                 piece = ""
             else:
-                piece, prev = cur[len(prev):], cur
-            lp = self.log_probs[k] if k < len(self.log_probs) else 0.0
-            room = len(self.text) - joined
-            if room <= 0 and piece:
-                break
-            piece = piece[:room]
-            joined += len(piece)
-            out.append((t, piece, lp))
-        if joined < len(self.text) and out:  # characters completed only by the end of the sequence
-            t, piece, lp = out[-1]
-            out[-1] = (t, piece + self.text[joined:], lp)
-        return out
+                piece, self.prev = cur[len(self.prev):], cur
+            self.raw.append((t, piece, k))
+        return self.raw

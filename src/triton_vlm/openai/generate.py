@@ -22,12 +22,14 @@ class Event:
     sequence: int  # the engine's sequence index (see `indices` for the choices it feeds)
     text: str = ""
     finish_reason: Optional[str] = None
+    tokens: Optional[list] = None  # with logprobs: the tokens released with this text (`Choice.take_tokens`)
 
 
 class Generation:
     def __init__(self, client: TritonClient, request: TritonRequest, plan: Plan, eos_ids: frozenset,
-                 context_length: int):
+                 context_length: int, tokenizer=None):
         self.client, self.request, self.plan = client, request, plan
+        self.tokenizer = tokenizer if plan.logprobs else None  # token texts are made only for logprobs
         self.eos_ids, self.context_length = eos_ids, context_length
         matcher = StopMatcher(plan.stop)
         k = int(plan.inputs.get(N.NUM_RETURN_SEQUENCES, 1))
@@ -47,6 +49,10 @@ class Generation:
             return self.context_length - self.prompt_tokens
         return self.client.default_max_tokens
 
+    def _event(self, j: int, text: str) -> Optional[Event]:
+        tokens = self.sequences[j].take_tokens(self.tokenizer, self.eos_ids) if self.tokenizer else None
+        return Event(j, text, tokens=tokens) if text or tokens else None
+
     async def events(self) -> AsyncIterator[Event]:
         seqs = self.sequences
         async with aclosing(self.client.generate(self.request)) as responses:
@@ -55,23 +61,25 @@ class Generation:
                     self.prompt_tokens = r.prompt_tokens
                 if not r.final:
                     j = r.sequence_index
-                    text = seqs[j].feed(r.texts[0], r.ids[0], r.log_probs[0] if r.log_probs else [])
-                    if text:
-                        yield Event(j, text)
+                    ev = self._event(j, seqs[j].feed(r.texts[0], r.ids[0], r.log_probs[0] if r.log_probs else [],
+                                                     r.top[0] if r.top else None))
+                    if ev:
+                        yield ev
                     if all(s.stopped for s in seqs):
                         break  # closes the stream: Triton cancels the rest
                     continue
                 self.cum_log_probs = list(r.cum_log_probs)
                 for j, piece in enumerate(r.texts[:len(seqs)]):
-                    text = seqs[j].feed(piece, r.ids[j] if j < len(r.ids) else [],
-                                        r.log_probs[j] if j < len(r.log_probs) else [])
-                    if text:
-                        yield Event(j, text)
+                    ev = self._event(j, seqs[j].feed(piece, r.ids[j] if j < len(r.ids) else [],
+                                                     r.log_probs[j] if j < len(r.log_probs) else [],
+                                                     r.top[j] if j < len(r.top) else None))
+                    if ev:
+                        yield ev
                 break
         for s in seqs:
-            text = s.finish()
-            if text:
-                yield Event(s.index, text)
+            ev = self._event(s.index, s.finish())
+            if ev:
+                yield ev
             yield Event(s.index, finish_reason=s.finish_reason(self.max_tokens, self.eos_ids))
 
     async def run(self) -> list[Choice]:

@@ -19,15 +19,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import names as N
-from .errors import bad_request, unsupported
+from .errors import bad_request
 from .schemas import MAX_N, MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
 MAX_STOP = 16
 EARLY_STOPPING = {False: N.EARLY_STOPPING_FALSE, True: N.EARLY_STOPPING_TRUE, "never": N.EARLY_STOPPING_NEVER}
-# the engine's streamed pieces carry no per-token log probs yet: streamed requests that ask for logprobs are run
-# unstreamed and sent as SSE chunks once the final response is in
-STREAMED_LOG_PROBS = False
-TOP_LOG_PROBS_INPUT: Optional[str] = getattr(N, "TOP_LOG_PROBS", None)  # the ensemble's top-k log probs, if any
 
 
 @dataclass
@@ -99,7 +95,11 @@ def make_plan(body: Union[ChatCompletionRequest, CompletionRequest], defaults: d
     _choices(body, p, sampling)
     if p.logprobs or p.rank_best_of:
         inputs[N.RETURN_LOG_PROBS] = True
-    p.stream_engine = p.stream and (STREAMED_LOG_PROBS or not p.logprobs)
+    if p.top_logprobs:
+        inputs[N.RETURN_TOP_LOG_PROBS] = p.top_logprobs
+    # the engine's streamed pieces carry their tokens' log probs for greedy and sampling; beam search knows them
+    # only at the end, so a streamed beam search with logprobs is run unstreamed and sent as chunks at its end
+    p.stream_engine = p.stream and not (p.logprobs and p.beam)
     return p
 
 
@@ -114,9 +114,6 @@ def _logprobs(body, p: Plan) -> None:
     if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
                           param="top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs")
-    if p.top_logprobs and TOP_LOG_PROBS_INPUT is None:
-        raise unsupported("top_logprobs", "the engine returns the log prob of each chosen token only "
-                          "(top_logprobs 0)")
 
 
 def _choices(body, p: Plan, sampling: bool) -> None:

@@ -26,20 +26,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 # --- log probs ------------------------------------------------------------------------------------------
-def chat_logprobs(tokens: list[tuple[int, str, float]]) -> dict:
-    """Chat's format: one entry per token (`token`, `logprob`, `bytes`, `top_logprobs`)."""
-    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-                        for _, text, lp in tokens], "refusal": None}
+def chat_logprobs(tokens: list[tuple]) -> dict:
+    """Chat's format: one entry per token (`token`, `logprob`, `bytes`, `top_logprobs`); tokens are
+    (id, text, log prob, [(text, log prob), ...])."""
+    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
+                         "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())} for a, v in top]}
+                        for _, text, lp, top in tokens], "refusal": None}
 
 
-def completion_logprobs(tokens: list[tuple[int, str, float]], offset: int = 0) -> dict:
-    """The completions endpoint's format: parallel lists, `text_offset` counting from the choice's text."""
+def completion_logprobs(tokens: list[tuple], offset: int = 0) -> dict:
+    """The completions endpoint's format: parallel lists, `text_offset` counting from the choice's text,
+    `top_logprobs` one {token: log prob} per token (None when none were asked)."""
     offsets, pos = [], offset
-    for _, text, _ in tokens:
+    for _, text, _, _ in tokens:
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": [t for _, t, _ in tokens], "token_logprobs": [lp for _, _, lp in tokens],
-            "top_logprobs": None, "text_offset": offsets}
+    tops = [dict(top) for _, _, _, top in tokens]
+    return {"tokens": [t for _, t, _, _ in tokens], "token_logprobs": [lp for _, _, lp, _ in tokens],
+            "top_logprobs": tops if any(tops) else None, "text_offset": offsets}
 
 
 # --- chat ------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ class Frontend:
     api_key: Optional[str] = None
 
     def generations(self, jobs: list[TritonRequest], plan: Plan) -> list[Generation]:
-        return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length) for job in jobs]
+        return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length,
+                           self.served.tokenizer) for job in jobs]
 
     # --- one body ---------------------------------------------------------------------------------------
     async def complete(self, fmt: Format, jobs: list[TritonRequest], plan: Plan,
@@ -112,7 +113,7 @@ class Frontend:
             yield sse(fmt.usage_chunk(use))
 
     @staticmethod
-    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, ev: Event, logprobs) -> list[bytes]:
+    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, ev: Event) -> list[bytes]:
         g, out = gens[i], []
         use = usage(g.prompt_tokens, g.completion_tokens()) if plan.continuous_usage else None
         for k in g.indices(ev.sequence):
@@ -120,7 +121,7 @@ class Frontend:
             if ev.finish_reason is not None:
                 out.append(sse(fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)))
             else:
-                out.append(sse(fmt.chunk(index, text=ev.text, logprobs=logprobs, usage_=use)))
+                out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)))
         return out
 
     async def _replayed(self, gens: list[Generation]):
@@ -128,17 +129,17 @@ class Frontend:
         await asyncio.gather(*(g.run() for g in gens))
         for i, g in enumerate(gens):
             for s in g.sequences:
-                for t, text, lp in s.token_texts(self.served.tokenizer, self.served.eos_ids):
-                    yield i, Event(s.index, text), [(t, text, lp)]
-                yield i, Event(s.index, finish_reason=s.finish_reason(g.max_tokens, self.served.eos_ids)), None
+                for token in s.token_texts(self.served.tokenizer, self.served.eos_ids):
+                    yield i, Event(s.index, token[1], tokens=[token])
+                yield i, Event(s.index, finish_reason=s.finish_reason(g.max_tokens, self.served.eos_ids))
 
 
 async def _merged(gens: list[Generation]):
-    """(generation index, event, None) from every generation as they come."""
+    """(generation index, event) from every generation as they come."""
     if len(gens) == 1:
         async with aclosing(gens[0].events()) as events:
             async for ev in events:
-                yield 0, ev, None
+                yield 0, ev
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -146,22 +147,22 @@ async def _merged(gens: list[Generation]):
         try:
             async with aclosing(g.events()) as events:
                 async for ev in events:
-                    await queue.put((i, ev, None))
-            await queue.put((i, None, None))
+                    await queue.put((i, ev))
+            await queue.put((i, None))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e, None))
+            await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
         left = len(gens)
         while left:
-            i, ev, _ = await queue.get()
+            i, ev = await queue.get()
             if ev is None:
                 left -= 1
             elif isinstance(ev, BaseException):
                 raise ev
             else:
-                yield i, ev, None
+                yield i, ev
     finally:
         for t in tasks:
             t.cancel()

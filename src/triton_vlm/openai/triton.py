@@ -38,7 +38,8 @@ _MAX_MESSAGE = 2**31 - 1
 _PACK = {N.INT32: "<i", N.FP32: "<f", N.UINT64: "<Q"}
 _DTYPES = {N.INT32: np.int32, N.FP32: np.float32, N.UINT64: np.uint64, "INT64": np.int64, N.FP16: np.float16}
 # preprocess outputs go unchanged to the models that take an input of their name (the ensemble's input_map)
-_TO_LLM = frozenset(s.name for s in N.LLM_INPUTS) & frozenset(s.name for s in N.PREPROCESS_OUTPUTS)
+_LLM_INPUTS = frozenset(s.name for s in N.LLM_INPUTS)
+_TO_LLM = _LLM_INPUTS & frozenset(s.name for s in N.PREPROCESS_OUTPUTS)
 _TO_VISION = frozenset(s.name for s in N.VISION_INPUTS) & frozenset(s.name for s in N.PREPROCESS_OUTPUTS)
 _SPECS = {s.name: s for s in N.ENSEMBLE_INPUTS}
 
@@ -68,6 +69,7 @@ class LLMResponse:
     sequence_index: int
     final: bool
     prompt_tokens: Optional[int] = None
+    top: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # [sequence][token] -> (id, log prob)
 
 
 def bytes_tensor(items: list[bytes]) -> bytes:
@@ -83,14 +85,14 @@ def parse_bytes(raw: bytes) -> list[bytes]:
     return out
 
 
-def _add(req, name: str, dtype: str, shape: list[int], raw: bytes) -> None:
+def add_input(req, name: str, dtype: str, shape: list[int], raw: bytes) -> None:
     t = req.inputs.add()
     t.name, t.datatype = name, dtype
     t.shape.extend(shape)
     req.raw_input_contents.append(raw)
 
 
-def _scalar(req, name: str, value) -> None:
+def add_scalar(req, name: str, value) -> None:
     dtype = _SPECS[name].dtype
     if dtype == N.BOOL:
         raw = b"\x01" if value else b"\x00"
@@ -98,7 +100,7 @@ def _scalar(req, name: str, value) -> None:
         raw = bytes_tensor([value.encode() if isinstance(value, str) else value])
     else:
         raw = struct.pack(_PACK[dtype], value)
-    _add(req, name, dtype, [1, 1], raw)
+    add_input(req, name, dtype, [1, 1], raw)
 
 
 def _outputs(resp) -> dict[str, tuple[object, bytes]]:
@@ -135,7 +137,19 @@ def parse_llm(resp) -> LLMResponse:
         cum_log_probs=cum.reshape(-1).tolist() if cum is not None else [],
         sequence_index=int(seq.reshape(-1)[0]) if seq is not None and seq.size else 0,
         final=final.bool_param if final is not None else True,
-        prompt_tokens=int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None)
+        prompt_tokens=int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None,
+        top=_top(out, n, lens))
+
+
+def _top(out: dict, n: int, lens: list[int]) -> list[list[list[tuple[int, float]]]]:
+    """output_top_log_probs / _ids [sequences, new_tokens, k] -> per sequence, per token, (id, log prob) best
+    first (padding, -inf / -1, left out)."""
+    lp, ids = _array(out, N.OUTPUT_TOP_LOG_PROBS), _array(out, N.OUTPUT_TOP_LOG_PROB_IDS)
+    if lp is None or ids is None or not lp.size or not n:
+        return []
+    lp, ids = lp.reshape(n, -1, lp.shape[-1]), ids.reshape(n, -1, ids.shape[-1])
+    return [[[(int(t), float(v)) for t, v in zip(ids[j, i], lp[j, i]) if t >= 0]
+             for i in range(min(lens[j], lp.shape[1]))] for j in range(n)]
 
 
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
@@ -215,41 +229,41 @@ class TritonClient:
             call.cancel()  # no-op after the final response; otherwise Triton cancels the request
 
     def _generation_inputs(self, req: TritonRequest, llm, max_tokens: int) -> None:
-        _scalar(llm, N.MAX_TOKENS, max_tokens)
+        add_scalar(llm, N.MAX_TOKENS, max_tokens)
         params = dict(req.params)
         if req.ignore_eos:
             params[N.MIN_TOKENS] = max_tokens
         for name, value in params.items():
-            _scalar(llm, name, value)
-        _scalar(llm, N.EXCLUDE_INPUT_IN_OUTPUT, True)
-        _scalar(llm, N.STREAM, req.stream)
+            add_scalar(llm, name, value)
+        add_scalar(llm, N.EXCLUDE_INPUT_IN_OUTPUT, True)
+        add_scalar(llm, N.STREAM, req.stream)
         if req.lora_name:
-            _scalar(llm, N.LORA_NAME, req.lora_name)
+            add_scalar(llm, N.LORA_NAME, req.lora_name)
 
     def _ensemble_request(self, req: TritonRequest):
         ens = service_pb2.ModelInferRequest(model_name=ENSEMBLE, id=req.request_id)
-        _scalar(ens, N.TEXT_INPUT, req.prompt)
+        add_scalar(ens, N.TEXT_INPUT, req.prompt)
         if req.images:
-            _add(ens, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
+            add_input(ens, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
         if req.stop_words:
-            _add(ens, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
+            add_input(ens, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
                  bytes_tensor([w.encode() for w in req.stop_words]))
-        _scalar(ens, N.RETURN_NUM_INPUT_TOKENS, True)  # usage's prompt_tokens (image tokens included)
+        add_scalar(ens, N.RETURN_NUM_INPUT_TOKENS, True)  # usage's prompt_tokens (image tokens included)
         self._generation_inputs(req, ens, req.max_tokens or self.default_max_tokens)
         return ens
 
     async def _prepare(self, stub, req: TritonRequest):
         """preprocess (+ vision) -> the llm's request, and the prompt's token count."""
         pre = service_pb2.ModelInferRequest(model_name=PREPROCESS, id=req.request_id)
-        _scalar(pre, N.TEXT_INPUT, req.prompt)
+        add_scalar(pre, N.TEXT_INPUT, req.prompt)
         if req.images:
-            _add(pre, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
+            add_input(pre, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
         if req.stop_words:
-            _add(pre, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
+            add_input(pre, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
                  bytes_tensor([w.encode() for w in req.stop_words]))
-        _scalar(pre, N.MAX_TOKENS, req.max_tokens or 1)  # no max_tokens: truncate only what cannot fit at all
+        add_scalar(pre, N.MAX_TOKENS, req.max_tokens or 1)  # no max_tokens: truncate only what cannot fit at all
         if req.lora_name:
-            _scalar(pre, N.LORA_NAME, req.lora_name)  # checked before any image is encoded
+            add_scalar(pre, N.LORA_NAME, req.lora_name)  # checked before any image is encoded
         try:
             out = _outputs(await stub.ModelInfer(pre, timeout=self.timeout_s))
             prompt_tokens = int(out[N.INPUT_IDS][0].shape[-1])
@@ -258,15 +272,16 @@ class TritonClient:
                 vis = service_pb2.ModelInferRequest(model_name=VISION, id=req.request_id)
                 for name in _TO_VISION & out.keys():
                     o, raw = out[name]
-                    _add(vis, name, o.datatype, list(o.shape), raw)
-                emb = (await stub.ModelInfer(vis, timeout=self.timeout_s))
-                o, raw = emb.outputs[0], emb.raw_output_contents[0]
-                _add(llm, N.IMAGE_EMBEDS, o.datatype, list(o.shape), raw)
+                    add_input(vis, name, o.datatype, list(o.shape), raw)
+                emb = _outputs(await stub.ModelInfer(vis, timeout=self.timeout_s))
+                for name in _LLM_INPUTS & emb.keys():  # image_embeds (and what else vision gives llm)
+                    o, raw = emb[name]
+                    add_input(llm, name, o.datatype, list(o.shape), raw)
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         for name in _TO_LLM & out.keys():
             o, raw = out[name]
-            _add(llm, name, o.datatype, list(o.shape), raw)
+            add_input(llm, name, o.datatype, list(o.shape), raw)
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.context_length - prompt_tokens) if self.context_length else 16

@@ -40,26 +40,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[object]]) -> Response:
+async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[object]],
+                stream: bool) -> Response:
     """Run an endpoint's work: a dict becomes a JSON body, an async iterator an SSE stream. Counts the request in
-    the front end's metrics; cancels the work when the client disconnects before the answer is ready."""
+    the front end's metrics. An unstreamed request is cancelled when its client disconnects before the answer is
+    ready; a streamed one is answered as soon as its first token is in, then Starlette watches the client."""
     fe, t0 = frontend(request), time.perf_counter()
     fe.metrics.running += 1
     status, streaming = 200, False
-    task = asyncio.ensure_future(work())
-    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:  # the client went away: cancel the generation
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            status = 499
-            return Response(status_code=499)
         try:
-            result = task.result()
+            result = await (work() if stream else _unless_disconnected(request, work()))
         except APIError as e:
             status = e.status
             raise
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001
             status = 500
             raise internal(e) from None
@@ -69,10 +66,30 @@ async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[ob
         return StreamingResponse(_counted(fe, endpoint, t0, result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     finally:
-        watch.cancel()
         if not streaming:
             fe.metrics.running -= 1
             fe.metrics.finished(endpoint, status, time.perf_counter() - t0)
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, coro):
+    """`coro`'s result, or ClientGone (and `coro` cancelled) when the client disconnects first."""
+    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():  # the client went away: cancel the generation (its gRPC stream closes)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
 
 
 async def _counted(fe: Frontend, endpoint: str, t0: float, body):

@@ -19,7 +19,7 @@ router = APIRouter(dependencies=[Depends(authorize)])
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await serve(request, "chat", lambda: _chat(frontend(request), body))
+    return await serve(request, "chat", lambda: _chat(frontend(request), body), body.stream)
 
 
 def _turn(i: int, m: ChatMessage) -> tuple[Turn, list[str]]:

@@ -18,7 +18,7 @@ MAX_PROMPTS = 64  # prompts of one request (each runs as its own generation, con
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    return await serve(request, "completions", lambda: _complete(frontend(request), body))
+    return await serve(request, "completions", lambda: _complete(frontend(request), body), body.stream)
 
 
 def _prompts(prompt) -> list[str]:
