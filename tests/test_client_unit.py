@@ -293,7 +293,7 @@ def test_cli_json_output_shape(fake_cli, capsys):
     assert cli.main(["hi", "--json", "--max-tokens", "3", "--protocol", "http"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"texts", "output_ids", "sequence_lengths", "cum_log_probs", "output_log_probs",
-                        "dropped_images", "num_input_tokens", "num_output_tokens"}
+                        "dropped_images", "num_input_tokens", "num_output_tokens", "num_cached_tokens"}
     assert out["texts"] == ["first", "second"] and out["output_ids"] == [[1], [2, 3]]
     (args, prompt, images, params), = fake_cli.calls
     assert args == (None, "http", "ensemble", 60.0) and prompt == "hi" and params["max_tokens"] == 3

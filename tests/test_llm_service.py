@@ -218,14 +218,16 @@ def test_cancelling_a_batched_request_cancels_every_row():
 def test_token_counts_only_when_asked_and_per_response_when_streaming():
     backend = FakeBackend()
     svc = service(backend, [gen(stream=True, return_num_input_tokens=True, return_num_output_tokens=True)])
-    sent = run(svc, backend, [GenerationResult("r0", [Sequence_([7, 8], "<7><8>")], final=False),
-                              GenerationResult("r0", [Sequence_([7, 8, 9], "<7><8><9>")], final=True)])
+    sent = run(svc, backend, [GenerationResult("r0", [Sequence_([7, 8], "<7><8>")], final=False, cached_tokens=4),
+                              GenerationResult("r0", [Sequence_([7, 8, 9], "<7><8><9>")], final=True,
+                                               cached_tokens=4)])
     assert [(r[N.NUM_INPUT_TOKENS], r[N.NUM_OUTPUT_TOKENS]) for r, _ in sent] == [([5], [2]), ([5], [1])]
+    assert [r[N.NUM_CACHED_TOKENS] for r, _ in sent] == [[4], [4]]  # the prefix cache's share, with the input count
     backend = FakeBackend()
     svc = service(backend, [gen(return_num_output_tokens=True)])
     [(resp, _)] = run(svc, backend, [GenerationResult("r0", [Sequence_([7, 8], "<7><8>"), Sequence_([9], "<9>")],
                                                       final=True)])
-    assert resp[N.NUM_OUTPUT_TOKENS] == [3] and N.NUM_INPUT_TOKENS not in resp
+    assert resp[N.NUM_OUTPUT_TOKENS] == [3] and N.NUM_INPUT_TOKENS not in resp and N.NUM_CACHED_TOKENS not in resp
     backend = FakeBackend()
     svc = service(backend, [gen()])
     [(resp, _)] = run(svc, backend, [GenerationResult("r0", [Sequence_([7], "<7>")], final=True)])

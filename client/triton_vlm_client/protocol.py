@@ -65,6 +65,7 @@ SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+NUM_CACHED_TOKENS = "num_cached_tokens"
 OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"
 OUTPUT_TOP_LOG_PROB_IDS = "output_top_log_prob_ids"
 
@@ -117,6 +118,7 @@ OUTPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(DROPPED_IMAGES, INT32, (1,)),
     TensorInfo(NUM_INPUT_TOKENS, INT32, (1,)),  # with return_num_input_tokens
     TensorInfo(NUM_OUTPUT_TOKENS, INT32, (1,)),  # with return_num_output_tokens: new tokens in this response
+    TensorInfo(NUM_CACHED_TOKENS, INT32, (1,)),  # with return_num_input_tokens: prompt tokens from the prefix cache
     TensorInfo(OUTPUT_TOP_LOG_PROBS, FP32, (-1, -1, -1)),  # [sequences, new_tokens, k] with return_top_log_probs
     TensorInfo(OUTPUT_TOP_LOG_PROB_IDS, INT32, (-1, -1, -1)),  # their token ids
 )

@@ -25,6 +25,7 @@ class GenerateResult:
     dropped_images: int = 0  # images the server removed when truncating the prompt
     num_input_tokens: Optional[int] = None  # prompt tokens (image tokens included) with return_num_input_tokens
     num_output_tokens: Optional[int] = None  # new tokens of all sequences with return_num_output_tokens
+    num_cached_tokens: Optional[int] = None  # prompt tokens the server's prefix cache spared (return_num_input_tokens)
 
     @property
     def text(self) -> str:
@@ -96,10 +97,12 @@ def parse_result(outputs: Outputs, log_probs: bool = False) -> GenerateResult:
         olp = _rows([float(x) for x in flat(outputs.get(P.OUTPUT_LOG_PROBS))], n) or None
     dropped = flat(outputs.get(P.DROPPED_IMAGES))
     n_in, n_out = flat(outputs.get(P.NUM_INPUT_TOKENS)), flat(outputs.get(P.NUM_OUTPUT_TOKENS))
+    n_cached = flat(outputs.get(P.NUM_CACHED_TOKENS))
     return GenerateResult(texts=texts, output_ids=ids, sequence_lengths=lengths, cum_log_probs=cum,
                           output_log_probs=olp, dropped_images=int(dropped[0]) if dropped else 0,
                           num_input_tokens=int(n_in[0]) if n_in else None,
-                          num_output_tokens=int(n_out[0]) if n_out else None)
+                          num_output_tokens=int(n_out[0]) if n_out else None,
+                          num_cached_tokens=int(n_cached[0]) if n_cached else None)
 
 
 # ---------------------------------------------------------------- streamed pieces

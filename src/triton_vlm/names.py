@@ -82,6 +82,7 @@ SEQUENCE_INDEX = "sequence_index"
 DROPPED_IMAGES = "dropped_images"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
+NUM_CACHED_TOKENS = "num_cached_tokens"
 OUTPUT_TOP_LOG_PROBS = "output_top_log_probs"
 OUTPUT_TOP_LOG_PROB_IDS = "output_top_log_prob_ids"
 
@@ -176,6 +177,8 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
                    "(with return_top_log_probs)"),
     TensorSpec(OUTPUT_TOP_LOG_PROB_IDS, INT32, (-1, -1, -1),
                doc="[sequences, new_tokens, k] their token ids (with return_top_log_probs)"),
+    TensorSpec(NUM_CACHED_TOKENS, INT32, (1,),
+               doc="prompt tokens whose KV came from the prefix cache, not computed (with return_num_input_tokens)"),
 )
 
 # --- per model ------------------------------------------------------------------------------------------

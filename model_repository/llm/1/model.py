@@ -35,7 +35,8 @@ class TritonPythonModel:
                                prefill_chunk=config.parse_int(p, "prefill_chunk", 512),
                                max_queue=config.parse_int(p, "max_queue", 1024),
                                max_loras=config.parse_int(p, "max_loras", 16),
-                               lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256))
+                               lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256),
+                               enable_prefix_caching=config.parse_int(p, "enable_prefix_caching", 1) != 0)
             kv = config.parse_int(p, "kv_cache_tokens", 0)
             if kv:  # an explicit token budget wins over kv_cache_mb
                 cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0

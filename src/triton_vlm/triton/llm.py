@@ -92,7 +92,8 @@ class LLMService:
         lora = self.adapters is not None
         self.metrics = LLMMetrics(getattr(self.backend, "stats", None), lora=self.adapters,
                                   lora_slots=getattr(self.backend, "lora_slots", None) if lora else None,
-                                  lora_info=getattr(self.backend, "lora_info", None) if lora else None)
+                                  lora_info=getattr(self.backend, "lora_info", None) if lora else None,
+                                  prefix_cache=getattr(self.backend, "prefix_cache_stats", None))
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         if hasattr(self.backend, "on_fatal"):
             self.backend.on_fatal = self._fatal
@@ -219,11 +220,13 @@ class LLMService:
             self._batches.pop(key, None)
         return self._final(row, result), last
 
-    def _counts(self, row: _Row, new_tokens: int) -> dict:
-        """num_input_tokens / num_output_tokens when the request asked for them (TensorRT-LLM's outputs)."""
+    def _counts(self, row: _Row, new_tokens: int, cached_tokens: int) -> dict:
+        """num_input_tokens / num_output_tokens when the request asked for them (TensorRT-LLM's outputs); with
+        num_input_tokens, num_cached_tokens (the prompt tokens the prefix cache spared)."""
         p, out = row.gen.params, {}
         if p.return_num_input_tokens:
             out[N.NUM_INPUT_TOKENS] = (_OUT[N.NUM_INPUT_TOKENS], [len(row.gen.input_ids)])
+            out[N.NUM_CACHED_TOKENS] = (_OUT[N.NUM_CACHED_TOKENS], [cached_tokens])
         if p.return_num_output_tokens:
             out[N.NUM_OUTPUT_TOKENS] = (_OUT[N.NUM_OUTPUT_TOKENS], [new_tokens])
         return out
@@ -258,7 +261,7 @@ class LLMService:
             N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [row.index]),
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [j]),
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [row.gen.dropped_images]),
-            **self._counts(row, len(seq.token_ids)),
+            **self._counts(row, len(seq.token_ids), result.cached_tokens),
             **self._top(row, [seq.top_log_probs], [seq.top_ids]),
         })
 
@@ -303,7 +306,7 @@ class LLMService:
             N.BATCH_INDEX: (_OUT[N.BATCH_INDEX], [row.index]),
             N.SEQUENCE_INDEX: (_OUT[N.SEQUENCE_INDEX], [0]),
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
-            **self._counts(row, new_tokens),
+            **self._counts(row, new_tokens, result.cached_tokens),
             **self._top(row, tops, top_ids),
         })
 

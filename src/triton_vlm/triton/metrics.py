@@ -4,7 +4,10 @@ Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for ev
 `triton_vlm_engine_kv_cache_usage_perc`, the KV-cache blocks in use as a 0-1 fraction (vLLM's
 `vllm:kv_cache_usage_perc`: what an endpoint picker's KV-cache scorer reads; 0 while the engine has no blocks).
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
-`triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`.
+`triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
+vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
+the requests looked up at admission) and `triton_vlm_prefix_cache_hits_total` (those found cached); hits /
+queries is the hit rate.
 Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
@@ -82,11 +85,16 @@ class MetricsBase:
 
 class LLMMetrics(MetricsBase):
     def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
-                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None):
+                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None,
+                 prefix_cache: Optional[Callable[[], object]] = None):
         """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
         the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
-        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters)."""
+        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters); `prefix_cache`:
+        the engine's `prefix_cache_stats` (None for a backend without a prefix cache)."""
         super().__init__()
+        self._prefix_stats = prefix_cache
+        self._prefix: dict = {}  # "queries" / "hits" -> counter
+        self._prefix_seen: dict = {}  # -> the cumulative count already added
         self._stats = stats
         self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
         self._lora_info = lora_info
@@ -124,6 +132,10 @@ class LLMMetrics(MetricsBase):
             self._hist[attr] = fam.Metric(labels=labels, buckets=buckets)
         if self._lora_levels:
             self._create_lora(labels)
+        if self._prefix_stats is not None:
+            for field, what in (("queries", "prompt tokens looked up"), ("hits", "prompt tokens found cached")):
+                fam = self._family(f"triton_vlm_prefix_cache_{field}_total", f"prefix cache: {what}", F.COUNTER)
+                self._prefix[field] = fam.Metric(labels=labels)
 
     def _create_lora(self, labels: dict) -> None:
         F = pb_utils.MetricFamily
@@ -146,6 +158,13 @@ class LLMMetrics(MetricsBase):
                 self._kv_usage.set(kv_cache_usage(snap))
         if self._lora_levels and self._lora_counters:
             self._update_lora()
+        if self._prefix:
+            snap = self._prefix_stats()
+            for field, metric in self._prefix.items():  # cumulative counts -> counter increments
+                now = getattr(snap, field)
+                if now > self._prefix_seen.get(field, 0):
+                    metric.increment(now - self._prefix_seen.get(field, 0))
+                    self._prefix_seen[field] = now
 
     def _update_lora(self) -> None:
         for (field, level), metric in self._lora_counters.items():  # cumulative counts -> counter increments
@@ -193,5 +212,6 @@ class LLMMetrics(MetricsBase):
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
         self._kv_usage = None
+        self._prefix = {}
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
         super().close()
