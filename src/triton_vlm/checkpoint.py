@@ -1,13 +1,13 @@
 """What the serving code needs to know about a Hugging Face LLaVA checkpoint, read without loading weights.
 
 `ModelInfo.load(model_dir)` reads `config.json`, `generation_config.json` and the processor / tokenizer files
-and returns plain values: the image placeholder id and how many placeholders one image takes, the image size
-the processor produces, bos / eos / pad ids, the context length, image start/end marker strings (as text-generation-webui's
-multimodal pipelines add around each image),
-vocab and hidden sizes, and the pipeline name.
+and returns plain values: the image placeholder id, the family's image layout (tiles and placeholders per image
+size, `layout`; `num_image_tokens` is the most one image takes), the tile size the processor produces, bos /
+eos / pad ids, the context length, image start/end marker strings (as text-generation-webui's multimodal
+pipelines add around each image), vocab and hidden sizes, and the pipeline name.
 
-Pipelines (text-generation-webui's multimodal scheme): a registry maps a pipeline name ("llava") to the checkpoint family it serves; a
-pipeline is chosen from the config (`architectures`, then `model_type`) or by name (`get_pipeline`).
+Pipelines (text-generation-webui's multimodal scheme) are the model families of `families/` ("llava",
+"llava_next"): one is chosen from the config (`architectures`, then `model_type`) or by name (`get_pipeline`).
 Checkpoint problems raise `CheckpointError` (a deployment error, not a request error) saying what was found
 and what is supported.
 """
@@ -17,11 +17,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import numpy as np
-
-from .spec import CheckpointError, CheckpointSpec, image_token_count
+from .families import FAMILIES, Family, ImageLayout, describe_families, family_for_config, get_family
+from .spec import CheckpointError, CheckpointSpec
 from .spec import read_json as _read_json
 
 log = logging.getLogger(__name__)
@@ -72,8 +71,8 @@ class ModelInfo:
     model_class: str  # transformers class holding the weights, e.g. "LlavaForConditionalGeneration"
     image_token: str  # placeholder string, e.g. "<image>"
     image_token_id: int  # placeholder id; the llm replaces these positions with image features
-    num_image_tokens: int  # placeholders per image
-    image_size: tuple[int, int]  # (H, W) of the processor's pixel_values
+    num_image_tokens: int  # the most placeholders one image takes (every image's count in a fixed layout)
+    image_size: tuple[int, int]  # (H, W) of one tile of the processor's pixel_values
     patch_size: int
     vision_feature_select_strategy: str  # "default" (drop CLS) or "full"
     bos_token_id: Optional[int]
@@ -85,6 +84,11 @@ class ModelInfo:
     image_end: str = ""  # text added after each image
     vocab_size: int = 0  # rows of the language model's embedding
     hidden_size: int = 0  # language model hidden size (= projector output)
+    layout: Optional[ImageLayout] = None  # tiles and placeholder tokens per image size (the family's)
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """Placeholders for an image of (height, width) pixels."""
+        return self.num_image_tokens if self.layout is None else self.layout.tokens(size)
 
     @classmethod
     def load(
@@ -102,7 +106,7 @@ class ModelInfo:
         if not (d / "config.json").is_file():
             raise CheckpointError(f"{d} is not a Hugging Face checkpoint: no config.json")
         raw = _read_json(d / "config.json")
-        pipe = get_pipeline(pipeline) if pipeline else pipeline_for_config(raw)
+        pipe = get_family(pipeline) if pipeline else family_for_config(raw)
         if pipe is None:
             raise CheckpointError(
                 f"{d}: unsupported checkpoint: model_type {raw.get('model_type')!r}, architectures "
@@ -113,54 +117,25 @@ class ModelInfo:
                 f"({', '.join(pipe.architectures)}) but the checkpoint has model_type {raw.get('model_type')!r}, "
                 f"architectures {raw.get('architectures')}")
         comps = components if components is not None else load_components(d)
-        return pipe.describe(d, comps, context_length=context_length, image_start=image_start or "",
-                             image_end=image_end or "")
+        return _describe(pipe, d, comps, context_length=context_length, image_start=image_start or "",
+                         image_end=image_end or "")
 
 
-# --- pipelines -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Pipeline:
-    name: str
-    model_type: str  # config.json model_type
-    architectures: tuple[str, ...]  # config.json architectures served
-    model_class: str  # transformers class to load the weights with
-    describe: Callable[..., ModelInfo]  # (model_dir, components, *, context_length, image_start, image_end)
-
-    def matches(self, config: dict) -> bool:
-        archs = config.get("architectures") or []
-        return config.get("model_type") == self.model_type or any(a in self.architectures for a in archs)
+# --- pipelines: the model families (`families/`) ------------------------------------------------------------
+Pipeline = Family  # text-generation-webui's name for what serves one checkpoint family
+PIPELINES = FAMILIES
 
 
-def _processor_output_size(image_processor: Any) -> tuple[int, int]:
-    """(H, W) of pixel_values, measured on two dummy images of opposite aspect ratios; must not vary."""
-    from PIL import Image
-
-    shapes = set()
-    for size in ((48, 20), (20, 48)):
-        out = image_processor([Image.new("RGB", size, (128, 64, 32))], return_tensors="np")
-        pv = np.asarray(out["pixel_values"])
-        if pv.ndim != 4 or pv.shape[1] != 3:
-            raise CheckpointError(f"image processor {type(image_processor).__name__} returned pixel_values of "
-                                  f"shape {pv.shape}; expected [n, 3, H, W] (tiling processors are unsupported)")
-        shapes.add(tuple(int(x) for x in pv.shape[-2:]))
-    if len(shapes) != 1:
-        raise CheckpointError(f"image processor output size depends on the input image ({sorted(shapes)}); "
-                              "a fixed size is required (e.g. center crop or a fixed height/width)")
-    return shapes.pop()
-
-
-def _image_tokens(spec: CheckpointSpec, comps: HFComponents, image_size: tuple[int, int]) -> int:
-    """Placeholders per image (`spec.image_token_count`), on the processor's output size; the processor
-    config's `num_additional_image_tokens` wins over the tower type's CLS count when present."""
-    vision = spec.vision
-    if image_size != (vision.image_size, vision.image_size):
-        raise CheckpointError(f"the image processor produces {image_size[0]}x{image_size[1]} images but the "
-                              f"vision tower expects {vision.image_size}x{vision.image_size}")
+def _layout(spec: CheckpointSpec, comps: HFComponents, family: Family) -> ImageLayout:
+    """The family's image layout, checked against the checkpoint's own processor: the processor config's
+    `num_additional_image_tokens` is the tower's CLS count when present, the processor's patch size and output
+    must be the tower's."""
+    layout = family.layout(spec, comps.processor_config.get("num_additional_image_tokens"))
+    family.check_processor(layout, comps.image_processor)
     proc_patch = getattr(comps.processor, "patch_size", None)
-    if comps.processor is not None and proc_patch and int(proc_patch) != vision.patch_size:
-        raise CheckpointError(f"processor patch_size {proc_patch} differs from the vision tower's {vision.patch_size}")
-    extra = vision.known_extra_tokens(comps.processor_config.get("num_additional_image_tokens"))
-    return image_token_count(image_size, vision.patch_size, extra, vision.select_strategy)
+    if comps.processor is not None and proc_patch and int(proc_patch) != layout.patch:
+        raise CheckpointError(f"processor patch_size {proc_patch} differs from the vision tower's {layout.patch}")
+    return layout
 
 
 def _image_token(spec: CheckpointSpec, comps: HFComponents) -> str:
@@ -176,13 +151,13 @@ def _image_token(spec: CheckpointSpec, comps: HFComponents) -> str:
     return image_token
 
 
-def _describe_llava(model_dir: Path, comps: HFComponents, *, context_length: int | None, image_start: str,
-                    image_end: str) -> ModelInfo:
+def _describe(family: Family, model_dir: Path, comps: HFComponents, *, context_length: int | None,
+              image_start: str, image_end: str) -> ModelInfo:
     spec = CheckpointSpec.load(model_dir)
     if spec.vision is None or spec.image_token_id is None:
         raise CheckpointError(f"{model_dir}: expected a LLaVA checkpoint (vision_config and image_token_id)")
-    tok, text_cfg = comps.tokenizer, spec.hf_config.text_config
-    image_size = _processor_output_size(comps.image_processor)
+    tok, text_cfg = comps.tokenizer, family.text_config(spec.hf_config)
+    layout = _layout(spec, comps, family)
     bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(text_cfg, "bos_token_id", None)
     with_special = tok("x", add_special_tokens=True)["input_ids"]
     pad = tok.pad_token_id
@@ -193,46 +168,29 @@ def _describe_llava(model_dir: Path, comps: HFComponents, *, context_length: int
     if ctx <= 0:
         raise CheckpointError(f"context length must be positive, got {ctx}; pass context_length")
     return ModelInfo(
-        model_dir=str(model_dir), pipeline="llava", model_class="LlavaForConditionalGeneration",
+        model_dir=str(model_dir), pipeline=family.name, model_class=family.model_class,
         image_token=_image_token(spec, comps), image_token_id=spec.image_token_id,
-        num_image_tokens=_image_tokens(spec, comps, image_size), image_size=image_size,
+        num_image_tokens=layout.max_tokens, image_size=(layout.tile, layout.tile),
         patch_size=spec.vision.patch_size, vision_feature_select_strategy=spec.vision.select_strategy,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=spec.eos_ids,
         pad_token_id=None if pad is None else int(pad),
         add_bos=bos is not None and bool(with_special) and with_special[0] == bos,
         context_length=ctx, image_start=image_start, image_end=image_end,
-        vocab_size=spec.text.vocab_size, hidden_size=spec.text.hidden_size)
-
-
-PIPELINES: dict[str, Pipeline] = {
-    "llava": Pipeline("llava", "llava", ("LlavaForConditionalGeneration",), "LlavaForConditionalGeneration",
-                      _describe_llava),
-}
+        vocab_size=spec.text.vocab_size, hidden_size=spec.text.hidden_size, layout=layout)
 
 
 def available_pipelines() -> list[str]:
-    return sorted(PIPELINES)
+    return sorted(FAMILIES)
 
 
 def describe_pipelines() -> str:
-    return "; ".join(f"{p.name} (model_type {p.model_type!r}: {', '.join(p.architectures)})"
-                     for p in PIPELINES.values())
+    return describe_families()
 
 
-def get_pipeline(name: str) -> Pipeline:
-    try:
-        return PIPELINES[name]
-    except KeyError:
-        raise CheckpointError(f"unknown pipeline {name!r}; available: {', '.join(available_pipelines())}") from None
+def get_pipeline(name: str) -> Family:
+    return get_family(name)
 
 
-def pipeline_for_config(config: dict) -> Pipeline | None:
-    """The pipeline serving a raw config.json dict: by architectures first, then model_type; None if none."""
-    archs = config.get("architectures") or []
-    for p in PIPELINES.values():
-        if any(a in p.architectures for a in archs):
-            return p
-    for p in PIPELINES.values():
-        if config.get("model_type") == p.model_type:
-            return p
-    return None
+def pipeline_for_config(config: dict) -> Family | None:
+    """The family serving a raw config.json dict: by architectures first, then model_type; None if none."""
+    return family_for_config(config)

@@ -68,12 +68,14 @@ def penalty_processors(prompt_len: int, presence: float, frequency: float) -> li
 
 class HFGenerator:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
-        from transformers import AutoTokenizer, LlavaForConditionalGeneration  # noqa: PLC0415
+        import transformers  # noqa: PLC0415
+
+        from .families import family_of  # noqa: PLC0415
 
         self.device = torch.device(device)
-        self.model = LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_class = getattr(transformers, family_of(CheckpointSpec.load(model_dir)).model_class)  # the family's
+        self.model = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         cfg = self.model.config
         self.image_token_id = int(cfg.image_token_id)
         spec = CheckpointSpec.load(model_dir)  # the same end ids and context as every other process

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,15 +15,23 @@ def image_key(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image as preprocess keeps it: its tiles and the size they were cut from."""
+
+    pixels: np.ndarray  # [tiles, 3, H, W] float32 (one tile for fixed-size families), read-only once cached
+    size: tuple[int, int]  # (height, width) of the decoded image (EXIF orientation applied)
+
+
 class ImageCache:
     def __init__(self, max_entries: int = 64):
         self.max_entries = max(0, int(max_entries))
-        self._items: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> pixel values [3, H, W]
+        self._items: OrderedDict[bytes, ProcessedImage] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def get(self, key: bytes) -> ProcessedImage | None:
         with self._lock:
             px = self._items.get(key)
             if px is None:
@@ -32,12 +41,12 @@ class ImageCache:
             self.hits += 1
             return px
 
-    def put(self, key: bytes, pixels: np.ndarray) -> None:
+    def put(self, key: bytes, image: ProcessedImage) -> None:
         if not self.max_entries:
             return
-        pixels.setflags(write=False)  # shared between requests: never modified in place
+        image.pixels.setflags(write=False)  # shared between requests: never modified in place
         with self._lock:
-            self._items[key] = pixels
+            self._items[key] = image
             self._items.move_to_end(key)
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)

@@ -161,11 +161,16 @@ def decode_image(data: bytes | str, what: str = "image", max_pixels: int = DEFAU
 
 
 class ImageProcessor:
-    """The checkpoint's own image processor, loaded once: RGB PIL images -> pixel_values [n, 3, H, W] float32."""
+    """The checkpoint's own image processor, loaded once: RGB PIL images -> pixel_values float32.
 
-    def __init__(self, hf_image_processor: Any, image_size: tuple[int, int] | None = None):
+    `__call__` gives [n, 3, H, W] (one tile per image); `per_image` gives each image's tiles [tiles, 3, H, W]
+    for every processor: a tiling processor (LLaVA-NeXT's, [n, max tiles, 3, H, W] zero padded across the
+    batch) is cut to each image's own tile count, `layout.tiles(image size)`."""
+
+    def __init__(self, hf_image_processor: Any, image_size: tuple[int, int] | None = None, layout: Any = None):
         self.hf = hf_image_processor
         self.image_size = image_size  # (H, W) the processor produces; used for the empty batch
+        self.layout = layout  # families.ImageLayout; needed for tiling processors
 
     @classmethod
     def load(cls, model_dir: str) -> "ImageProcessor":
@@ -183,3 +188,22 @@ class ImageProcessor:
         if pv.ndim != 4 or pv.shape[0] != len(images) or pv.shape[1] != 3:
             raise ValueError(f"unexpected pixel_values shape {pv.shape} for {len(images)} images")
         return np.ascontiguousarray(pv)
+
+    def per_image(self, images: Sequence[Image.Image]) -> list[np.ndarray]:
+        """Each image's tiles [tiles_i, 3, H, W] float32, its own array (not a view of the batch)."""
+        if not images:
+            return []
+        out = self.hf(list(images), return_tensors="np")
+        pv = np.asarray(out["pixel_values"], dtype=np.float32)
+        if pv.ndim == 4 and pv.shape[0] == len(images) and pv.shape[1] == 3:  # [n, 3, H, W]
+            return [np.array(pv[i:i + 1]) for i in range(len(images))]
+        if pv.ndim != 5 or pv.shape[0] != len(images) or pv.shape[2] != 3 or self.layout is None:
+            raise ValueError(f"unexpected pixel_values shape {pv.shape} for {len(images)} images")
+        sizes = [(im.height, im.width) for im in images]
+        reported = out.get("image_sizes")
+        if reported is not None and [tuple(int(x) for x in r) for r in np.asarray(reported)] != sizes:
+            raise ValueError(f"the image processor reports image_sizes {np.asarray(reported).tolist()}, not {sizes}")
+        tiles = [self.layout.tiles(size) for size in sizes]
+        if max(tiles) > pv.shape[1]:
+            raise ValueError(f"the image processor gave {pv.shape[1]} tiles; the layout needs {max(tiles)}")
+        return [np.array(pv[i, :k]) for i, k in enumerate(tiles)]  # [tiles_i, 3, H, W]

@@ -98,13 +98,17 @@ PIXEL_VALUES = "pixel_values"
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_KEYS = "image_keys"
 NUM_IMAGES = "num_images"
+IMAGE_SIZES = "image_sizes"  # (height, width) of each image: its tiles and token count follow from it
+IMAGE_FEATURE_LENS = "image_feature_lens"  # features of each image in image_embeds (the rest is padding)
 BAD_WORDS_IDS = "bad_words_ids"
 STOP_WORDS_IDS = "stop_words_ids"
 
 # A request may stack several prompts (batch dim > 1, as TensorRT-LLM's clients send with `--batch-inputs`): each
 # row is answered as its own sequence set, its responses carrying `batch_index` = the row. Between the ensemble
 # steps the rows of such a request are padded to a common shape: `input_ids` with INPUT_IDS_PAD, word lists with
-# 0 (a zero length ends a list), `pixel_values` / `image_embeds` / `image_keys` beyond each row's `num_images`.
+# 0 (a zero length ends a list), `image_embeds` / `image_keys` / `image_sizes` beyond each row's `num_images`,
+# `pixel_values` beyond the row's tiles (one per image for llava-1.5; `layout.tiles(size)` each for LLaVA-NeXT),
+# `image_embeds` beyond each image's `image_feature_lens`.
 INPUT_IDS_PAD = -1
 
 # early_stopping on the wire (HF's True / False / "never")
@@ -191,19 +195,24 @@ PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (
 ) + LORA_INPUTS  # checked here (a bad adapter is refused before any image is encoded), used by llm
 PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(INPUT_IDS, INT32, (-1,)),  # prompt ids with N placeholder ids per image
-    TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),  # [images, 3, H, W], processor-normalised
+    TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),  # [tiles, 3, H, W], processor-normalised, images in order
     TensorSpec(BAD_WORDS_IDS, INT32, (-1,)),  # length-prefixed id lists, see params.words_to_flat
     TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
     TensorSpec(DROPPED_IMAGES, INT32, (1,)),
     TensorSpec(IMAGE_KEYS, BYTES, (-1,)),  # SHA-256 hex of each kept image's file: the embedding cache's key
     TensorSpec(NUM_IMAGES, INT32, (1,)),  # images of the row (pixel_values / image_keys are padded beyond it)
+    TensorSpec(IMAGE_SIZES, INT32, (-1, 2)),  # [images, 2] (height, width) of each kept image
 )
 VISION_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),
     _in(IMAGE_KEYS, BYTES, (-1,)),  # optional: without keys nothing is cached
     _in(NUM_IMAGES, INT32),  # optional: without it every image of pixel_values is real
+    _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional for llava-1.5 (one tile per image), required for LLaVA-NeXT
 )
-VISION_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),)  # [images, T, hidden]
+VISION_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),  # [images, T, hidden], each image zero padded to the longest
+    TensorSpec(IMAGE_FEATURE_LENS, INT32, (-1,)),  # [images] features of each image
+)
 LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(INPUT_IDS, INT32, (-1,), optional=False),
     _in(IMAGE_EMBEDS, FP32, (-1, -1, -1)),
@@ -211,6 +220,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(STOP_WORDS_IDS, INT32, (-1,)),
     _in(DROPPED_IMAGES, INT32),
     _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
+    _in(IMAGE_FEATURE_LENS, INT32, (-1,)),  # optional: without it every image fills image_embeds' T
 ) + GENERATION_INPUTS + LORA_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 

@@ -8,15 +8,17 @@ Steps of `Preprocessor.__call__`:
    oversized or non-image payload is an error whatever `max_tokens` is, so a request's validity never
    depends on the token budget;
 3. tokenize the whole prompt once, each image written as ONE placeholder token, with the tokenizer's special
-   tokens (BOS first, as the tokenizer adds it), then expand each placeholder to `num_image_tokens` copies.
-   Tokenizing in context (not part by part) is what the checkpoint's own `LlavaProcessor` does, so the ids
-   equal `LlavaProcessor(text=..., images=...)` exactly for any tokenizer (sentencepiece prefix spaces,
-   merges across part boundaries);
+   tokens (BOS first, as the tokenizer adds it), then expand each placeholder to that image's token count
+   (the family's `layout.tokens(height, width)`: the same for every image of llava-1.5, a function of the
+   image's size for LLaVA-NeXT). Tokenizing in context (not part by part) is what the checkpoint's own
+   processor does, so the ids equal `LlavaProcessor` / `LlavaNextProcessor(text=..., images=...)` exactly for
+   any tokenizer (sentencepiece prefix spaces, merges across part boundaries);
 4. truncate when the prompt is longer than `context_length - max_tokens`: keep the LAST tokens, dropping
-   whole parts from the left; an image is never split (dropped whole, with its pixels); a text part may be
-   cut. The BOS token (when the tokenizer adds one) is kept in front of a truncated prompt and counts
+   whole parts from the left; an image is never split (dropped whole, with its true token count and all its
+   tiles); a text part may be cut. The BOS token (when the tokenizer adds one) is kept in front of a truncated prompt and counts
    against the budget. If the last part alone cannot fit, InvalidArgument states the sizes;
-5. run the checkpoint's image processor on the kept images only;
+5. run the checkpoint's image processor on the kept images only: each image's tiles (one for llava-1.5; the
+   base tile and the grid's for LLaVA-NeXT) and its size;
 6. tokenize bad / stop words one by one without special tokens (empty words ignored).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from .checkpoint import ModelInfo, load_components
 from . import names as N
 from .errors import InvalidArgument
-from .image_cache import ImageCache, image_key
+from .image_cache import ImageCache, ProcessedImage, image_key
 from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, payload_to_bytes
 from .params import check_word_count, words_to_flat
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
@@ -40,12 +42,13 @@ Text = Union[str, bytes]
 
 @dataclass
 class PreprocessResult:
-    input_ids: list[int]  # [T] prompt ids; each kept image is num_image_tokens copies of image_token_id
-    pixel_values: np.ndarray  # [n_kept, 3, H, W] float32, kept images in prompt order
+    input_ids: list[int]  # [T] prompt ids; each kept image is its token count of image_token_id copies
+    pixel_values: np.ndarray  # [tiles, 3, H, W] float32: the tiles of the kept images, in prompt order
     bad_words_ids: list[list[int]] = field(default_factory=list)
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0  # images removed by truncation
     image_keys: list[str] = field(default_factory=list)  # SHA-256 hex of each kept image's file, in order
+    image_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n_kept, 2] (H, W)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class Preprocessor:
         self.info = ModelInfo.load(model_dir, pipeline=pipeline, context_length=context_length,
                                    image_start=image_start, image_end=image_end, components=comps)
         self.tokenizer = comps.tokenizer
-        self.image_processor = ImageProcessor(comps.image_processor, self.info.image_size)
+        self.image_processor = ImageProcessor(comps.image_processor, self.info.image_size, self.info.layout)
         self.max_images = max_images
         self.max_pixels = max_pixels
         self.marker = marker
@@ -116,8 +119,9 @@ class Preprocessor:
         return out
 
     # --- prompt ------------------------------------------------------------------------------------------
-    def _tokenize(self, parts) -> list[_Segment]:
-        """Parts -> [text ids | image placeholders] segments, tokenized in context (see module doc)."""
+    def _tokenize(self, parts, counts: Sequence[int]) -> list[_Segment]:
+        """Parts -> [text ids | image placeholders] segments, tokenized in context (see module doc); image k
+        takes counts[k] placeholders."""
         info = self.info
         joined = "".join(p.text if isinstance(p, TextPart) else info.image_token for p in parts)
         ids = [int(t) for t in self.tokenizer(joined, add_special_tokens=True)["input_ids"]]
@@ -133,7 +137,7 @@ class Preprocessor:
             if t == info.image_token_id:
                 if current:
                     segments.append(_Segment(current))
-                segments.append(_Segment([t] * info.num_image_tokens, image=k))
+                segments.append(_Segment([t] * counts[k], image=k))
                 current, k = [], k + 1
             else:
                 current.append(t)
@@ -211,16 +215,18 @@ class Preprocessor:
         decoded = [None if c is not None else decode_image(r, w, self.max_pixels)
                    for r, c, w in zip(raws, cached, what)]
 
-        segments = self._truncate(self._tokenize(parts), budget, max_tokens)
+        sizes = [c.size if c is not None else (im.height, im.width) for c, im in zip(cached, decoded)]
+        counts = [info.image_tokens(size) for size in sizes]
+        segments = self._truncate(self._tokenize(parts, counts), budget, max_tokens)
         kept_images = [s.image for s in segments if s.image >= 0]
         input_ids = [t for s in segments for t in s.ids]
         todo = [i for i in kept_images if cached[i] is None]
-        for i, px in zip(todo, self.image_processor([decoded[i] for i in todo]) if todo else []):
-            cached[i] = px = np.array(px)  # [3, H, W], its own copy (not a view of the batch)
-            self.cache.put(keys[i], px)
+        for i, px in zip(todo, self.image_processor.per_image([decoded[i] for i in todo])):
+            cached[i] = ProcessedImage(px, sizes[i])  # px [tiles, 3, H, W], its own array
+            self.cache.put(keys[i], cached[i])
         h, w = self.info.image_size
-        pixel_values = np.stack([cached[i] for i in kept_images]) if kept_images else \
-            np.zeros((0, 3, h, w), np.float32)  # [n_kept, 3, H, W]
+        pixel_values = np.concatenate([cached[i].pixels for i in kept_images]) if kept_images else \
+            np.zeros((0, 3, h, w), np.float32)  # [tiles, 3, H, W]
         return PreprocessResult(
             input_ids=input_ids,
             pixel_values=pixel_values,
@@ -228,6 +234,7 @@ class Preprocessor:
             stop_words_ids=self.encode_words(stop_words, "stop_words"),
             dropped_images=len(decoded) - len(kept_images),
             image_keys=[keys[i].hex() for i in kept_images],
+            image_sizes=np.array([sizes[i] for i in kept_images], np.int32).reshape(-1, 2),
         )
 
 
@@ -237,10 +244,12 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
     b = len(results)
     length = max(len(r.input_ids) for r in results)
     input_ids = np.full((b, length), N.INPUT_IDS_PAD, np.int32)  # [B, T]
-    n_img = [int(r.pixel_values.shape[0]) for r in results]
+    n_img = [len(r.image_keys) for r in results]
+    n_tiles = [int(r.pixel_values.shape[0]) for r in results]
     shape = results[0].pixel_values.shape[1:]
-    pixel_values = np.zeros((b, max(n_img), *shape), np.float32)  # [B, images, 3, H, W]
+    pixel_values = np.zeros((b, max(n_tiles), *shape), np.float32)  # [B, tiles, 3, H, W]
     keys = np.full((b, max(n_img)), b"", dtype=np.object_)  # [B, images]
+    sizes = np.zeros((b, max(n_img), 2), np.int32)  # [B, images, 2]
     words = {}
     for name, get in ((N.BAD_WORDS_IDS, lambda r: r.bad_words_ids), (N.STOP_WORDS_IDS, lambda r: r.stop_words_ids)):
         flats = [words_to_flat(get(r)) for r in results]
@@ -249,8 +258,9 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
             words[name][i, :len(f)] = f
     for i, r in enumerate(results):
         input_ids[i, :len(r.input_ids)] = r.input_ids
-        pixel_values[i, :n_img[i]] = r.pixel_values
+        pixel_values[i, :n_tiles[i]] = r.pixel_values
         keys[i, :n_img[i]] = [k.encode() for k in r.image_keys]
+        sizes[i, :n_img[i]] = r.image_sizes
     return {
         N.INPUT_IDS: input_ids,
         N.PIXEL_VALUES: pixel_values,
@@ -258,4 +268,5 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
         N.DROPPED_IMAGES: np.array([[r.dropped_images] for r in results], np.int32),  # [B, 1]
         N.IMAGE_KEYS: keys,
         N.NUM_IMAGES: np.array([[n] for n in n_img], np.int32),  # [B, 1]
+        N.IMAGE_SIZES: sizes,
     }

@@ -1,10 +1,11 @@
-"""vision: the vision tower + projector on the images of every queued request, each image at most once.
+"""vision: the vision tower + projector on the tiles of every queued request's images, each image at most once.
 
 Thin adapter: backends are `triton_vlm.vision.backends` (`vision_backend`: torch | onnxruntime | tensorrt), the
-batching and the embedding cache `triton_vlm.vision.service.VisionService`. A text-only request carries zero
-images; a request with bad pixel values or keys gets its own INVALID_ARG. A request of several rows (a batched
-ensemble request) is encoded row by row, each row's first `num_images` images; its `image_embeds` are
-[B, max images, T, hidden], zero padded.
+batching, the family's packing and the embedding cache `triton_vlm.vision.service.VisionService`. A text-only
+request carries zero images; a request with bad pixel values, sizes or keys gets its own INVALID_ARG. A request
+of several rows (a batched ensemble request) is encoded row by row, each row's first `num_images` images; its
+`image_embeds` are [B, max images, max T, hidden], zero padded, and `image_feature_lens` [B, max images] the
+features of each image.
 """
 from triton_vlm.triton import lifeline
 
@@ -39,7 +40,7 @@ class TritonPythonModel:
                 inputs.append(e)
         valid = [row for x in inputs if not isinstance(x, Exception) for row in x]
         try:
-            encoded = iter(self.service.encode(valid))
+            encoded = iter(self.service.encode_rows(valid))
         except Exception as e:  # noqa: BLE001 - the encoder failed: every request gets the error
             return [error_response(e) for _ in requests]
         finally:
@@ -50,8 +51,7 @@ class TritonPythonModel:
             if not isinstance(results, Exception):
                 results = next((tensors.in_row(e, i, len(results)) for i, e in enumerate(results)
                                 if isinstance(e, Exception)), results)
-            out.append(error_response(results) if isinstance(results, Exception)
-                       else tensors.torch_response(N.IMAGE_EMBEDS, results))  # [B, n, T, hidden]
+            out.append(error_response(results) if isinstance(results, Exception) else _response(results))
         return out
 
     def finalize(self):
@@ -59,15 +59,21 @@ class TritonPythonModel:
 
 
 def _row(request, row):
-    """(pixel values [n, 3, H, W], keys or None) of one row: its first `num_images` images when sent."""
-    from triton_vlm.errors import InvalidArgument
+    """One row's tiles [tiles, 3, H, W], keys, sizes [images, 2] and number of real images."""
+    from triton_vlm.vision.service import VisionInput
 
-    pixels = tensors.input_array(request, N.PIXEL_VALUES, row)
-    keys = tensors.strings(request, N.IMAGE_KEYS, row) or None
-    n = tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row)
-    if n is not None and pixels is not None:
-        if not 0 <= n <= pixels.shape[0]:
-            raise InvalidArgument(f"num_images {n} is outside [0, {pixels.shape[0]}] (pixel_values rows)")
-        pixels, keys = pixels[:n], None if keys is None else keys[:n]
-    return pixels, keys
+    return VisionInput(pixels=tensors.input_array(request, N.PIXEL_VALUES, row),
+                       keys=tensors.strings(request, N.IMAGE_KEYS, row) or None,
+                       sizes=tensors.input_array(request, N.IMAGE_SIZES, row),
+                       num_images=tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row))
+
+
+def _response(results):
+    """image_embeds [B, n, T, hidden] (rows padded to one T) and image_feature_lens [B, n]."""
+    import torch
+    from triton_vlm.vision.service import pad_tokens
+
+    return tensors.torch_outputs({N.IMAGE_EMBEDS: pad_tokens([r.embeds for r in results]),
+                                  N.IMAGE_FEATURE_LENS: [torch.tensor(r.lens, dtype=torch.int32)
+                                                         for r in results]})
 

@@ -10,6 +10,8 @@
 
       vision max_batch_size x preprocess max_images x tokens per image x LM hidden size x dtype bytes
 
+  (tokens per image: the most one image takes, `families` `layout.max_tokens`, for LLaVA-NeXT),
+
   (64 x 8 x 577 x 4096 x 2 bytes = 2.3 GiB for llava-1.5-7b in float16), at least 256 MiB, at most 4 GiB
   (the pool is reserved at start; larger batches still work through pinned memory). `cuda_pool_mb` overrides.
 """
@@ -85,6 +87,10 @@ def embeds_pool_bytes(repo: Path, model_dir: str | Path, llm_dtype: str) -> int:
     images = _pbtxt_int(pre_cfg, r'key:\s*"max_images"\s*value:\s*\{\s*string_value:\s*"(\d+)"', 8)
     v = spec.vision
     tokens = (v.image_size // v.patch_size) ** 2 + 1 if v is not None else 0  # patches + CLS ("full" select)
+    if v is not None:  # the most one image takes in the family's layout (LLaVA-NeXT: many tiles)
+        from ..families import family_of  # noqa: PLC0415
+
+        tokens = max(tokens, family_of(spec).layout(spec).max_tokens)
     need = batch * images * tokens * spec.text.hidden_size * DTYPE_BYTES.get(llm_dtype, 4)
     return max(POOL_FLOOR, min(POOL_CAP, need))
 

@@ -172,6 +172,9 @@ class LLMService:
             if not 0 <= n_images <= emb.shape[0]:
                 raise InvalidArgument(f"num_images {n_images} is outside [0, {emb.shape[0]}] (image_embeds rows)")
             emb = emb[:n_images]
+        lens = tensors.input_array(request, N.IMAGE_FEATURE_LENS, row)
+        if emb is not None and lens is not None:
+            emb = unpad_images(emb, lens.reshape(-1))  # [features, hidden] when the images' lengths differ
         bad = tensors.input_array(request, N.BAD_WORDS_IDS, row)
         stop = tensors.input_array(request, N.STOP_WORDS_IDS, row)
         dropped = tensors.input_array(request, N.DROPPED_IMAGES, row)
@@ -324,6 +327,22 @@ class LLMService:
             prev_img = is_img
         parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
         return "".join(parts)
+
+
+def unpad_images(emb, lens: np.ndarray):
+    """image_embeds [images, T, hidden] and each image's feature count -> the features without the padding: the
+    same tensor when every image fills T (llava-1.5), else [sum(lens), hidden], images in order. The merge then
+    checks the total against the placeholders both ways."""
+    import torch  # noqa: PLC0415
+
+    n, t = int(emb.shape[0]), int(emb.shape[1]) if emb.dim() == 3 else 0
+    if emb.dim() != 3 or len(lens) < n or not all(0 <= int(x) <= t for x in lens[:n]):
+        raise InvalidArgument(f"image_feature_lens {lens.tolist()} must give each of the {n} images of "
+                              f"image_embeds {list(emb.shape)} a length in [0, {t}]")
+    lens = [int(x) for x in lens[:n]]
+    if all(x == t for x in lens):
+        return emb
+    return torch.cat([emb[i, :x] for i, x in enumerate(lens)]) if n else emb.reshape(0, emb.shape[-1])
 
 
 def _strip_padding(ids: np.ndarray) -> np.ndarray:

@@ -173,19 +173,26 @@ def torch_response(name: str, rows: Sequence) -> "pb_utils.InferenceResponse":
     """One output from the torch tensors of a request's rows, each [n_i, ...] (the same trailing dims), by
     DLPack: it stays on its device, in its dtype. One row: [1, n, ...] without a copy; several rows:
     [B, max n_i, ...], each row zero padded beyond its n_i."""
+    return torch_outputs({name: rows})
+
+
+def torch_outputs(outputs: dict[str, Sequence]) -> "pb_utils.InferenceResponse":
+    """Several outputs, each from the torch tensors of the request's rows as `torch_response` builds one."""
     import torch  # noqa: PLC0415
     from torch.utils.dlpack import to_dlpack  # noqa: PLC0415
 
-    if len(rows) == 1:
-        out = rows[0][None].contiguous()
-    else:
-        first = rows[0]
-        out = torch.zeros((len(rows), max(r.shape[0] for r in rows), *first.shape[1:]), dtype=first.dtype,
-                          device=first.device)
-        for i, r in enumerate(rows):
-            out[i, :r.shape[0]] = r
-    tensor = pb_utils.Tensor.from_dlpack(name, to_dlpack(out))
-    return pb_utils.InferenceResponse(output_tensors=[tensor])
+    tensors = []
+    for name, rows in outputs.items():
+        if len(rows) == 1:
+            out = rows[0][None].contiguous()
+        else:
+            first = rows[0]
+            out = torch.zeros((len(rows), max(r.shape[0] for r in rows), *first.shape[1:]), dtype=first.dtype,
+                              device=first.device)
+            for i, r in enumerate(rows):
+                out[i, :r.shape[0]] = r
+        tensors.append(pb_utils.Tensor.from_dlpack(name, to_dlpack(out)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 def lora_inputs(request, row: Optional[int] = None) -> tuple | None:

@@ -1,17 +1,18 @@
-"""The vision tower + projector of a LLaVA checkpoint, loaded without the language model.
+"""The vision tower + projector of a LLaVA-family checkpoint, loaded without the language model.
 
-`EncoderGraph` is the computation every backend runs: the tower up to the configured feature layer(s) (the
-layers above are dropped), the select strategy, the projector; the torch backend runs it in torch and the
-exporter (`export.py`) writes it as ONNX. `VisionEncoder(model_dir, VisionSettings(...))(pixel_values [n, 3, H,
-W]) -> [n, T, hidden]` equals `LlavaForConditionalGeneration.get_image_features(...)` on the same weights; its
-settings are those of text-generation-webui's multimodal pipelines: `vision_device` / `vision_bits` for the
-tower, `projector_device` / `projector_bits` for the projector, and a pipeline chosen from the checkpoint's config
-("auto") or by name (`triton_vlm.checkpoint.PIPELINES`). The feature layer and select strategy always come from
-the checkpoint's config, so the number of features per image is the number of placeholders preprocess inserts.
+`EncoderGraph` is the computation every backend runs on tiles (an image is one tile for llava-1.5, several for
+LLaVA-NeXT): the tower up to the configured feature layer(s) (the layers above are dropped), the select
+strategy, the family's projector; the torch backend runs it in torch and the exporter (`export.py`) writes it as
+ONNX. `VisionEncoder(model_dir, VisionSettings(...))(pixel_values [tiles, 3, H, W]) -> [tiles, T, hidden]` equals
+the tiles' features of `Llava(Next)ForConditionalGeneration.get_image_features(...)` on the same weights, before
+the family's packing (`families/*.py`: `Packer`, run by the vision service). Its settings are those of
+text-generation-webui's multimodal pipelines: `vision_device` / `vision_bits` for the tower, `projector_device` /
+`projector_bits` for the projector, and a pipeline (model family) chosen from the checkpoint's config ("auto") or
+by name (`triton_vlm.families.FAMILIES`). The feature layer and select strategy always come from the
+checkpoint's config, so the features per image are the placeholders preprocess inserts.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..checkpoint import describe_pipelines, get_pipeline, pipeline_for_config
 from ..errors import InvalidArgument
+from ..families import Family, family_of
 from ..spec import CheckpointError, CheckpointSpec, TensorSource
 
 _DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
@@ -56,27 +57,28 @@ class VisionSettings:
 
 
 class EncoderGraph(nn.Module):
-    """pixel_values [n, 3, H, W] -> image embeddings [n, T, hidden]: the tower run up to the configured feature
+    """pixel_values [tiles, 3, H, W] -> embeddings [tiles, T, hidden]: the tower run up to the configured feature
     layer(s) (the layers above are dropped: never computed, never exported), the select strategy ("default" drops
-    CLS, "full" keeps it), then the projector. The torch backend runs it; the ONNX exporter exports it, so both
-    compute the same graph."""
+    CLS, "full" keeps it), then the family's projector. The torch backend runs it; the ONNX exporter exports it,
+    so both compute the same graph."""
 
-    def __init__(self, model_dir: Path, spec: CheckpointSpec, attn_implementation: Optional[str] = None):
+    def __init__(self, model_dir: Path, spec: CheckpointSpec, attn_implementation: Optional[str] = None,
+                 family: Optional[Family] = None):
         super().__init__()
         from transformers import AutoModel  # noqa: PLC0415
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector  # noqa: PLC0415
 
+        family = family or family_of(spec)
         config = spec.hf_config
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self.tower = AutoModel.from_config(config.vision_config, **kw)
-        self.projector = LlavaMultiModalProjector(config)
+        self.projector = family.projector(config)
         weights = TensorSource(model_dir)
-        for module, names in ((self.tower, ("model.vision_tower.", "vision_tower.")),
-                              (self.projector, ("model.multi_modal_projector.", "multi_modal_projector."))):
+        for module, names in ((self.tower, family.weight_prefixes["tower"]),
+                              (self.projector, family.weight_prefixes["projector"])):
             missing, _ = module.load_state_dict(weights.with_prefixes(names), strict=False)
             missing = [m for m in missing if "position_ids" not in m]
             if missing:
-                raise ValueError(f"{model_dir}: weights missing for {names[1]}: {missing[:5]}")
+                raise ValueError(f"{model_dir}: weights missing for {names[-1]}: {missing[:5]}")
         layers = spec.vision.feature_layer
         self.layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
         self.select_strategy = spec.vision.select_strategy
@@ -98,11 +100,11 @@ class EncoderGraph(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.tower(pixel_values, output_hidden_states=True, return_dict=True)
-        feats = [out.hidden_states[i] for i in self.layers]  # each [n, 1 + patches, vision_hidden]
+        feats = [out.hidden_states[i] for i in self.layers]  # each [tiles, extra + patches, vision_hidden]
         if self.select_strategy == "default":
             feats = [f[:, 1:] for f in feats]
-        x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)  # [n, T, vision_hidden * len(layers)]
-        return self.projector(x.to(self.proj_device, self.proj_dtype))  # [n, T, hidden]
+        x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)  # [tiles, T, vision_hidden * len(layers)]
+        return self.projector(x.to(self.proj_device, self.proj_dtype))  # [tiles, T, hidden]
 
 
 class VisionEncoder(nn.Module):
@@ -114,26 +116,22 @@ class VisionEncoder(nn.Module):
         spec = CheckpointSpec.load(model_dir)
         if spec.vision is None:
             raise CheckpointError(f"{model_dir} is not a LLaVA-style checkpoint (no vision_config)")
-        raw = json.loads((model_dir / "config.json").read_text())
-        pipe = pipeline_for_config(raw) if settings.pipeline in ("", "auto") else get_pipeline(settings.pipeline)
-        if pipe is None or not pipe.matches(raw):
-            raise CheckpointError(f"{model_dir}: no vision pipeline for model_type {raw.get('model_type')!r}; "
-                                  f"available: {describe_pipelines()}")
-        self.pipeline = pipe.name
+        self.family = family_of(spec, settings.pipeline)
+        self.pipeline = self.family.name
         self.tower_device = torch.device(settings.vision_device)
         self.tower_dtype = parse_bits(settings.vision_bits)
-        self.graph = EncoderGraph(model_dir, spec)
+        self.graph = EncoderGraph(model_dir, spec, family=self.family)
         self.graph.proj_device, self.graph.proj_dtype = torch.device(settings.projector_device), \
             parse_bits(settings.projector_bits)
         self.graph.tower.to(self.tower_device, self.tower_dtype).eval()
         self.graph.projector.to(self.graph.proj_device, self.graph.proj_dtype).eval()
         self.image_size = spec.vision.image_size
-        self.tokens_per_image = spec.vision.num_image_tokens
+        self.tokens_per_image = spec.vision.num_image_tokens  # per tile
         self.hidden_size = spec.text.hidden_size
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [n, 3, H, W] -> image embeddings [n, T, hidden] (float32, on the CPU)."""
+        """pixel_values [tiles, 3, H, W] -> tile embeddings [tiles, T, hidden] (float32, on the CPU)."""
         if pixel_values.shape[0] == 0:
             return torch.zeros(0, self.tokens_per_image, self.hidden_size)
         return self.graph(pixel_values.to(self.tower_device, self.tower_dtype)).float().cpu()

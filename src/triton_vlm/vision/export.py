@@ -2,9 +2,11 @@
 
 `export_onnx(model_dir, out, dtype)` writes `EncoderGraph` (the tower up to the feature layer, the select strategy,
 the projector) as TensorRT-LLM exports the LLaVA encoder: eager attention (the sdpa path breaks the exporters),
-opset 17, input `input` [batch, 3, H, W], output `encoder_output` [batch, T, hidden], a dynamic batch
-axis, the TorchScript exporter (`dynamo=False`: since PyTorch 2.9 the default dynamo exporter ignores
-`dynamic_axes`).
+opset 17, input `input` [tiles, 3, H, W], output `encoder_output` [tiles, T, hidden], a dynamic axis of tiles
+(images of llava-1.5; every image's base and grid tiles of LLaVA-NeXT, any number per image), the TorchScript
+exporter (`dynamo=False`: since PyTorch 2.9 the default dynamo exporter ignores `dynamic_axes`). The family's
+packing of an image's tiles (LLaVA-NeXT: unpad, row separators; `families/llava_next.py` says why) runs in
+torch on the graph's output.
 
 `dtype="float16"` writes the graph TensorRT builds strongly typed: weights and activations fp16, but every
 LayerNorm and every attention softmax computes in fp32 (input cast up, output cast back): a plain fp16 ViT
@@ -12,7 +14,8 @@ loses accuracy in TensorRT (anchors section 7). Attention is our eager function 
 registered with transformers' AttentionInterface): plain eager attention with an explicit fp32 softmax.
 
 `cached_onnx(model_dir, dtype)` exports once per checkpoint content: the key is a SHA-256 over config.json, the
-vision tower's and projector's tensors and this exporter's version, so a changed checkpoint is exported again
+vision tower's and projector's tensors (and the family's packing tensors: LLaVA-NeXT's image_newline) and this
+exporter's version, so a changed checkpoint is exported again
 and an unchanged one is not (the `vision` model calls it on first start).
 """
 from __future__ import annotations
@@ -94,7 +97,7 @@ def export_onnx(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(graph, (dummy,), str(tmp), opset_version=OPSET, input_names=[INPUT],
-                          output_names=[OUTPUT], dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
+                          output_names=[OUTPUT], dynamic_axes={INPUT: {0: "tiles"}, OUTPUT: {0: "tiles"}},
                           dynamo=False)
     os.replace(tmp, out)  # readers never see a half-written file
     return out
@@ -112,9 +115,10 @@ def checkpoint_key(model_dir: str | Path, dtype: str) -> str:
 def _checkpoint_key(d: Path, dtype: str, stamp: tuple) -> str:
     h = hashlib.sha256(f"exporter {EXPORTER_VERSION} opset {OPSET} {dtype}\n".encode())
     h.update((d / "config.json").read_bytes())
+    from ..families import family_of  # noqa: PLC0415
+
     source = TensorSource(d)
-    for prefixes in (("model.vision_tower.", "vision_tower."),
-                     ("model.multi_modal_projector.", "multi_modal_projector.")):
+    for prefixes in family_of(CheckpointSpec.load(d)).hashed_prefixes():
         for name, t in sorted(source.with_prefixes(prefixes).items()):
             h.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
             h.update(t.contiguous().view(torch.uint8).numpy().tobytes())

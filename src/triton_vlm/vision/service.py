@@ -1,11 +1,16 @@
 """The vision model's work for one `execute()`: the images of every queued request, encoded together, each image
 at most once, cached embeddings reused.
 
-`VisionService.encode(requests)` takes, per request, its pixel values [n_i, 3, H, W] (or None) and its images'
-content keys (n_i SHA-256 hex strings from preprocess, or None) and returns, per request, its embeddings
-[n_i, T, hidden] (torch, in `out_dtype`, on the backend's device: a GPU backend's embeddings never touch host
-memory) or the InvalidArgument its input raised (the others are unaffected). Images found in the embedding
-cache are not encoded; the rest, deduplicated by key across requests, go to the backend `max_batch` at a time.
+`VisionService.encode_rows(inputs)` takes, per request row, a `VisionInput`: its tiles [tiles, 3, H, W] (or
+None), its images' content keys (SHA-256 hex strings from preprocess, or None), their sizes [n, 2] (height,
+width; the tiles and features of an image follow from its size in the family's layout, LLaVA-NeXT) and the
+number of real images (the rest is a batched request's padding). It returns, per row, `Encoded`: embeddings
+[n, T, hidden] (torch, in `out_dtype`, on the backend's device: a GPU backend's embeddings never touch host
+memory), zero padded beyond each image's `lens`, or the InvalidArgument its input raised (the others are
+unaffected). Images found in the embedding cache are not encoded; the tiles of the rest, deduplicated by key
+across rows, go to the backend `max_batch` tiles at a time (the tiles of images of every size in one call); the
+family's packer turns each image's tile features into its features (LLaVA-NeXT: grid, unpad, row separators)
+and the cache keeps those. `encode(requests)` is the same for (pixels, keys) pairs, returning the embeddings.
 `build(model_dir, params)` makes the backend, the cache and the service from the model's parameters.
 """
 from __future__ import annotations
@@ -19,19 +24,21 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import Internal, InvalidArgument
+from ..families import ImageLayout, Packer, family_of
 from .backends import BackendSettings, make_backend
 from .cache import EmbeddingCache
 from .encoder import VisionSettings, check_pixel_values
 
 log = logging.getLogger("triton_vlm")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_SIDE = 1 << 20  # the largest image side accepted in image_sizes (preprocess's pixel cap is far below)
 
 
 @dataclass
 class VisionStats:
     images_encoded: int = 0
-    batch_sizes: list[int] = field(default_factory=list)  # encoder calls since the last `take_batches()`
+    batch_sizes: list[int] = field(default_factory=list)  # tiles per encoder call since the last `take_batches()`
 
     def take_batches(self) -> list[int]:
         out, self.batch_sizes = self.batch_sizes, []
@@ -39,78 +46,171 @@ class VisionStats:
 
 
 @dataclass
-class _Request:
-    pixels: np.ndarray  # [n, 3, H, W]
-    keys: list  # per image: the cache key (bytes) or None (no content key sent)
-    slots: list  # per image: index into the encoded batch, or the cached embeddings
+class VisionInput:
+    """One request row as the vision model receives it."""
+
+    pixels: Optional[np.ndarray]  # [tiles, 3, H, W] (padding rows beyond the real images' tiles allowed)
+    keys: Optional[Sequence[str]] = None  # per image: SHA-256 hex of its file (the cache key), or None
+    sizes: Optional[np.ndarray] = None  # [images, 2] (height, width); required when tiles depend on the size
+    num_images: Optional[int] = None  # real images (None: every image the other inputs describe)
+
+
+@dataclass
+class Encoded:
+    embeds: torch.Tensor  # [n, T, hidden], image i zero padded beyond lens[i]
+    lens: list[int]  # [n] features of each image
+
+
+@dataclass
+class _Image:
+    tiles: Optional[np.ndarray]  # [t, 3, H, W], None when its features came from the cache or the batch
+    size: tuple[int, int]
+    key: Optional[bytes]
+    slot: object  # index into this call's encoded images, or the cached features [T, hidden]
 
 
 class VisionService:
     def __init__(self, backend, image_size: int, tokens: int, hidden: int,
-                 cache: Optional[EmbeddingCache] = None, out_dtype: torch.dtype = torch.float32):
+                 cache: Optional[EmbeddingCache] = None, out_dtype: torch.dtype = torch.float32, *,
+                 layout: Optional[ImageLayout] = None, packer: Optional[Packer] = None):
+        """`layout` / `packer`: the family's (`families/`); None: one tile per image, its features as they are."""
         self.backend, self.image_size, self.tokens, self.hidden = backend, image_size, tokens, hidden
         self.cache, self.out_dtype = cache, out_dtype
+        self.layout, self.packer = layout, packer or Packer()
         self.stats = VisionStats()
 
-    def encode(self, requests: Sequence[tuple[Optional[np.ndarray], Optional[Sequence[str]]]]) -> list:
+    @property
+    def fixed(self) -> bool:
+        return self.layout is None or self.layout.fixed
+
+    def encode(self, requests: Sequence[tuple]) -> list:
+        """(pixels, keys[, sizes]) per request -> embeddings [n, T, hidden] or the request's InvalidArgument."""
+        out = self.encode_rows([r if isinstance(r, VisionInput) else VisionInput(*r) for r in requests])
+        return [r if isinstance(r, Exception) else r.embeds for r in out]
+
+    def encode_rows(self, inputs: Sequence[VisionInput]) -> list:
         parsed, todo, todo_keys = [], [], {}
-        for pixels, keys in requests:
+        for x in inputs:
             try:
-                parsed.append(self._plan(pixels, keys, todo, todo_keys))
+                parsed.append(self._plan(x, todo, todo_keys))
             except InvalidArgument as e:
                 parsed.append(e)
-        embeds = self._run(todo)  # [len(todo), T, hidden]
-        out = []
-        for r in parsed:
-            if isinstance(r, Exception):
-                out.append(r)
-                continue
-            rows = [embeds[s] if isinstance(s, int) else s for s in r.slots]
-            out.append(torch.stack(rows).to(self.out_dtype) if rows else self._empty())  # [n, T, hidden]
-            for key, slot in zip(r.keys, r.slots):
-                if key is not None and isinstance(slot, int) and self.cache is not None:
-                    self.cache.put(key, embeds[slot])
-        return out
+        feats = self._run(todo)  # per encoded image [T_i, hidden]
+        for img in todo:
+            if img.key is not None and self.cache is not None:
+                self.cache.put(img.key, feats[img.slot])
+        return [r if isinstance(r, Exception) else self._gather(r, feats) for r in parsed]
 
-    def _plan(self, pixels, keys, todo: list, todo_keys: dict) -> _Request:
-        """Validate one request and decide, per image, cached embeddings or a slot in this call's batch."""
+    def _gather(self, images: list[_Image], feats: list[torch.Tensor]) -> Encoded:
+        rows = [feats[i.slot] if isinstance(i.slot, int) else i.slot for i in images]  # each [T_i, hidden]
+        if not rows:
+            return Encoded(self._empty(), [])
+        lens = [int(r.shape[0]) for r in rows]
+        if len(set(lens)) == 1:
+            return Encoded(torch.stack(rows).to(self.out_dtype), lens)  # [n, T, hidden]
+        out = torch.zeros(len(rows), max(lens), self.hidden, dtype=self.out_dtype, device=rows[0].device)
+        for i, r in enumerate(rows):
+            out[i, :lens[i]] = r
+        return Encoded(out, lens)
+
+    def _plan(self, x: VisionInput, todo: list, todo_keys: dict) -> list[_Image]:
+        """Validate one row and decide, per image, cached features or a place in this call's batch."""
         s = self.image_size
-        pixels = np.zeros((0, 3, s, s), np.float32) if pixels is None else pixels
+        pixels = np.zeros((0, 3, s, s), np.float32) if x.pixels is None else x.pixels
         check_pixel_values(pixels, s)
-        n = pixels.shape[0]
+        sizes = _sizes(x.sizes)
+        if sizes is None and not self.fixed and (pixels.shape[0] or x.num_images):
+            raise InvalidArgument("input 'image_sizes' ([images, 2] height, width) is required: this "
+                                  "checkpoint's tiles and image tokens depend on each image's size")
+        limit = pixels.shape[0] if self.fixed else (len(sizes) if sizes is not None else 0)
+        n = limit if x.num_images is None else x.num_images
+        if not 0 <= n <= limit:
+            what = "pixel_values rows" if self.fixed else "image_sizes rows"
+            raise InvalidArgument(f"num_images {n} is outside [0, {limit}] ({what})")
+        if sizes is None:
+            sizes = np.zeros((n, 2), np.int64)
+        elif len(sizes) < n:
+            raise InvalidArgument(f"input 'image_sizes' has {len(sizes)} rows for {n} images")
+        elif not self.fixed and ((sizes[:n] <= 0).any() or (sizes[:n] > MAX_SIDE).any()):
+            raise InvalidArgument(f"input 'image_sizes' must hold sizes in [1, {MAX_SIDE}], got {sizes[:n].tolist()}")
+        tiles = [1] * n if self.fixed else [self.layout.tiles(tuple(sz)) for sz in sizes[:n].tolist()]
+        if sum(tiles) > pixels.shape[0] or (x.num_images is None and sum(tiles) != pixels.shape[0]):
+            raise InvalidArgument(f"input 'pixel_values' has {pixels.shape[0]} tiles; image_sizes "
+                                  f"{sizes[:n].tolist()} take {sum(tiles)}")
+        keys = list(x.keys)[:n] if x.keys is not None and x.num_images is not None else x.keys
         if keys is not None and len(keys) not in (0, n):
             raise InvalidArgument(f"input 'image_keys' must hold one key per image ({n}), got {len(keys)}")
         if keys and not all(isinstance(k, str) and _HEX64.match(k) for k in keys):
             raise InvalidArgument("input 'image_keys' must hold SHA-256 hex digests (64 characters 0-9a-f)")
         cache_keys = [self.cache.key(k) if keys and self.cache is not None else None for k in keys or [None] * n]
-        slots = []
-        for i, key in enumerate(cache_keys):
+        images, start = [], 0
+        for t, size, key in zip(tiles, sizes[:n].tolist(), cache_keys):
+            img = _Image(None, tuple(size), key, None)
             hit = self.cache.get(key) if key is not None else None
             if hit is not None:
-                slots.append(hit)
+                img.slot = hit
             elif key is not None and key in todo_keys:  # the same image twice in this batch: encoded once
-                slots.append(todo_keys[key])
+                img.slot = todo_keys[key]
             else:
-                todo.append(pixels[i])
-                slots.append(len(todo) - 1)
+                img.tiles, img.slot = pixels[start:start + t], len(todo)
+                todo.append(img)
                 if key is not None:
-                    todo_keys[key] = slots[-1]
-        return _Request(pixels, cache_keys, slots)
+                    todo_keys[key] = img.slot
+            images.append(img)
+            start += t
+        return images
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(0, self.tokens, self.hidden, dtype=self.out_dtype, device=self.backend.device)
 
-    def _run(self, todo: list) -> torch.Tensor:
+    def _run(self, todo: list[_Image]) -> list[torch.Tensor]:
+        """Every tile of the images to encode, `max_batch` tiles per backend call -> each image's features."""
         if not todo:
-            return self._empty()
-        allpix = np.ascontiguousarray(np.stack(todo), np.float32)  # [m, 3, H, W]
+            return []
+        allpix = np.ascontiguousarray(np.concatenate([i.tiles for i in todo]), np.float32)  # [tiles, 3, H, W]
         chunks = []
         for start in range(0, len(allpix), self.backend.max_batch):
             part = allpix[start:start + self.backend.max_batch]
             chunks.append(self.backend(part))  # [k, T, hidden] torch
             self.stats.batch_sizes.append(len(part))
-        self.stats.images_encoded += len(allpix)
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        self.stats.images_encoded += len(todo)
+        tile_feats = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [tiles, T, hidden]
+        out, start = [], 0
+        for img in todo:
+            t = len(img.tiles)
+            feats = self.packer(tile_feats[start:start + t], img.size)  # [T_i, hidden]
+            if not self.fixed and feats.shape[0] != self.layout.tokens(img.size):
+                raise Internal(f"image of size {img.size}: {feats.shape[0]} features, the layout counts "
+                               f"{self.layout.tokens(img.size)}")
+            out.append(feats)
+            start += t
+        return out
+
+
+def pad_tokens(embeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Rows' embeddings [n_i, T_i, hidden] zero padded to the longest T (rows already that long are not copied)."""
+    t = max(e.shape[1] for e in embeds)
+    out = []
+    for e in embeds:
+        if e.shape[1] != t:
+            padded = torch.zeros(e.shape[0], t, e.shape[2], dtype=e.dtype, device=e.device)
+            padded[:, :e.shape[1]] = e
+            e = padded
+        out.append(e)
+    return out
+
+
+def _sizes(sizes) -> Optional[np.ndarray]:
+    """image_sizes as int64 [n, 2] (padding rows of a batched request included), or None."""
+    if sizes is None:
+        return None
+    arr = np.asarray(sizes)
+    if arr.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"input 'image_sizes' must be [images, 2] integers (height, width), got shape "
+                              f"{list(arr.shape)} of {arr.dtype}")
+    return arr.astype(np.int64)
 
 
 def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: str = "float32") -> VisionService:
@@ -136,12 +236,14 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
         log.warning("vision: %s backend unavailable (%s: %s); falling back to torch", s.backend, type(e).__name__, e)
         backend = make_backend(model_dir, dataclasses.replace(s, backend="torch"), explicit)
     spec = CheckpointSpec.load(model_dir)
+    family = family_of(spec, params.get("pipeline") or "auto")
     mb = _int(params, "embedding_cache_mb", 256)
     cache = None
     if mb > 0:  # the namespace: checkpoint content, backend, dtype
         cache = EmbeddingCache(mb * 2**20, f"{checkpoint_key(model_dir, 'float32')}/{backend.name}/{backend.dtype}")
     return VisionService(backend, spec.vision.image_size, spec.vision.num_image_tokens, spec.text.hidden_size,
-                         cache, out_dtype=getattr(torch, out_dtype))
+                         cache, out_dtype=getattr(torch, out_dtype), layout=family.layout(spec),
+                         packer=family.packer(spec).to(backend.device))
 
 
 def choose_backend(name: str, device: str, explicit: set[str]) -> str:

@@ -1,0 +1,58 @@
+"""One module per model family: everything a family does differently, asked by the stages (see `base.Family`).
+
+| family | module | transformers class |
+| --- | --- | --- |
+| `llava` | `llava.py` | `LlavaForConditionalGeneration` (llava-1.5, llava-interleave) |
+| `llava_next` | `llava_next.py` | `LlavaNextForConditionalGeneration` (llava-v1.6) |
+
+Adding a family (LLaVA-OneVision, Qwen2-VL, ...) is a new module with a `Family` subclass, registered in
+`FAMILIES` below: its checkpoint recognition, `ImageLayout` (tiles and tokens per image), projector and
+`Packer` (post-processing of the tiles' features). Preprocess, vision and the launcher take everything from it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..spec import CheckpointError, CheckpointSpec
+from .base import Family, ImageLayout, Packer, Size
+from .llava import LLAVA
+from .llava_next import LLAVA_NEXT, AnyResLayout
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT)}
+
+__all__ = ["FAMILIES", "AnyResLayout", "Family", "ImageLayout", "Packer", "Size", "describe_families",
+           "family_for_config", "family_of", "get_family"]
+
+
+def describe_families() -> str:
+    return "; ".join(f.describe() for f in FAMILIES.values())
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown pipeline {name!r}; available: {', '.join(sorted(FAMILIES))}") from None
+
+
+def family_for_config(config: dict) -> Optional[Family]:
+    """The family serving a raw config.json dict: by architectures first, then model_type; None if none."""
+    archs = config.get("architectures") or []
+    for f in FAMILIES.values():
+        if any(a in f.architectures for a in archs):
+            return f
+    for f in FAMILIES.values():
+        if config.get("model_type") == f.model_type:
+            return f
+    return None
+
+
+def family_of(spec: CheckpointSpec, name: str = "auto") -> Family:
+    """The family of a loaded checkpoint (or the one named, which must serve it)."""
+    cfg: Any = spec.hf_config
+    raw = {"model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None)}
+    family = family_for_config(raw) if name in ("", "auto") else get_family(name)
+    if family is None or not family.matches(raw):
+        raise CheckpointError(f"{spec.model_dir}: unsupported checkpoint: model_type {raw['model_type']!r}, "
+                              f"architectures {raw['architectures']}; supported: {describe_families()}")
+    return family

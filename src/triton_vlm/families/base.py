@@ -1,0 +1,155 @@
+"""The interface every model family implements, and the image layout of the fixed-size families.
+
+A family is what `transformers` calls one `*ForConditionalGeneration` class (LLaVA, LLaVA-NeXT, ...). It says
+everything that family does differently, and the stages ask it instead of branching on model names:
+
+- **recognise its checkpoint**: `matches(config.json)` by `architectures`, then `model_type`;
+- **image processing and tokens per image**: `layout(spec)` -> an `ImageLayout` (how an image of (H, W)
+  pixels becomes tower tiles and placeholder tokens), `check_processor(layout, processor)` (the checkpoint's own
+  image processor produces what the layout says; its pixels are used as they are);
+- **vision graph**: the tower comes from the checkpoint's `vision_config` (`AutoModel`), `projector(config)` is
+  the family's projector, `packer(spec, weights)` the post-processing from the tiles' projected features to
+  the features of one image (LLaVA-NeXT: grid, unpad, row separators; LLaVA: none), and `weight_prefixes` where
+  their tensors live in the checkpoint;
+- **text model**: `text_config(config)`; the text models themselves (Llama, Mistral, Qwen2) are shared by the
+  families: `spec.TextSpec` and `engine/`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..spec import CheckpointError, CheckpointSpec, TensorSource, image_token_count
+
+Size = tuple[int, int]  # (height, width) in pixels
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """One tile per image at the tower's size, the same tokens for every image (llava-1.5)."""
+
+    tile: int  # tiles are tile x tile pixels (the tower's image_size)
+    patch: int
+    extra_tokens: int  # CLS-like tokens the tower outputs per tile besides the patches
+    strategy: str  # "default": the first token of each tile is dropped; "full": every token is kept
+
+    @property
+    def fixed(self) -> bool:
+        """Every image takes one tile and `tile_tokens` tokens, whatever its size."""
+        return True
+
+    @property
+    def tile_tokens(self) -> int:
+        """Features of one tile after the select strategy (`spec.image_token_count`)."""
+        return image_token_count((self.tile, self.tile), self.patch, self.extra_tokens, self.strategy)
+
+    def tiles(self, size: Size) -> int:
+        return 1
+
+    def tokens(self, size: Size) -> int:
+        return self.tile_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """The most placeholder tokens one image can take."""
+        return self.tile_tokens
+
+    @property
+    def largest_image(self) -> Size:
+        """An image size that takes `max_tokens` tokens (and the most tiles)."""
+        return (self.tile, self.tile)
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tiles(self.largest_image)
+
+
+class Packer(nn.Module):
+    """Features of one image's tiles [tiles, t, hidden] -> the image's features [T, hidden] (LLaVA: its one tile)."""
+
+    def forward(self, feats: torch.Tensor, size: Size) -> torch.Tensor:
+        return feats.reshape(-1, feats.shape[-1])  # [tiles * t, hidden]
+
+
+class Family:
+    """One model family. Subclasses set the class attributes and override what differs."""
+
+    name: str = ""
+    model_type: str = ""  # config.json model_type
+    architectures: tuple[str, ...] = ()  # config.json architectures served
+    model_class: str = ""  # the transformers class holding the weights (the `hf` baseline loads it)
+    # where the vision tensors live: transformers >= 4.52 saves "model.<part>.", older saves "<part>."
+    weight_prefixes: dict[str, tuple[str, ...]] = {
+        "tower": ("model.vision_tower.", "vision_tower."),
+        "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
+    }
+
+    def matches(self, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return config.get("model_type") == self.model_type or any(a in self.architectures for a in archs)
+
+    def describe(self) -> str:
+        return f"{self.name} (model_type {self.model_type!r}: {', '.join(self.architectures)})"
+
+    # --- checkpoint ---------------------------------------------------------------------------------------
+    def text_config(self, config: Any) -> Any:
+        return getattr(config, "text_config", None) or config
+
+    # --- image processing and tokens ------------------------------------------------------------------------
+    def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> ImageLayout:
+        """The checkpoint's image layout; `extra_tokens` (the processor config's `num_additional_image_tokens`)
+        wins over the tower type's CLS count."""
+        v = _vision(spec)
+        return ImageLayout(v.image_size, v.patch_size, v.known_extra_tokens(extra_tokens), v.select_strategy)
+
+    def check_processor(self, layout: ImageLayout, image_processor: Any) -> None:
+        """Refuse an image processor whose output is not what `layout` says (probed on two dummy images)."""
+        shapes = set()
+        for size in ((48, 20), (20, 48)):
+            pv = probe(image_processor, size)
+            if pv.ndim != 4 or pv.shape[1] != 3:
+                raise CheckpointError(f"image processor {type(image_processor).__name__} returned pixel_values of "
+                                      f"shape {pv.shape}; expected [n, 3, H, W] (a tiling processor needs a "
+                                      "tiling family such as llava_next)")
+            shapes.add(tuple(int(x) for x in pv.shape[-2:]))
+        if len(shapes) != 1:
+            raise CheckpointError(f"image processor output size depends on the input image ({sorted(shapes)}); "
+                                  "a fixed size is required (e.g. center crop or a fixed height/width)")
+        check_tile(shapes.pop(), layout.tile)
+
+    # --- vision graph ---------------------------------------------------------------------------------------
+    def projector(self, config: Any) -> nn.Module:
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector  # noqa: PLC0415
+
+        return LlavaMultiModalProjector(config)
+
+    def packer(self, spec: CheckpointSpec, weights: Optional[TensorSource] = None) -> Packer:
+        return Packer()
+
+    def hashed_prefixes(self) -> tuple[tuple[str, ...], ...]:
+        """Tensor prefixes whose content decides the image features (the embedding cache's namespace)."""
+        return tuple(self.weight_prefixes.values())
+
+
+def _vision(spec: CheckpointSpec):
+    if spec.vision is None:
+        raise CheckpointError(f"{spec.model_dir}: no vision_config (expected a vision-language checkpoint)")
+    return spec.vision
+
+
+def probe(image_processor: Any, size: tuple[int, int]) -> np.ndarray:
+    """pixel_values of one dummy RGB image of PIL size (width, height)."""
+    from PIL import Image  # noqa: PLC0415
+
+    out = image_processor([Image.new("RGB", size, (128, 64, 32))], return_tensors="np")
+    return np.asarray(out["pixel_values"])
+
+
+def check_tile(hw: tuple[int, int], tile: int) -> None:
+    if hw != (tile, tile):
+        raise CheckpointError(f"the image processor produces {hw[0]}x{hw[1]} images but the vision tower expects "
+                              f"{tile}x{tile}")
