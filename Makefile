@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test demo bench loadtest soak install clean
+.PHONY: serve test demo bench loadtest loadtest-openai soak install clean
 
 $(STAMP): pyproject.toml client/pyproject.toml deploy/docker/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# the one install script, shared with the container images (torch first, pinned)
-	bash deploy/docker/install.sh --python $(PY) --extras test,bench,openai
+	bash deploy/docker/install.sh --python $(PY) --extras test,bench
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,6 +31,11 @@ bench: $(STAMP)
 # NVIDIA's perf_analyzer against the ensemble (starts its own server; URL=host:port for a running one)
 loadtest: $(STAMP)
 	$(PY) -m bench.loadtest $(if $(URL),--url $(URL),)
+
+# the OpenAI front end next to the same chats over gRPC straight to the ensemble, concurrency 1 and 16 (starts its
+# own server and front ends; AIPERF=/path/to/aiperf adds NVIDIA aiperf's measurement of the front end)
+loadtest-openai: $(STAMP)
+	$(PY) -m bench.openai_load $(if $(AIPERF),--aiperf $(AIPERF),)
 
 # 2,000 mixed requests (gRPC streamed and not, HTTP, beams 1-4, 0-2 images), every answer checked
 soak: $(STAMP)

@@ -3,10 +3,11 @@ ones the server has, and the endpoint picker of the Gateway API Inference Extens
 the shipped EndpointPickerConfig, tells unevenly loaded replicas apart the way its scorers need.
 
 The picker reads each replica at the InferencePool's target port (the OpenAI-compatible API, 9000), whose
-/metrics re-exports the server's; the launcher does not start that API yet, so the replicas' metrics are read
-here on Triton's metrics port, where the same series come from."""
+/metrics re-exports the server's: each replica here runs the front end beside its server, as the launcher does,
+and is scraped there."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -16,6 +17,11 @@ import urllib.request
 
 import pytest
 import tritonclient.grpc as grpcclient
+
+from dataclasses import dataclass
+
+from triton_vlm.server.frontend import OpenAIFrontend
+from triton_vlm.server.process import free_port
 
 from deploy_support import (EndpointMetrics, Spec, epp_config, extract, one, parse_prometheus, pick, render,
                             score, server_container)
@@ -33,24 +39,63 @@ def get(url: str, timeout: float = 5) -> tuple[int, str]:
         return e.code, ""
 
 
-def scrape(server) -> dict:
-    status, text = get(f"http://localhost:{server.metrics_port}/metrics", timeout=10)
+@dataclass
+class Replica:
+    """A server and the OpenAI-compatible front end beside it (what the launcher runs in a pod)."""
+
+    server: object  # process.TritonServer
+    frontend: OpenAIFrontend
+
+    @property
+    def grpc_url(self) -> str:
+        return self.server.grpc_url
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+
+@contextlib.contextmanager
+def frontend_beside(server, tmp_path, lora_dir=None):
+    frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{server.metrics_port}/metrics",
+                              str(server.model_path), port=free_port(), host="127.0.0.1",
+                              lora_dir=str(lora_dir) if lora_dir else None, log_file=tmp_path / "openai.log")
+    try:
+        frontend.start().wait_ready(120)
+        yield Replica(server, frontend)
+    finally:
+        frontend.stop()
+
+
+def scrape(replica: Replica) -> dict:
+    """What a picker scrapes: /metrics on the InferencePool's target port, the front end's."""
+    status, text = get(f"{replica.frontend.url}/metrics", timeout=10)
     assert status == 200
     return parse_prometheus(text)
 
 
-def live_ports(server) -> dict[int, int]:
-    """containerPort -> the port this test server listens on (the launcher serves HTTP, gRPC and metrics)."""
-    return {8000: server.http_port, 8001: server.grpc_port, 8002: server.metrics_port}
+def live_ports(replica: Replica) -> dict[int, int]:
+    """containerPort -> the port this test replica listens on (the launcher serves HTTP, gRPC, metrics and the
+    OpenAI-compatible API)."""
+    s = replica.server
+    return {8000: s.http_port, 8001: s.grpc_port, 8002: s.metrics_port, 9000: replica.frontend.port}
 
 
-def test_probes_ports_and_metric_names_are_the_servers(triton_server):
+def test_probes_ports_and_metric_names_are_the_servers(triton_server, tmp_path):
+    with frontend_beside(triton_server, tmp_path) as replica:
+        check_probes_ports_and_metric_names(replica)
+
+
+def check_probes_ports_and_metric_names(replica: Replica) -> None:
     docs = render(GATEWAY)
     c = server_container(docs)
     named = {p["name"]: p["containerPort"] for p in c["ports"]}
-    ports = live_ports(triton_server)
-    # 9000: the OpenAI-compatible API, served once the launcher starts it (not yet)
-    assert set(named.values()) - set(ports) == {9000}
+    ports = live_ports(replica)
+    assert set(named.values()) == set(ports)
+    [pool] = [d for d in docs if d["kind"] == "InferencePool"]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [9000]
+    status, body = get(f"http://localhost:{ports[9000]}/v1/models")
+    assert status == 200 and json.loads(body)["data"], "the pool's target port serves the OpenAI API"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         http = c[probe]["httpGet"]
         status, _ = get(f"http://localhost:{ports[named[http['port']]]}{http['path']}")
@@ -62,8 +107,7 @@ def test_probes_ports_and_metric_names_are_the_servers(triton_server):
     [endpoint] = one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
     status, text = get(f"http://localhost:{ports[named[endpoint['port']]]}{endpoint['path']}")
     assert status == 200 and "nv_inference_request_success" in text and "triton_vlm_" in text
-
-    families = parse_prometheus(text)
+    families = scrape(replica)  # the picker's scrape, on the pool's target port
     _, engine = epp_config(docs)
     for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
         Spec.parse(engine[key]).latest(families)  # LookupError if the server has no such series
@@ -98,13 +142,18 @@ def replicas(tmp_path_factory, demo_model, demo_adapters):
 
     params = {"*": {"lora_dir": str(demo_adapters)}, "llm": REPLICA_PARAMS}
     started = []
-    try:
-        for name in ("replica-a", "replica-b"):
-            started.append(_start_server(tmp_path_factory, demo_model, params, name))
-        yield started
-    finally:
-        for server in started:
-            _stop_server(server)
+    with contextlib.ExitStack() as stack:
+        try:
+            for name in ("replica-a", "replica-b"):
+                server = _start_server(tmp_path_factory, demo_model, params, name)
+                started.append(server)
+                started[-1] = stack.enter_context(
+                    frontend_beside(server, tmp_path_factory.mktemp(f"{name}-openai"), demo_adapters))
+            yield started
+        finally:
+            stack.close()  # the front ends first
+            for replica in started:
+                _stop_server(getattr(replica, "server", replica))
 
 
 def long_prompt(demo_model) -> str:

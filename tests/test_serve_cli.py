@@ -1,11 +1,13 @@
 """`python -m triton_vlm.server` (what `make serve` runs): starts, answers its own demo request, stops on SIGINT."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -19,7 +21,7 @@ def _launch(tmp_path, launched: set[int], *args: str, log: bool = True) -> tuple
     in `tmp_path/tmp` (TMPDIR)."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
     env = dict(os.environ, HTTP_PORT=str(free_port()), GRPC_PORT=str(free_port()), METRICS_PORT=str(free_port()),
-               TMPDIR=str(tmp_path / "tmp"))
+               OPENAI_PORT=str(free_port()), TMPDIR=str(tmp_path / "tmp"))
     if log:
         env["TRITON_VLM_LOG"] = str(tmp_path / "server.log")
     else:
@@ -51,6 +53,13 @@ def test_serve_answers_and_stops_cleanly(demo_model, tmp_path, launched):
         hint = lines[-1].split("try:", 1)[1].strip()
         answer = subprocess.run(["bash", "-c", hint], capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0 and answer.stdout.strip() == "blue", (hint, answer)
+        # the OpenAI API beside it, and its printed curl command (a chat with the image as a data: URL)
+        assert f"OpenAI  http://localhost:{env['OPENAI_PORT']}/v1" in out, out
+        curl = proc.stdout.readline().strip()
+        assert curl.startswith(f"curl -s localhost:{env['OPENAI_PORT']}/v1/chat/completions"), curl
+        reply = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+        assert reply.returncode == 0, reply
+        assert json.loads(reply.stdout)["choices"][0]["message"]["content"].strip() == "blue", reply.stdout
         [run_dir] = (tmp_path / "tmp").glob("triton-vlm-run-*")
         assert (run_dir / "launcher.pid").read_text().strip() == str(proc.pid)
         proc.send_signal(signal.SIGINT)
@@ -97,12 +106,20 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
         stubs = procs.stubs_of(new[0].pid)
         assert sorted(stubs.values()) == ["llm", "preprocess", "vision"], stubs
         _wait_for_line(proc, lines, "serving again", 60)
+        # the OpenAI front end: a dead one is restarted too, and it answers again
+        [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
+        os.kill(frontend.pid, signal.SIGKILL)
+        _wait_for_line(proc, lines, "restarting the OpenAI front end", 30)
+        _wait_for_line(proc, lines, "the OpenAI front end is serving again", 60)
+        with urllib.request.urlopen(f"http://localhost:{env['OPENAI_PORT']}/v1/models", timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "demo-v3"
+        [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
         prefix = next(a.rsplit("=", 1)[1] for a in new[0].argv if "shm-region-prefix-name" in a)
         assert list(procs.SHM_DIR.glob(prefix + "*")), "the new server's shared memory is missing"
 
         os.kill(proc.pid, signal.SIGKILL)  # the launcher dies without a word: its server must not stay
         proc.wait(10)
-        leftovers = [new[0].pid, *stubs]
+        leftovers = [new[0].pid, *stubs, frontend.pid]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(procs.read_proc(p) for p in leftovers):
             time.sleep(0.2)

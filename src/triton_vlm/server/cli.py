@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..paths import cache_dir
 from . import rundir
+from .frontend import OpenAIFrontend
 from .process import TritonServer
 from .repository import check_parameters
 from .supervisor import Supervised, Supervisor
@@ -97,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
                     help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness, at the start and after each restart")
+    ap.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
+                    help="the OpenAI-compatible API (python -m triton_vlm.openai) beside Triton; 0: none")
+    ap.add_argument("--api-key", default=os.environ.get("TRITON_VLM_API_KEY"),
+                    help="the OpenAI API requires 'Authorization: Bearer KEY' (also $TRITON_VLM_API_KEY)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the base model's id in the OpenAI API (default: the checkpoint folder's name)")
     ap.add_argument("--cuda-pool-mb", type=int, default=None,
                     help="Triton's CUDA memory pool per GPU in MiB (default: sized for image_embeds traffic)")
     args = ap.parse_args(argv)
@@ -125,15 +132,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"triton-vlm: {e}", file=sys.stderr)
         server.stop()
         return 1
+    children: list[Supervised] = [server]
+    if args.openai_port and not stopping.is_set():
+        frontend = _start_frontend(args, server, model, run_dir)
+        if frontend is None:
+            server.stop()
+            return 1
+        children.append(frontend)
     if not stopping.is_set():
         _print_banner(args, model, log_file)
-        rc = _supervise(stopping, args.timeout, server)
+        rc = _supervise(stopping, args.timeout, *children)
     else:
         rc = 0
-    server.stop()
+    for child in reversed(children):
+        child.stop()
     if rc == 0:
         rundir.remove(run_dir)
     return rc
+
+
+def _start_frontend(args, server: TritonServer, model: Path, run_dir: Path) -> OpenAIFrontend | None:
+    """The OpenAI-compatible front end on `--openai-port`, once it answers /health; None (said why) if not."""
+    extra: list[str] = []
+    if args.api_key:
+        extra += ["--api-key", args.api_key]
+    if args.served_model_name:
+        extra += ["--served-model-name", args.served_model_name]
+    frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{args.metrics_port}/metrics", str(model),
+                              port=args.openai_port, lora_dir=args.lora_dir, extra_args=tuple(extra),
+                              log_file=run_dir / "openai.log")
+    try:
+        frontend.start().wait_ready(min(args.timeout, 120.0))
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"triton-vlm: cannot start the OpenAI front end on port {args.openai_port}: {e}", file=sys.stderr)
+        frontend.stop()
+        return None
+    return frontend
 
 
 def _supervise(stopping: threading.Event, ready_timeout: float, *children: Supervised) -> int:
@@ -188,10 +222,14 @@ def _print_banner(args, model: Path, log_file: Path | None) -> None:
           f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
           f"  gRPC    localhost:{args.grpc_port}\n"
           f"  metrics http://localhost:{args.metrics_port}/metrics\n"
+          + (f"  OpenAI  http://localhost:{args.openai_port}/v1  (chat/completions, completions, models; "
+             f"/metrics)\n" if args.openai_port else "")
           + (f"  log     {log_file}\n" if log_file else "")
           + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "") +
           "  restart tritonserver is restarted if it or one of its models' processes dies\n"
-          f"  try:    {try_command(args.grpc_port)}", flush=True)
+          f"  try:    {try_command(args.grpc_port)}"
+          + (f"\n          {openai_try_command(args.openai_port, model, bool(args.api_key))}" if args.openai_port else ""),
+          flush=True)
 
 
 EXAMPLE_PROMPT = "USER: <image>\nWhat color is the shape? ASSISTANT:"
@@ -216,3 +254,15 @@ def try_command(grpc_port: int) -> str:
     return (f"{shlex.quote(str(client)) if client.exists() else 'triton-vlm-client'} --url localhost:{grpc_port} "
             f"{prompt} --image {shlex.quote(str(example_image()))}")
 
+
+
+def openai_try_command(port: int, model: Path, api_key: bool) -> str:
+    """A curl command line for the OpenAI API that works as printed in bash: a chat message with the example
+    image as a data: URL (base64 of the file, inlined by the shell)."""
+    image = shlex.quote(str(example_image()))
+    body = ('{"model": "' + model.name + '", "max_tokens": 8, "messages": [{"role": "user", "content": ['
+            '{"type": "image_url", "image_url": {"url": "data:image/png;base64,\'"$(base64 -w0 ' + image + ')"\'"}},'
+            ' {"type": "text", "text": "What color is the shape?"}]}]}')
+    auth = ' -H "Authorization: Bearer $TRITON_VLM_API_KEY"' if api_key else ""
+    return (f"curl -s localhost:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'")
