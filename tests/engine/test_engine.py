@@ -156,7 +156,7 @@ def test_requests_wait_in_queue_when_the_cache_budget_is_full(ckpt):
     need_a, need_b = blocks_needed(14, 10, 2, 4), blocks_needed(9, 12, 3, 4)
     blocks = max(need_a, need_b) + 2  # either fits alone, never both
     assert blocks < need_a + need_b
-    eng = engine(path, kv_cache_tokens=blocks * 4)
+    eng = engine(path, kv_cache_tokens=blocks * 4, context_length=blocks * 4)  # one full-context request fits
     results = {"a": [], "b": []}
     eng.submit(a, results["a"].append)
     eng.submit(b, results["b"].append)
@@ -172,7 +172,7 @@ def test_requests_wait_in_queue_when_the_cache_budget_is_full(ckpt):
     assert final(results["b"]) == hf_generate(model, b)
     # a request that can never fit is refused at once
     with pytest.raises(InvalidArgument, match="KV blocks"):
-        eng.submit(request("c", prompt(30, 6), max_tokens=60, beam=4), print)
+        eng.submit(request("c", prompt(30, 6), max_tokens=20, beam=4), print)
 
 
 def test_images_match_llava_generate_and_bad_counts_fail_alone(ckpt):

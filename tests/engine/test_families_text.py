@@ -135,7 +135,7 @@ def test_qwen2_text_with_clip_matches_generate(qwen2_clip, beam):
 def test_qwen2_biases_matter(qwen2_clip):
     """The q/k/v biases change the logits: dropping them would be caught by the comparisons above."""
     model, _, path = qwen2_clip
-    eng = Engine(path, EngineConfig(max_rows=1, kv_cache_tokens=64, block_size=4))
+    eng = Engine(path, EngineConfig(max_rows=1, kv_cache_tokens=256, block_size=4))
     layer = eng.model.layers[0]
     assert {m for m in ("q_proj", "k_proj", "v_proj", "o_proj") if getattr(layer, m).bias is not None} == \
         {"q_proj", "k_proj", "v_proj"}
@@ -174,8 +174,8 @@ def test_siglip_default_strategy_features_equal_transformers(tmp_path_factory):
                                     vision_feature_select_strategy="default", vision_feature_layer=-2)
     ids, pv, feats = _inputs(processor, path, PROMPT, [_image(4)])
     with torch.no_grad():
-        want = torch.stack(list(model.model.get_image_features(pv, vision_feature_layer=-2,
-                                                                vision_feature_select_strategy="default").pooler_output))
+        out = model.model.get_image_features(pv, vision_feature_layer=-2, vision_feature_select_strategy="default")
+        want = torch.stack(list(out.pooler_output))
     assert feats.shape == want.shape and feats.shape[1] == (32 // 8) ** 2 - 1
     torch.testing.assert_close(feats, want, rtol=1e-5, atol=1e-5)
     assert ids.count(model.config.image_token_id) == feats.shape[1]

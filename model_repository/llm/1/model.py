@@ -31,16 +31,17 @@ class TritonPythonModel:
             from triton_vlm.engine.engine import Engine, EngineConfig
 
             cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64),
-                               kv_cache_mb=config.parse_int(p, "kv_cache_mb", 1024),
+                               kv_cache_tokens=config.parse_int(p, "kv_cache_tokens", 0),
+                               kv_cache_mb=config.parse_int(p, "kv_cache_mb", 0),
+                               gpu_memory_utilization=float(p.get("gpu_memory_utilization") or 0.9),
+                               cpu_memory_utilization=float(p.get("cpu_memory_utilization") or 0.5),
+                               instances=_instances(args), context_length=config.parse_int(p, "context_length", 0),
                                prefill_chunk=config.parse_int(p, "prefill_chunk", 512),
                                max_queue=config.parse_int(p, "max_queue", 1024),
                                max_loras=config.parse_int(p, "max_loras", 16),
                                lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256),
                                enable_prefix_caching=config.parse_int(p, "enable_prefix_caching", 1) != 0)
-            kv = config.parse_int(p, "kv_cache_tokens", 0)
-            if kv:  # an explicit token budget wins over kv_cache_mb
-                cfg.kv_cache_tokens, cfg.kv_cache_mb = kv, 0
-            backend = Engine(model_dir, cfg)
+            backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
@@ -58,6 +59,11 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+
+
+def _instances(args) -> int:
+    """Instances of this model (instance_group counts): they share the memory the KV budget is drawn from."""
+    return max(1, sum(int(g.get("count", 1)) for g in config.model_config(args).get("instance_group", [])))
 
 
 def _adapter_cache(model_dir, p, dtype: str):

@@ -11,6 +11,7 @@ Nothing touches the network; the weights are seeded.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -54,23 +55,14 @@ def build_qwen2_tokenizer(texts: Optional[Iterable[str]] = None, vocab_size: int
     trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, 256 + len(QWEN_SPECIALS)), special_tokens=QWEN_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
-    model = tok.model
     vocab = tok.get_vocab()
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in _merges_of(model)]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(tok.to_str())["model"]["merges"]]
     qwen = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
                           pad_token="<|endoftext|>", extra_special_tokens={"image_token": IMAGE},
                           clean_up_tokenization_spaces=False)
     qwen.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:] + [IMAGE]})
     return qwen
-
-
-def _merges_of(model) -> list:
-    import json  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
-    with tempfile.TemporaryDirectory() as d:
-        Tokenizer(model).save(str(Path(d) / "t.json"))
-        return json.loads((Path(d) / "t.json").read_text())["model"]["merges"]
 
 
 def _text_config(text: str, tok, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,

@@ -4,7 +4,9 @@ Threads: `submit()` and `cancel()` are thread-safe and return at once (Triton's 
 `execute()`); requests land in an inbox. `start()` runs a background thread that calls `step()` whenever
 there is work and otherwise sleeps on a condition variable (no busy spin); callbacks run on that thread, so
 they must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
-What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`.
+What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`. The
+KV cache's size is planned at start from a worst-case profile (`profile.py`; the plan is `Engine.memory`): a
+budget that cannot hold one request at the full context refuses to start, naming the numbers.
 Prefix caching (`enable_prefix_caching`, on by default; `prefix_cache.py`): `submit()` hashes the prompt's full
 blocks (with its images' and adapter's identities), admission reuses the longest cached prefix, and every
 result carries `cached_tokens`; `prefix_cache_stats()` counts lookups and hits in tokens.
@@ -41,6 +43,7 @@ from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
 from .prefix_cache import PrefixStats, request_hasher
 from .model import DTYPES, LlamaModel
+from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
 
@@ -53,9 +56,14 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | float16 | bfloat16
     max_rows: int = 64  # rows (beams / samples) decoded per step
     # KV budget in tokens (each holds K and V of every layer: 2 * layers * kv_heads * head_dim values, 0.5 MiB
-    # for a 7B Llama in fp16); num_blocks = kv_cache_tokens // block_size, preallocated at start
-    kv_cache_tokens: int = 4096
-    kv_cache_mb: int = 0  # if > 0: the budget in MiB instead, kv_cache_tokens = what fits (capped at 1M tokens)
+    # for a 7B Llama in fp16); num_blocks = kv_cache_tokens // block_size, preallocated at start. 0: from
+    # kv_cache_mb, else from the worst-case profile (`profile.py`); set to the budget chosen at start
+    kv_cache_tokens: int = 0
+    kv_cache_mb: int = 0  # if > 0 (and no kv_cache_tokens): what fits in this many MiB (at most 1M tokens)
+    gpu_memory_utilization: float = 0.9  # profile on a GPU: this fraction of device memory (vLLM's rule)
+    cpu_memory_utilization: float = 0.5  # profile on a CPU: this fraction of the memory available at start
+    instances: int = 1  # instances of the model sharing that memory (Triton's instance count)
+    context_length: int = 0  # > 0: a shorter context than the checkpoint's (bounds KV per request)
     block_size: int = 16
     prefill_chunk: int = 512  # max prompt tokens prefilled per step
     max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
@@ -68,12 +76,15 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb"):
+        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb",
+                     "instances"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_tokens < self.block_size:
-            raise InvalidArgument(
-                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block of {self.block_size}")
+        if self.kv_cache_tokens < 0 or self.kv_cache_mb < 0 or self.context_length < 0:
+            raise InvalidArgument("kv_cache_tokens, kv_cache_mb and context_length must be >= 0 (0: automatic)")
+        for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise InvalidArgument(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,7 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: Optional[EngineConfig] = None, *, tokenizer=None):
         self.config = config = config or EngineConfig()
         config.validate()
+        probe = MemoryProbe(config.device)  # what this process may use, read before the weights load
         self.model = LlamaModel.from_pretrained(model_dir, config.dtype, config.device)
         self.model_config = mc = self.model.config
         if tokenizer is None:
@@ -114,12 +126,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.image_token_id = mc.image_token_id
         self.eos_ids = mc.eos_token_ids
-        self.max_context = mc.max_position_embeddings
+        self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
                                   eos_ids=tuple(self.eos_ids))
-        if config.kv_cache_mb > 0:
-            per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * DTYPES[config.dtype].itemsize
-            config.kv_cache_tokens = max(config.block_size, min(1 << 20, config.kv_cache_mb * 2**20 // per_token))
+        worst = worst_case(self.max_context, max_image_tokens(model_dir), config.max_rows)
+        self.memory = plan_kv_cache(self.model, config, probe, worst)  # refuses a cache short of one request
+        config.kv_cache_tokens = self.memory.kv_tokens
         self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
         self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
         self.scheduler = Scheduler(self.model, self.cache, self.lora_slots, max_rows=config.max_rows,

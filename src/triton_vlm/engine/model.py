@@ -127,6 +127,16 @@ class LlamaModel:
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         return cls(config, load_weights(model_dir, config, dtype, device))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model holds (weights, rotary tables); a tied lm_head appears twice."""
+        out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin]
+        for layer in self.layers:
+            out += [layer.input_norm, layer.post_norm]
+            for m in MODULES:
+                lin = getattr(layer, m)
+                out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
+        return out
+
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

@@ -3,6 +3,10 @@
 Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field, and
 `triton_vlm_engine_kv_cache_usage_perc`, the KV-cache blocks in use as a 0-1 fraction (vLLM's
 `vllm:kv_cache_usage_perc`: what an endpoint picker's KV-cache scorer reads; 0 while the engine has no blocks).
+The memory plan made at start (`engine/profile.py`), set once: `triton_vlm_engine_memory_bytes{part}` with part
+`limit` (this instance's share; 0 when the budget was given), `weights`, `activations` (the worst-case forwards'
+peak), `other` (LoRA device level, memory outside torch's allocator) and `kv_cache`, and
+`triton_vlm_engine_kv_cache_tokens`.
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
 vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
@@ -85,17 +89,20 @@ class MetricsBase:
 
 class LLMMetrics(MetricsBase):
     def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
-                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None,
+                 lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None, memory=None,
                  prefix_cache: Optional[Callable[[], object]] = None):
         """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
         the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
-        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters); `prefix_cache`:
-        the engine's `prefix_cache_stats` (None for a backend without a prefix cache)."""
+        engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters); `memory`: the
+        engine's `profile.MemoryPlan` (None for a backend without one); `prefix_cache`: the engine's
+        `prefix_cache_stats` (None for a backend without a prefix cache)."""
         super().__init__()
         self._prefix_stats = prefix_cache
         self._prefix: dict = {}  # "queries" / "hits" -> counter
         self._prefix_seen: dict = {}  # -> the cumulative count already added
         self._stats = stats
+        self._memory_plan = memory
+        self._memory: dict = {}  # part -> gauge (set once)
         self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
         self._lora_info = lora_info
         self._lora_counters: dict = {}  # (field, level) -> counter
@@ -132,10 +139,25 @@ class LLMMetrics(MetricsBase):
             self._hist[attr] = fam.Metric(labels=labels, buckets=buckets)
         if self._lora_levels:
             self._create_lora(labels)
+        if self._memory_plan is not None:
+            self._create_memory(labels)
         if self._prefix_stats is not None:
             for field, what in (("queries", "prompt tokens looked up"), ("hits", "prompt tokens found cached")):
                 fam = self._family(f"triton_vlm_prefix_cache_{field}_total", f"prefix cache: {what}", F.COUNTER)
                 self._prefix[field] = fam.Metric(labels=labels)
+
+    def _create_memory(self, labels: dict) -> None:
+        F, plan = pb_utils.MetricFamily, self._memory_plan
+        fam = self._family("triton_vlm_engine_memory_bytes", "llm memory plan made at start, bytes by part", F.GAUGE)
+        for part, value in (("limit", plan.limit_bytes), ("weights", plan.weights_bytes),
+                            ("activations", plan.activation_bytes), ("other", plan.other_bytes),
+                            ("kv_cache", plan.kv_bytes)):
+            self._memory[part] = fam.Metric(labels={**labels, "part": part})
+            self._memory[part].set(float(value))
+        fam = self._family("triton_vlm_engine_kv_cache_tokens", "llm KV cache size in tokens (planned at start)",
+                           F.GAUGE)
+        self._memory["tokens"] = fam.Metric(labels=labels)
+        self._memory["tokens"].set(float(plan.kv_tokens))
 
     def _create_lora(self, labels: dict) -> None:
         F = pb_utils.MetricFamily
@@ -212,6 +234,7 @@ class LLMMetrics(MetricsBase):
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
         self._kv_usage = None
+        self._memory = {}
         self._prefix = {}
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
         super().close()
