@@ -200,3 +200,20 @@ def test_mistral_sliding_window_matches_generate(mistral_window, beam):
     finally:
         model.config.text_config.sliding_window = 8
     assert [u[0] for u in unwindowed] != [g[0] for g in got]
+
+
+def test_siglip_tower_through_onnxruntime(llama_siglip, tmp_path):
+    """The exported vision graph (onnxruntime here, TensorRT's input on a GPU) equals the torch backend."""
+    import onnxruntime as ort
+
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import export_onnx
+
+    _, _, path = llama_siglip
+    enc = VisionEncoder(path)
+    session = ort.InferenceSession(str(export_onnx(path, tmp_path / "siglip.onnx")),
+                                   providers=["CPUExecutionProvider"])
+    pixels = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    out = session.run(None, {session.get_inputs()[0].name: pixels})[0]
+    ref = enc(torch.from_numpy(pixels)).numpy()  # [3, 16, hidden]
+    assert out.shape == ref.shape == (3, 16, 64) and np.abs(out - ref).max() <= 1e-4
