@@ -13,11 +13,13 @@ requests go three ways:
   -> llm from the front end, so a disconnect cancels the generation);
 - `openai, ensemble route`: the front end started with `--route ensemble` (one call to the ensemble).
 
-The HTTP client is a few lines of asyncio (keep-alive connections, chunked SSE read to `[DONE]`), so the load
-generator costs about as little CPU per request as the gRPC one: on a 2-core machine the client, the front end
-and Triton share the cores. NVIDIA's `aiperf` (PyPI) was tried first: it installs ~60 packages (pandas, pyarrow,
-scipy, dash, ...) and runs several worker processes, which on 2 cores measure the load generator more than the
-server. Writes `bench/results/openai_load.{md,json}`.
+The HTTP client is a few lines of asyncio (keep-alive connections, chunked SSE read to `[DONE]`): it costs less
+CPU per request than the gRPC client (0.3 vs 1.4 ms measured), and on a 2-core machine the client, the front end
+and Triton share the cores. NVIDIA's `aiperf` (PyPI) runs offline here, but it installs ~60 packages (pandas,
+pyarrow, scipy, dash, ...), runs several worker processes that on 2 cores take CPU from the server, and cannot
+send the gRPC baseline; `--aiperf PATH` adds its view of the front end (synthetic prompts and 96x96 images,
+`--tokenizer` = the checkpoint folder; run without HF_HUB_OFFLINE, whose code path treats a folder as a hub id).
+Writes `bench/results/openai_load.{md,json}`.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import io
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,10 +109,17 @@ class OpenAIChat:
             {"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
                 {"type": "text", "text": question}]}]}).encode()
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        status = await reader.readline()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        status = b""
+        while self.idle and not status:  # a kept-alive connection the server may have closed meanwhile
+            reader, writer = self.idle.pop()
+            writer.write(request)
+            status = await reader.readline()
+        if not status:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+            writer.write(request)
+            status = await reader.readline()
         if b" 200 " not in status:
             raise RuntimeError(f"HTTP {status!r}")
         while (await reader.readline()) not in (b"\r\n", b""):
@@ -179,6 +189,24 @@ def start_frontend(triton: str, model_dir: Path, route: str, log: Path) -> tuple
             time.sleep(0.5)
 
 
+def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, work: Path) -> dict:
+    """One `aiperf profile` point against the front end: its request throughput and mean latency."""
+    out = work / f"aiperf-c{concurrency}"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    subprocess.run([aiperf, "profile", "--model", "demo-v3", "--url", url, "--endpoint-type", "chat", "--streaming",
+                    "--tokenizer", str(model), "--concurrency", str(concurrency), "--request-count",
+                    str(max(100, 40 * concurrency)), "--warmup-request-count", str(2 * concurrency),
+                    "--synthetic-input-tokens-mean", "16", "--output-tokens-mean", str(MAX_TOKENS),
+                    "--image-width-mean", "96", "--image-height-mean", "96", "--image-batch-size", "1",
+                    "--ui-type", "none", "--artifact-dir", str(out)], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    data = json.loads(next(out.rglob("profile_export_aiperf.json")).read_text())
+    lat = data["request_latency"]
+    return {"path": "openai (aiperf)", "concurrency": concurrency, "requests": int(data["request_count"]["avg"]),
+            "wrong": 0, "requests_per_s": data["request_throughput"]["avg"], "mean_ms": lat["avg"],
+            "p50_ms": lat["p50"], "p99_ms": lat["p99"]}
+
+
 def markdown(points: list[dict], header: str) -> str:
     base = {p["concurrency"]: p for p in points if p["path"] == "grpc ensemble"}
     rows = [header, "", "| path | concurrency | requests/s | vs gRPC | mean ms | added ms (mean) | p50 ms | p99 ms "
@@ -219,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="per point and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--aiperf", help="an aiperf executable: also measure the front end with it")
     args = ap.parse_args(argv)
     from triton_vlm.demo import ensure_demo_model  # noqa: PLC0415
 
@@ -241,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 urls.append((url, name))
         levels = [int(x) for x in args.concurrency.split(",")]
         points = asyncio.run(sweep(triton, urls, image_pool(), levels, args.seconds, args.rounds))
+        if args.aiperf:
+            points += [run_aiperf(args.aiperf, urls[0][0], model, c, work) for c in levels]
     finally:
         for p in procs:
             p.terminate()
@@ -254,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "openai_load.json").write_text(json.dumps({"header": header, "points": points}, indent=2))
     (args.out / "openai_load.md").write_text(markdown(points, header))
     print(markdown(points, header))
+    shutil.rmtree(work, ignore_errors=True)
     return 1 if any(p["wrong"] for p in points) else 0
 
 

@@ -53,34 +53,39 @@ class Generation:
         tokens = self.sequences[j].take_tokens(self.tokenizer, self.eos_ids) if self.tokenizer else None
         return Event(j, text, tokens=tokens) if text or tokens else None
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[list[Event]]:
+        """The events of each response from Triton, one list per response (what can be sent in one write);
+        the last list ends every sequence."""
         seqs = self.sequences
+        released = [""] * len(seqs)  # text released by the last response, sent with the end of its sequence
         async with aclosing(self.client.generate(self.request)) as responses:
             async for r in responses:
                 if r.prompt_tokens is not None:
                     self.prompt_tokens = r.prompt_tokens
                 if not r.final:
                     j = r.sequence_index
-                    ev = self._event(j, seqs[j].feed(r.texts[0], r.ids[0], r.log_probs[0] if r.log_probs else [],
-                                                     r.top[0] if r.top else None))
-                    if ev:
-                        yield ev
+                    text = seqs[j].feed(r.texts[0], r.ids[0], r.log_probs[0] if r.log_probs else [],
+                                        r.top[0] if r.top else None)
                     if all(s.stopped for s in seqs):
+                        released[j] = text
                         break  # closes the stream: Triton cancels the rest
+                    ev = self._event(j, text)
+                    if ev:
+                        yield [ev]
                     continue
                 self.cum_log_probs = list(r.cum_log_probs)
                 for j, piece in enumerate(r.texts[:len(seqs)]):
-                    ev = self._event(j, seqs[j].feed(piece, r.ids[j] if j < len(r.ids) else [],
-                                                     r.log_probs[j] if j < len(r.log_probs) else [],
-                                                     r.top[j] if j < len(r.top) else None))
-                    if ev:
-                        yield ev
+                    released[j] = seqs[j].feed(piece, r.ids[j] if j < len(r.ids) else [],
+                                               r.log_probs[j] if j < len(r.log_probs) else [],
+                                               r.top[j] if j < len(r.top) else None)
                 break
+        last = []
         for s in seqs:
-            ev = self._event(s.index, s.finish())
+            ev = self._event(s.index, released[s.index] + s.finish())
             if ev:
-                yield ev
-            yield Event(s.index, finish_reason=s.finish_reason(self.max_tokens, self.eos_ids))
+                last.append(ev)
+        last += [Event(s.index, finish_reason=s.finish_reason(self.max_tokens, self.eos_ids)) for s in seqs]
+        yield last
 
     async def run(self) -> list[Choice]:
         """Generate to the end; the request's n choices (best_of ranked, greedy copies made)."""

@@ -83,45 +83,57 @@ class Frontend:
                 async for chunk in source:
                     yield chunk
             except APIError as e:
-                yield sse(e.body())
+                yield sse(e.body()) + DONE
             except Exception as e:  # noqa: BLE001 - our bug: still a well-formed stream
-                yield sse(internal(e).body())
-            yield DONE
+                yield sse(internal(e).body()) + DONE
 
     async def _chunks(self, fmt: Format, gens: list[Generation], plan: Plan,
                       prefixes: Optional[list[str]]) -> AsyncIterator[bytes]:
+        """One write per response from Triton: the first with every choice's role (chat) or echo, the last with
+        the finish reasons, the usage chunk and [DONE]."""
         t0 = time.perf_counter()
         source = _merged(gens) if plan.stream_engine else self._replayed(gens)  # replayed: log probs per token
         async with aclosing(source):
-            head = await anext(source, None)  # the first event (or the refusal) before anything is sent
+            head = await anext(source, None)  # the first events (or the refusal) before anything is sent
+            out = []
             for i in range(len(gens)):
                 for k in range(plan.n):
                     index = i * plan.n + k
                     if isinstance(fmt, ChatFormat):
-                        yield sse(fmt.chunk(index, role=True))
+                        out.append(sse(fmt.chunk(index, role=True)))
                     elif prefixes and prefixes[i]:  # echo: the prompt first
-                        yield sse(fmt.chunk(index, text=prefixes[i]))
+                        out.append(sse(fmt.chunk(index, text=prefixes[i])))
+            ended = 0  # generations whose last events were seen (the last list of each ends its sequences)
             if head is not None:
                 self.metrics.first_token(time.perf_counter() - t0)
-                for chunk in self._event_chunks(fmt, gens, plan, *head):
-                    yield chunk
-            async for item in source:
-                for chunk in self._event_chunks(fmt, gens, plan, *item):
-                    yield chunk
+                out += self._event_chunks(fmt, gens, plan, *head)
+                ended += _ends(head[1])
+            if ended < len(gens):
+                yield b"".join(out)
+                out = []
+                async for i, events in source:
+                    out += self._event_chunks(fmt, gens, plan, i, events)
+                    ended += _ends(events)
+                    if ended < len(gens):  # else the last write: usage and [DONE] go with it
+                        yield b"".join(out)
+                        out = []
         use = self._usage(gens)
         if plan.include_usage:
-            yield sse(fmt.usage_chunk(use))
+            out.append(sse(fmt.usage_chunk(use)))
+        out.append(DONE)
+        yield b"".join(out)
 
     @staticmethod
-    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, ev: Event) -> list[bytes]:
+    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, events: list[Event]) -> list[bytes]:
         g, out = gens[i], []
         use = usage(g.prompt_tokens, g.completion_tokens()) if plan.continuous_usage else None
-        for k in g.indices(ev.sequence):
-            index = i * plan.n + k
-            if ev.finish_reason is not None:
-                out.append(sse(fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)))
-            else:
-                out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)))
+        for ev in events:
+            for k in g.indices(ev.sequence):
+                index = i * plan.n + k
+                if ev.finish_reason is not None:
+                    out.append(sse(fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)))
+                else:
+                    out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)))
         return out
 
     async def _replayed(self, gens: list[Generation]):
@@ -130,12 +142,17 @@ class Frontend:
         for i, g in enumerate(gens):
             for s in g.sequences:
                 for token in s.token_texts(self.served.tokenizer, self.served.eos_ids):
-                    yield i, Event(s.index, token[1], tokens=[token])
-                yield i, Event(s.index, finish_reason=s.finish_reason(g.max_tokens, self.served.eos_ids))
+                    yield i, [Event(s.index, token[1], tokens=[token])]
+            yield i, [Event(s.index, finish_reason=s.finish_reason(g.max_tokens, self.served.eos_ids))
+                      for s in g.sequences]
+
+
+def _ends(events: list[Event]) -> bool:
+    return any(ev.finish_reason is not None for ev in events)
 
 
 async def _merged(gens: list[Generation]):
-    """(generation index, event) from every generation as they come."""
+    """(generation index, events) from every generation as they come."""
     if len(gens) == 1:
         async with aclosing(gens[0].events()) as events:
             async for ev in events:

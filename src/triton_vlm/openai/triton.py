@@ -152,6 +152,17 @@ def _top(out: dict, n: int, lens: list[int]) -> list[list[list[tuple[int, float]
              for i in range(min(lens[j], lp.shape[1]))] for j in range(n)]
 
 
+def _wanted_outputs(params: dict, route: str) -> list[str]:
+    names = [N.TEXT_OUTPUT, N.OUTPUT_IDS, N.SEQUENCE_LENGTH, N.SEQUENCE_INDEX]
+    if params.get(N.RETURN_LOG_PROBS):
+        names += [N.OUTPUT_LOG_PROBS, N.CUM_LOG_PROBS]
+    if params.get(N.RETURN_TOP_LOG_PROBS):
+        names += [N.OUTPUT_TOP_LOG_PROBS, N.OUTPUT_TOP_LOG_PROB_IDS]
+    if route == "ensemble":
+        names.append(N.NUM_INPUT_TOKENS)
+    return names
+
+
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
     code = e.code()
     if code == grpc.StatusCode.UNAVAILABLE and not (e.details() or "").strip():
@@ -211,8 +222,10 @@ class TritonClient:
             llm_req, prompt_tokens = await self._prepare(stub, req)
         else:
             llm_req, prompt_tokens = self._ensemble_request(req), None
-        call = stub.ModelStreamInfer(iter([llm_req]), metadata=_STREAM_ERRORS, timeout=self.timeout_s)
+        call = stub.ModelStreamInfer(metadata=_STREAM_ERRORS, timeout=self.timeout_s)
         try:
+            await call.write(llm_req)  # written here, not by a request-iterator task
+            await call.done_writing()
             async for msg in call:
                 if msg.error_message:  # a server without triton_grpc_error support
                     raise from_triton("UNKNOWN", msg.error_message)
@@ -226,7 +239,8 @@ class TritonClient:
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         finally:
-            call.cancel()  # no-op after the final response; otherwise Triton cancels the request
+            if not call.done():
+                call.cancel()  # Triton cancels the request
 
     def _generation_inputs(self, req: TritonRequest, llm, max_tokens: int) -> None:
         add_scalar(llm, N.MAX_TOKENS, max_tokens)
@@ -239,6 +253,8 @@ class TritonClient:
         add_scalar(llm, N.STREAM, req.stream)
         if req.lora_name:
             add_scalar(llm, N.LORA_NAME, req.lora_name)
+        for name in _wanted_outputs(params, self.route):  # Triton sends (and we parse) only these
+            llm.outputs.add().name = name
 
     def _ensemble_request(self, req: TritonRequest):
         ens = service_pb2.ModelInferRequest(model_name=ENSEMBLE, id=req.request_id)
@@ -247,7 +263,7 @@ class TritonClient:
             add_input(ens, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
         if req.stop_words:
             add_input(ens, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
-                 bytes_tensor([w.encode() for w in req.stop_words]))
+                      bytes_tensor([w.encode() for w in req.stop_words]))
         add_scalar(ens, N.RETURN_NUM_INPUT_TOKENS, True)  # usage's prompt_tokens (image tokens included)
         self._generation_inputs(req, ens, req.max_tokens or self.default_max_tokens)
         return ens
@@ -260,7 +276,7 @@ class TritonClient:
             add_input(pre, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
         if req.stop_words:
             add_input(pre, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
-                 bytes_tensor([w.encode() for w in req.stop_words]))
+                      bytes_tensor([w.encode() for w in req.stop_words]))
         add_scalar(pre, N.MAX_TOKENS, req.max_tokens or 1)  # no max_tokens: truncate only what cannot fit at all
         if req.lora_name:
             add_scalar(pre, N.LORA_NAME, req.lora_name)  # checked before any image is encoded
