@@ -338,3 +338,15 @@ def test_caching_off_caches_nothing(ckpt):
     assert run(off, req("x", ids))[1] == 0 and run(off, req("y", ids))[1] == 0
     assert off.cache.cached_blocks == 0 and off.prefix_cache_stats().queries == 0
     assert blocks_needed(21, 8, 1, BS) <= off.cache.num_blocks
+
+
+@pytest.mark.gpu
+def test_chat_turn_reuse_on_cuda_matches_caching_off(ckpt):
+    """The same on a GPU (fp32 weights there): a second turn reuses its history and answers as caching off does."""
+    _, path = ckpt
+    on, off = make_engine(path, device="cuda"), make_engine(path, caching=False, device="cuda")
+    p1 = prompt(23, 5)
+    got1, _ = run(on, req("t1", p1, max_tokens=12, min_tokens=12))
+    t2 = req("t2", p1 + got1[0] + prompt(9, 6)[1:], max_tokens=10, beam_width=2)
+    got2, cached2 = run(on, t2)
+    assert cached2 == 32 and got2 == run(off, t2)[0]
