@@ -4,9 +4,10 @@
 it fills the defaults llava-1.5's sparse `text_config` relies on and normalises old rope keys) and
 `generation_config.json`, and returns plain values:
 - `text` (`TextSpec`): what the decoder forward needs (Llama family: Llama, Vicuna, Mistral);
-- `vision` (`VisionSpec`, None for a plain Llama): tower type, image and patch size, feature layer and select
-  strategy, and the image token count, by one formula (`image_token_count`) that preprocess, the vision
-  encoder, the engine and the demo build all use;
+- `vision` (`VisionSpec`, None for a plain Llama): tower type, image (tile) and patch size, feature layer and
+  select strategy, and the tokens of one tile, by one formula (`image_token_count`); how many tiles and tokens
+  an image of a given size takes is its model family's (`families/`: one tile for llava-1.5, anyres for
+  LLaVA-NeXT);
 - `eos_ids`: `generation_config.json`'s `eos_token_id`, else the text config's, else the top config's;
 - `context_length`: `max_position_embeddings` (a `sliding_window` does not shorten it: attention is masked to
   the window instead, `TextSpec.layer_windows`, as transformers' Mistral and Qwen2 do);
