@@ -217,3 +217,21 @@ def test_siglip_tower_through_onnxruntime(llama_siglip, tmp_path):
     out = session.run(None, {session.get_inputs()[0].name: pixels})[0]
     ref = enc(torch.from_numpy(pixels)).numpy()  # [3, 16, hidden]
     assert out.shape == ref.shape == (3, 16, 64) and np.abs(out - ref).max() <= 1e-4
+
+
+def test_qwen2_sliding_layers_match_generate(tmp_path_factory):
+    """Qwen2 with use_sliding_window: only the layers from max_window_layers on slide (layer_types)."""
+    model, processor, path = _build(tmp_path_factory, "qwen2-window", text="qwen2", vision="clip", seed=8,
+                                    sliding_window=8, vision_feature_select_strategy="default",
+                                    vision_feature_layer=-2)
+    assert CheckpointSpec.load(path).text.layer_windows == (0, 8)
+    ids, pv, feats = _inputs(processor, path, QWEN_PROMPT, [_image(6)])
+    got, eng = _engine_run(path, ids, feats, 1, max_tokens=12)
+    _check_equal(got, _hf_run(model, ids, pv, 1, eng.eos_ids, max_tokens=12), 1)
+    assert len(set(got[0][0])) > 2
+    full = Engine(path, EngineConfig(max_rows=1, kv_cache_tokens=1024, block_size=4))
+    for layer in full.model.layers:  # the same weights without the window answer otherwise: the window mattered
+        layer.window = 0
+    req = GenerationRequest(request_id="full", input_ids=ids, image_embeds=feats,
+                            params=GenerationParams(max_tokens=12))
+    assert full.generate([req])["full"][-1].sequences[0].token_ids != got[0][0]
