@@ -165,10 +165,7 @@ def start(stack: ExitStack, model_dir: Path, caching: bool, s: argparse.Namespac
           flush=True)
     server = stack.enter_context(TritonServer(str(model_dir), free_port(), free_port(), free_port(), params=params,
                                               run_dir=run_dir, log_file=run_dir / "server.log"))
-    warm = random.Random(7).randbytes(8).hex()  # a prompt no chat shares (no prefix to reuse)
-    for _ in range(2):
-        stream_turn(server.grpc_url, f"USER: <image>\nwarm up {warm} ASSISTANT:", images(999, 1), s.max_tokens,
-                    s.timeout)
+    run_round(server, 900, s, [])  # warm-up: one round of other chats (concurrent batch shapes seen once)
     return server
 
 
