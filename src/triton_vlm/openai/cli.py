@@ -21,8 +21,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-dir", type=Path, help="adapter registry listed by /v1/models (default: the server's)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY_SERVER"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (also $OPENAI_API_KEY_SERVER)")
+    p.add_argument("--api-key", default=os.environ.get("TRITON_VLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (also $TRITON_VLM_API_KEY, as the launcher)")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template file (or JSON with 'chat_template')")
     p.add_argument("--allowed-image-domains", default="",
                    help="comma-separated hosts whose http(s) image URLs are fetched ('*.example.org' for "

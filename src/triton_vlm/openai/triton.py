@@ -152,17 +152,6 @@ def _top(out: dict, n: int, lens: list[int]) -> list[list[list[tuple[int, float]
              for i in range(min(lens[j], lp.shape[1]))] for j in range(n)]
 
 
-def _wanted_outputs(params: dict, route: str) -> list[str]:
-    names = [N.TEXT_OUTPUT, N.OUTPUT_IDS, N.SEQUENCE_LENGTH, N.SEQUENCE_INDEX]
-    if params.get(N.RETURN_LOG_PROBS):
-        names += [N.OUTPUT_LOG_PROBS, N.CUM_LOG_PROBS]
-    if params.get(N.RETURN_TOP_LOG_PROBS):
-        names += [N.OUTPUT_TOP_LOG_PROBS, N.OUTPUT_TOP_LOG_PROB_IDS]
-    if route == "ensemble":
-        names.append(N.NUM_INPUT_TOKENS)
-    return names
-
-
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
     code = e.code()
     if code == grpc.StatusCode.UNAVAILABLE and not (e.details() or "").strip():
@@ -253,8 +242,6 @@ class TritonClient:
         add_scalar(llm, N.STREAM, req.stream)
         if req.lora_name:
             add_scalar(llm, N.LORA_NAME, req.lora_name)
-        for name in _wanted_outputs(params, self.route):  # Triton sends (and we parse) only these
-            llm.outputs.add().name = name
 
     def _ensemble_request(self, req: TritonRequest):
         ens = service_pb2.ModelInferRequest(model_name=ENSEMBLE, id=req.request_id)
