@@ -105,10 +105,10 @@ class OpenAIChat:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def ask(self, image: bytes, prompt: str, question: str) -> str:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
         body = json.dumps({"model": "demo-v3", "stream": True, "max_tokens": MAX_TOKENS, "messages": [
-            {"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
-                {"type": "text", "text": question}]}]}).encode()
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": question}]}]}).encode()
         request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
         status = b""
