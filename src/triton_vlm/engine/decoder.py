@@ -25,6 +25,7 @@ from .. import names as N
 from ..errors import Internal, InvalidArgument, VLMError
 from ..params import GenerationParams, Sequence_
 from .beam import BeamSearch
+from .greedy import GreedySearch, greedy_step
 from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
 from .search import NoTokenLeft, Search
@@ -62,7 +63,10 @@ class Decoder:
         stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
                             vocab_size=vocab_size)
         self._search: Search
-        if beam:
+        if GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy`
+            self._search = GreedySearch(max_new_tokens=params.max_tokens, eos_ids=eos_ids,
+                                        min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids)
+        elif beam:
             seed = resolve_seed(params.seed) if sampling else None
             self._search = BeamSearch(
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
@@ -103,6 +107,11 @@ class Decoder:
             raise self._no_token_error(e) from None
         return StepResult(parents, tokens, done)
 
+    @property
+    def batched_greedy(self) -> bool:
+        """Its steps may run in `step_greedy` with other such requests' rows (one row, host state)."""
+        return isinstance(self._search, GreedySearch)
+
     def _no_token_error(self, e: NoTokenLeft) -> VLMError:
         """What left a row nothing to choose from: the model's logits, or the request's exclusions."""
         if e.nonfinite_logits:
@@ -134,3 +143,15 @@ class Decoder:
     def finalize(self) -> list[Sequence_]:
         """Ranked best first (beam search) or in sampling order; params.num_return_sequences of them."""
         return self._search.finalize(self.params.num_return_sequences)
+
+
+def step_greedy(decoders: list[Decoder], logits: torch.Tensor) -> list[StepResult | VLMError]:
+    """One step of several `batched_greedy` decoders at once: logits [rows, vocab], row i = decoders[i]'s one
+    row. Each decoder's `StepResult`, or the error that ends its request (the others are unaffected)."""
+    for d in decoders:
+        if not d.batched_greedy or d.done:
+            raise Internal("step_greedy() needs unfinished greedy decoders")
+    if logits.dim() != 2 or logits.shape[0] != len(decoders) or logits.shape[1] != decoders[0].vocab_size:
+        raise Internal(f"expected logits [{len(decoders)}, {decoders[0].vocab_size}], got {tuple(logits.shape)}")
+    outs = greedy_step([d._search for d in decoders], logits)
+    return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..params import GenerationResult, RequestStats, Sequence_
+from .decoder import step_greedy
 from .state import Active, Output, StreamState
 
 
@@ -28,10 +29,17 @@ class OutputProcessor:
 
     def step(self, a: Active, logits: torch.Tensor):
         res = a.decoder.step(logits)
-        a.timing.steps += 1
-        if a.timing.first_token is None:
-            a.timing.first_token = time.monotonic()
+        _count_step(a)
         return res
+
+    def step_greedy(self, actives: list[Active], logits: torch.Tensor) -> list:
+        """One step of greedy requests batched (`decoder.step_greedy`): logits [len(actives), vocab] -> per request
+        its `StepResult` or the error that ends it."""
+        results = step_greedy([a.decoder for a in actives], logits)
+        for a, r in zip(actives, results):
+            if not isinstance(r, Exception):
+                _count_step(a)
+        return results
 
     def stream(self, a: Active) -> list[Output]:
         out: list[Output] = []
@@ -77,6 +85,12 @@ class OutputProcessor:
         st.sent.extend(new)
         out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j,
                                                   cached_tokens=a.kv.cached)))
+
+
+def _count_step(a: Active) -> None:
+    a.timing.steps += 1
+    if a.timing.first_token is None:
+        a.timing.first_token = time.monotonic()
 
 
 def _stats(a: Active) -> RequestStats:

@@ -2,7 +2,8 @@
 
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
     for each prefill chunk: runner.prefill -> (prompt complete) -> advance
-    runner.decode(plan.decode) -> logits [rows, vocab] -> advance each request on its slice
+    runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched step
+        (`decoder.step_greedy`, one device read-back), the others on their slices -> advance each request
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
@@ -100,19 +101,34 @@ class Scheduler:
             for a in batch:
                 self._fail(a, out, self._error(e))
             return
-        start = 0
+        starts, start = [], 0
         for a in batch:
-            n = len(a.kv.rows)
+            starts.append(start)
+            start += len(a.kv.rows)
+        greedy = [i for i, a in enumerate(batch) if getattr(a.decoder, "batched_greedy", False)]
+        done: dict[int, object] = {}
+        if greedy:  # every greedy request's row in one batched step, one device read-back
+            rows = logits if len(greedy) == len(batch) else logits.index_select(
+                0, torch.tensor([starts[i] for i in greedy], device=logits.device))  # [greedy, vocab]
             try:
-                self._advance(a, logits[start:start + n], out)
+                done = dict(zip(greedy, self.output.step_greedy([batch[i] for i in greedy], rows)))
+            except Exception as e:  # noqa: BLE001
+                done = {i: self._error(e) for i in greedy}
+        for i, a in enumerate(batch):
+            try:
+                res = done.get(i)
+                if isinstance(res, Exception):
+                    raise res
+                self._advance(a, logits[starts[i]:starts[i] + len(a.kv.rows)], out, res)
             except Exception as e:  # noqa: BLE001
                 self._fail(a, out, self._error(e))
-            start += n
 
     # --- per request ----------------------------------------------------------------------------------------
-    def _advance(self, a: Active, logits: torch.Tensor, out: list[Output]) -> None:
-        """One step of logits [rows, vocab] for `a`: decoder, KV rows, then its results."""
-        res = self.output.step(a, logits)
+    def _advance(self, a: Active, logits: torch.Tensor, out: list[Output], res=None) -> None:
+        """One step of logits [rows, vocab] for `a`: decoder (unless its `res` was computed batched already), KV
+        rows, then its results."""
+        if res is None:
+            res = self.output.step(a, logits)
         if len(res.parents) > a.width:
             raise Internal(f"decoder asked for {len(res.parents)} rows, more than the {a.width} reserved")
         self.runner.reorder(a, res.parents)

@@ -1,0 +1,119 @@
+"""Greedy search batched over requests, with its state on the host and one device read-back per step.
+
+A greedy request whose only score processor is min_new_tokens (no repetition / presence / frequency penalty, no
+no-repeat-ngram, no bad words, no top log probs: `GreedySearch.eligible`) needs from the device, per step, only its
+row's argmax, that token's log prob and whether the row had any finite score. `greedy_step` computes these for
+every such row of a decode step at once over the [rows, vocab] logits block (one cast, one masked fill for the
+rows still inside min_new_tokens, one argmax, one amax, one log_softmax, one gather) and reads them back with ONE
+`.tolist()` of a [rows, 3] float64 tensor (token ids < 2**53 and fp32 log probs are exact in float64). Stopping
+(end ids, max tokens, stop words) is decided on the host from the token lists, as `logits.StopCriteria` does on
+the device.
+
+The results equal `sampling.Sampler`'s greedy path bit for bit: the same ops on the same fp32 values, row-wise
+(argmax and log_softmax of a row do not depend on the other rows; ties go to the first index in both), so it
+matches transformers' `_sample` with `do_sample=False` and `compute_transition_scores(normalize_logits=True)`.
+Sampling keeps its per-request `torch.Generator` (`sampling.Sampler`): the random stream HF consumes depends on
+the request's own [n, vocab] draw, so batching draws across requests would change the tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..params import GenerationParams, Sequence_
+from .search import NoTokenLeft
+
+StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
+
+
+def readback(t: torch.Tensor) -> list:
+    """The step's one device-to-host copy (a host-device synchronisation on an accelerator)."""
+    return t.tolist()
+
+
+class GreedySearch:
+    """One greedy row; its tokens and log probs are host lists."""
+
+    seed: Optional[int] = None
+
+    @staticmethod
+    def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
+        """Greedy with no score processor but min_new_tokens (which `greedy_step` applies batched)."""
+        p = params
+        return (p.beam_width == 1 and not p.do_sample and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and not p.no_repeat_ngram_size and not p.top_log_probs
+                and not any(len(w) for w in bad_words_ids))
+
+    def __init__(self, *, max_new_tokens: int, eos_ids: Sequence[int], min_new_tokens: int,
+                 stop_words_ids: Sequence[Sequence[int]] = ()):
+        self.max_new = max_new_tokens
+        self.eos = [int(e) for e in eos_ids]
+        self.min_new = int(min_new_tokens) if self.eos else 0  # as LogitsPipeline: no end id, nothing to hold
+        self.stop_words = sorted({tuple(int(t) for t in w) for w in stop_words_ids if len(w)}, key=len)
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.done = False
+
+    @property
+    def t(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.done else 1
+
+    def step(self, logits: torch.Tensor) -> StepOut:
+        out = greedy_step([self], logits)[0]
+        if isinstance(out, NoTokenLeft):
+            raise out
+        return out
+
+    def _advance(self, token: int, log_prob: float) -> StepOut:
+        self.tokens.append(token)
+        self.log_probs.append(log_prob)
+        self.done = self._stopped()
+        return ([], [], True) if self.done else ([0], [token], False)
+
+    def _stopped(self) -> bool:
+        """`logits.StopCriteria` on the host: max new tokens, an end id, or a stop word just completed."""
+        toks, n = self.tokens, self.t
+        if n >= self.max_new or toks[-1] in self.eos:
+            return True
+        return any(len(w) <= n and tuple(toks[n - len(w):]) == w for w in self.stop_words)
+
+    def stream_prefixes(self) -> list[list[int]]:
+        return [list(self.tokens)] if self.t else []
+
+    def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list, list]:
+        return self.log_probs[start:end], [], []
+
+    def finalize(self, n: int) -> list[Sequence_]:
+        if not self.t:
+            return [Sequence_([], "", 0.0, []) for _ in range(n)]
+        lp = list(self.log_probs)
+        return [Sequence_(list(self.tokens), "", float(sum(lp)), lp)][:n]
+
+
+def greedy_step(searches: list[GreedySearch], logits: torch.Tensor) -> list[Union[StepOut, NoTokenLeft]]:
+    """logits [rows, V] (row i = searches[i], any float dtype and device) -> each search's step, or the
+    `NoTokenLeft` of a row with no finite score (that search is left unchanged). One device read-back."""
+    raw = logits.to(torch.float32)  # [rows, V]
+    scores = raw
+    held = [(i, e) for i, s in enumerate(searches) if s.t < s.min_new for e in s.eos]
+    if held:  # MinNewTokensLengthLogitsProcessor: end ids -inf for the rows not yet min_new_tokens long
+        rows, cols = zip(*held)
+        scores = raw.clone()
+        scores[torch.tensor(rows, device=raw.device), torch.tensor(cols, device=raw.device)] = -math.inf
+    tokens = torch.argmax(scores, dim=-1)  # [rows]
+    stuck = ~torch.isfinite(scores.amax(dim=-1))  # [rows] no finite score: NaN, +inf or every token excluded
+    chosen = torch.nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]  # [rows]
+    packed = torch.stack((tokens.to(torch.float64), stuck.to(torch.float64), chosen.to(torch.float64)), dim=1)
+    out: list[Union[StepOut, NoTokenLeft]] = []
+    for i, (s, (tok, bad, lp)) in enumerate(zip(searches, readback(packed))):  # [rows, 3]
+        if bad:
+            out.append(NoTokenLeft(s.t + 1, nonfinite_logits=not bool(torch.isfinite(raw[i]).all())))
+        else:
+            out.append(s._advance(int(tok), lp))
+    return out
