@@ -141,11 +141,11 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(model, processor, tmp_path_factory.mktemp("llava"))
 
 
-def syncs_per_decode_step(path, n_requests: int, monkeypatch) -> Counter:
-    """Run n greedy requests together; count, per decode step of all n rows, the calls that copy a tensor to the
-    host (on an accelerator each is a synchronisation; here every tensor-to-host call is counted, host-built
-    tensors included, so the count is an upper bound)."""
-    eng = Engine(path, EngineConfig(max_rows=64, kv_cache_tokens=64 * 40, block_size=4, prefill_chunk=32))
+def syncs_per_decode_step(path, n_requests: int, monkeypatch, **params) -> Counter:
+    """Run n requests together; count, per decode step of all n that ends none of them, the calls that copy a
+    tensor to the host (on an accelerator each is a synchronisation; here every tensor-to-host call is counted,
+    host-built tensors included, so the count is an upper bound)."""
+    eng = Engine(path, EngineConfig(max_rows=64, kv_cache_tokens=64 * 48, block_size=4, prefill_chunk=32))
     counting = [False]
     calls: Counter = Counter()
     for name in SYNC_METHODS:
@@ -162,19 +162,19 @@ def syncs_per_decode_step(path, n_requests: int, monkeypatch) -> Counter:
     orig_decode = scheduler_mod.Scheduler._decode
 
     def decode(self, batch, out):
-        before = sum(calls.values())
+        before, n_out = sum(calls.values()), len(out)
         counting[0] = True
         try:
             return orig_decode(self, batch, out)
         finally:
             counting[0] = False
             sizes.append(len(batch))
-            if len(batch) == n_requests:
+            if len(batch) == n_requests and not any(r.final for _, r in out[n_out:]):  # no request ended in it
                 per_step.append(sum(calls.values()) - before)
 
     monkeypatch.setattr(scheduler_mod.Scheduler, "_decode", decode)
     results: dict[str, list] = {}
-    p = GenerationParams(max_tokens=24, min_tokens=24)
+    p = GenerationParams(**({"max_tokens": 24, "min_tokens": 24} | params))
     for i in range(n_requests):
         results[f"r{i}"] = []
         eng.submit(GenerationRequest(f"r{i}", [1, 10 + i % 50, 20 + i % 7], p),
@@ -184,7 +184,7 @@ def syncs_per_decode_step(path, n_requests: int, monkeypatch) -> Counter:
         eng.step()
         steps += 1
         assert steps < 200
-    assert all(r[-1].error is None and len(r[-1].sequences[0].token_ids) == 24 for r in results.values())
+    assert all(r[-1].error is None and len(r[-1].sequences[0].token_ids) == p.max_tokens for r in results.values())
     monkeypatch.undo()
     assert len(per_step) >= 4, sizes  # full decode steps were counted
     return Counter(per_step)
@@ -206,3 +206,10 @@ def test_readback_is_the_one_device_to_host_copy(monkeypatch):
     ds = [Decoder(GenerationParams(max_tokens=3), [1], eos_ids=(EOS,), vocab_size=V) for _ in range(5)]
     step_greedy(ds, torch.randn(5, V))
     assert seen == [(5, 3)]
+
+
+@pytest.mark.parametrize("kw", [dict(beam_width=4, max_tokens=10, min_tokens=10),
+                                dict(do_sample=True, seed=3, num_return_sequences=4, max_tokens=10, min_tokens=10)])
+def test_beam_and_sampling_requests_read_back_once_each_per_step(ckpt, monkeypatch, kw):
+    per_step = syncs_per_decode_step(ckpt, 16, monkeypatch, **kw)  # 64 rows
+    assert max(per_step) <= 16 + 1, per_step  # one per request (+ the plan's max)

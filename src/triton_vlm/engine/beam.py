@@ -29,6 +29,11 @@ from .logits import LogitsPipeline, StopCriteria
 from .search import NoTokenLeft
 
 
+def _split(values: list, n_head: int, n: int) -> tuple[list, list, list]:
+    """A read-back [head..., parents (n), tokens (n)] into its three parts."""
+    return values[:n_head], values[n_head:n_head + n], values[n_head + n:n_head + 2 * n]
+
+
 @dataclass
 class _Candidates:
     """The K continuations considered at one step."""
@@ -104,12 +109,18 @@ class BeamSearch:
         parents, tokens = self._next_running(cand, stopped)
         self._update_finished(cand, stopped)
         self.t += 1
-        self.done = self._finished(stopped)
-        if bool(stuck):  # synced already by `_finished`
+        flags = self._finished_flags(stopped)  # [3]
+        # the step's one device read-back: the loop condition's flags, stuck, and the running rows
+        packed = torch.cat((flags, stuck.view(1).long(), parents, tokens))  # [4 + 2 * nb]
+        head, parents_l, tokens_l = _split(packed.tolist(), 4, self.nb)
+        improvement_possible, all_finished, all_stopped, is_stuck = (bool(f) for f in head)
+        open_beam = not (all_finished and self.early_stopping is True)
+        self.done = not (improvement_possible and open_beam and not all_stopped) or self.t >= self.max_new
+        if is_stuck:
             raise NoTokenLeft(self.t, nonfinite_logits=not bool(torch.isfinite(logits).all()))
         if self.done:
             return [], [], True
-        return ([0] * self.nb if first else parents.tolist()), tokens.tolist(), False
+        return ([0] * self.nb if first else parents_l), tokens_l, False
 
     def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> processed log-probs [nb, V] and accumulated beam scores [1, nb * V]."""
@@ -164,8 +175,9 @@ class BeamSearch:
         self.beam_scores = torch.gather(merged, 1, best)
         self.is_fin = torch.gather(torch.cat((self.is_fin, did_finish), dim=1), 1, best)
 
-    def _finished(self, stopped: torch.Tensor) -> bool:
-        """HF `_check_early_stop_heuristic` + `_beam_search_has_unfinished_sequences` (after t += 1)."""
+    def _finished_flags(self, stopped: torch.Tensor) -> torch.Tensor:
+        """HF `_check_early_stop_heuristic` + `_beam_search_has_unfinished_sequences` (after t += 1), on the
+        device: [improvement possible, every pool slot finished, every candidate stopped] as long [3]."""
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_len = self.max_new
         else:
@@ -173,10 +185,7 @@ class BeamSearch:
         best_running = self.running_scores[:, :1] / self._len_norm(best_len)
         worst_finished = torch.where(self.is_fin, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9)
         self.unsat = self.unsat & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
-        improvement_possible = bool(torch.any(self.unsat))
-        open_beam = not (bool(torch.all(self.is_fin)) and self.early_stopping is True)
-        valid_continuations = not bool(torch.all(stopped))
-        return not (improvement_possible and open_beam and valid_continuations) or self.t >= self.max_new
+        return torch.stack((torch.any(self.unsat), torch.all(self.is_fin), torch.all(stopped))).long()
 
     def _len_norm(self, length: int) -> float:
         """`length ** length_penalty`, the divisor of a hypothesis' score, as `transformers` computes it but with

@@ -98,15 +98,16 @@ class Sampler:
             top = torch.topk(logp, self.k, dim=-1)  # [rows, k] each, best first
             self.top_lp[alive, t] = top.values
             self.top_ids[alive, t] = top.indices
-        hits, stuck_rows = torch.stack((self.stop(self.seqs[alive, :L + 1], t + 1), stuck)).tolist()
+        # the step's one device read-back: each row's stop, stuck and token
+        hits, stuck_rows, tok_list = torch.stack((self.stop(self.seqs[alive, :L + 1], t + 1).long(),
+                                                  stuck.long(), tokens)).tolist()
         if any(stuck_rows):
-            bad = torch.tensor(stuck_rows, device=raw.device)
+            bad = torch.tensor(stuck_rows, dtype=torch.bool, device=raw.device)
             raise NoTokenLeft(t + 1, nonfinite_logits=not bool(torch.isfinite(raw[bad]).all()))
         self.t = t + 1
         for r in self.alive:
             self.lengths[r] = self.t
         keep = [i for i, h in enumerate(hits) if not h]
-        tok_list = tokens.tolist()
         self.alive = [self.alive[i] for i in keep]
         self.done = not self.alive
         if self.done:

@@ -2,8 +2,8 @@
 
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
     for each prefill chunk: runner.prefill -> (prompt complete) -> advance
-    runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched step
-        (`decoder.step_greedy`, one device read-back), the others on their slices -> advance each request
+    runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
+        step (`decoder.step_greedy`, one device read-back), the others on their slices -> advance each
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
