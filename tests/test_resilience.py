@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -144,9 +145,10 @@ def small_server(tmp_path_factory, demo_model):
     _stop_server(server)
 
 
-def _long_request(url: str, results: list, lock: threading.Lock, i: int, max_tokens: int = 300) -> None:
+def _long_request(url: str, results: list, lock: threading.Lock, i: int, max_tokens: int = 300,
+                  streaming: Optional[set] = None) -> None:
     """One streamed request that runs for a while (min_tokens = max_tokens); records (i, finished, seconds,
-    end time, error)."""
+    end time, error); adds `i` to `streaming` once its first token arrived."""
     client = grpcclient.InferenceServerClient(url)
     done, errors = threading.Event(), []
 
@@ -156,6 +158,9 @@ def _long_request(url: str, results: list, lock: threading.Lock, i: int, max_tok
             done.set()
         elif result.get_response().parameters["triton_final_response"].bool_param:
             done.set()
+        elif streaming is not None:
+            with lock:
+                streaming.add(i)
 
     arrays = {"text_input": np.array([[HELLO.encode()]], dtype=object), "max_tokens": np.array([[max_tokens]], np.int32),
               "min_tokens": np.array([[max_tokens]], np.int32), "stream": np.array([[True]])}
@@ -181,9 +186,10 @@ def _long_request(url: str, results: list, lock: threading.Lock, i: int, max_tok
         client.close()
 
 
-def _run_long(url: str, n: int, max_tokens: int = 300, start_hook=None) -> list:
+def _run_long(url: str, n: int, max_tokens: int = 300, start_hook=None, streaming: Optional[set] = None) -> list:
     results, lock = [], threading.Lock()
-    threads = [threading.Thread(target=_long_request, args=(url, results, lock, i, max_tokens)) for i in range(n)]
+    threads = [threading.Thread(target=_long_request, args=(url, results, lock, i, max_tokens, streaming))
+               for i in range(n)]
     for t in threads:
         t.start()
     if start_hook is not None:
@@ -219,10 +225,13 @@ def test_killed_llm_stub_fails_in_flight_fast_and_recovers(small_server):
     old_server_pid = small_server.proc.pid
     llm = [pid for pid, model in procs.stubs_of(old_server_pid).items() if model == "llm"]
     assert len(llm) == 1
-    killed_at, not_ready_seen = [], threading.Event()
+    killed_at, not_ready_seen, streaming = [], threading.Event(), set()
 
     def kill() -> None:
-        time.sleep(1.0)  # every request running or queued, none near its end
+        # as soon as the 4 rows are busy (4 requests streaming, 4 queued), long before any can end
+        deadline = time.monotonic() + 30
+        while len(streaming) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         killed_at.append(time.monotonic())
         os.kill(llm[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -232,7 +241,7 @@ def test_killed_llm_stub_fails_in_flight_fast_and_recovers(small_server):
             time.sleep(0.1)
 
     watcher = threading.Thread(target=kill)
-    results = _run_long(small_server.grpc_url, 8, max_tokens=500, start_hook=watcher.start)
+    results = _run_long(small_server.grpc_url, 8, max_tokens=500, start_hook=watcher.start, streaming=streaming)
     watcher.join(30)
     assert len(results) == 8
     t_kill = killed_at[0]
