@@ -1,4 +1,4 @@
-"""Every python-backend stub exits when its tritonserver is gone.
+"""Every python-backend stub exits when its tritonserver is gone, and a crashing stub leaves its tracebacks.
 
 The stub's own parent check runs the model's `finalize()` first, and a model whose threads wait on the dead
 server (a decoupled model's responder blocked in `send`) never gets through it: that stub stayed forever
@@ -11,10 +11,23 @@ shared-memory region it shared with that server (the server, killed, could not).
 The server's pid comes from the stub's command line (the python backend starts it as `stub <model.py> <shm
 region> <shm size> <shm growth> <server pid> ...`), so a server that died while the stub was still importing
 its model is noticed too. Each model.py starts this first thing, before its heavy imports.
+
+The watchdog waits on a pidfd of the server (readable the moment the server exits, before it is reaped), with a
+`getppid()` check every `interval` as the fallback. Being first matters: the stub's own health thread notices
+a dead parent once `kill(pid, 0)` fails (after the reap, checked every 300 ms) and then destroys the stub,
+unmapping the shared memory that the stub's main thread is still blocked on; that main thread then dies with
+SIGSEGV in `pthread_mutex_lock` (python_backend r24.10 `pb_stub.cc` main(): `stub.reset(); exit(1)`).
+
+Crash tracebacks: `faulthandler` is enabled for all threads, writing to the stub's stderr (tritonserver's log).
+A SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL in the stub prints every Python thread's stack there ("Fatal Python
+error: Segmentation fault", then "Thread 0x... (most recent call first)" per thread, the crashing one marked
+"Current thread") before the process dies as it would have.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import select
 import sys
 import threading
 
@@ -48,22 +61,52 @@ def _remove_own_shm() -> None:
             pass
 
 
-def exit_with_parent(interval: float = 0.5) -> None:
-    """Start the watchdog once per process."""
+def enable_crash_tracebacks() -> None:
+    """Every thread's Python traceback on stderr (tritonserver's log) when the stub dies of a fatal signal."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _parent_fd(parent: int) -> int | None:
+    """A pidfd of `parent` (readable once it exits), or None where pidfds are unavailable."""
+    try:
+        return os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        return None
+
+
+def exit_with_parent(interval: float = 0.1) -> None:
+    """Enable crash tracebacks and start the watchdog, once per process."""
     global _started
     if _started:
         return
     _started = True
+    enable_crash_tracebacks()
     parent = server_pid()
+    fd = _parent_fd(parent)  # opened before the getppid() check below: it is this server, not a reused pid
+    waiter = None
+    if fd is not None:
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN)
+
+    def gone() -> bool:
+        if os.getppid() != parent:
+            return True
+        return waiter is not None and bool(waiter.poll(int(interval * 1000)))
 
     def watch() -> None:
         ev = threading.Event()
         while True:
-            if os.getppid() != parent:
-                # not through Triton's logger: it talks to the dead server
-                sys.stderr.write(f"triton_vlm: tritonserver (pid {parent}) is gone; stub pid {os.getpid()} exits\n")
+            if gone():
+                try:  # not through Triton's logger: it talks to the dead server
+                    sys.stderr.write(f"triton_vlm: tritonserver (pid {parent}) is gone; stub pid {os.getpid()} "
+                                     "exits\n")
+                    sys.stderr.flush()
+                except Exception:  # noqa: BLE001 - nothing may stop the exit
+                    pass
                 _remove_own_shm()
                 os._exit(3)
-            ev.wait(interval)
+            if waiter is None:
+                ev.wait(interval)
 
     threading.Thread(target=watch, name="triton-vlm-lifeline", daemon=True).start()
