@@ -135,37 +135,97 @@ def test_vision_features_equal_get_image_features(ckpts, refs, name, backend):
         assert a.lens == b.lens and torch.equal(a.embeds, b.embeds)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_engine_tokens_equal_generate(ckpts, refs, name):
-    """Requests of every image shape, several images per prompt and none, beams 1-4, in one engine batch."""
+def _engine_answers(d, cases, new: int) -> list[list[list[int]]]:
+    """Each case's (prompt, images, beams) through preprocess, vision and the engine, all in one engine batch:
+    the token ids of its `beams` returned sequences."""
     from triton_vlm.engine.engine import Engine
     from triton_vlm.params import GenerationParams, GenerationRequest
     from triton_vlm.preprocess import Preprocessor
     from triton_vlm.triton.llm import unpad_images
     from triton_vlm.vision.service import VisionInput
 
-    d = ckpts[name]
     pre, svc, engine = Preprocessor(d), _service(d, "torch", max_batch=8), Engine(d)
-    cases = [(PROMPT, [IMAGES[k]], 1 + i % 4) for i, k in enumerate(SIZES)]
-    cases += [(MULTI, [IMAGES[k] for k in ("large", "tiny", "tall", "square")], 2),
-              ("USER: Say hello. ASSISTANT:", [], 3)]
     outs, rows = [], []
     for prompt, images, _ in cases:
-        o = pre(prompt, images, max_tokens=10)
+        o = pre(prompt, images, max_tokens=new)
         outs.append(o)
         rows.append(VisionInput(o.pixel_values, o.image_keys, o.image_sizes))
     reqs = []
     for i, ((prompt, images, beams), o, e) in enumerate(zip(cases, outs, svc.encode_rows(rows))):
         feats = unpad_images(e.embeds, np.array(e.lens)) if e.lens else None
         reqs.append(GenerationRequest(f"r{i}", o.input_ids, GenerationParams(
-            max_tokens=10, beam_width=beams, num_return_sequences=beams), image_embeds=feats))
+            max_tokens=new, beam_width=beams, num_return_sequences=beams), image_embeds=feats))
     results = engine.generate(reqs)
+    return [[list(s.token_ids) for s in results[f"r{i}"][-1].sequences] for i in range(len(cases))]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_engine_tokens_equal_generate(ckpts, refs, name):
+    """Requests of every image shape, several images per prompt and none, beams 1-4, in one engine batch."""
+    cases = [(PROMPT, [IMAGES[k]], 1 + i % 4) for i, k in enumerate(SIZES)]
+    cases += [(MULTI, [IMAGES[k] for k in ("large", "tiny", "tall", "square")], 2),
+              ("USER: Say hello. ASSISTANT:", [], 3)]
+    got = _engine_answers(ckpts[name], cases, 10)
     for i, (prompt, images, beams) in enumerate(cases):
-        got = [list(s.token_ids) for s in results[f"r{i}"][-1].sequences]
         want = refs[name].generate(prompt, images, 10, beams=beams, num_return_sequences=beams)
-        assert got == want, (name, i, prompt[:20], beams)
-    answers = {tuple(results[f"r{i}"][-1].sequences[0].token_ids) for i in range(len(SIZES))}
-    assert len(answers) > 1, "the answers depend on the image"
+        assert got[i] == want, (name, i, prompt[:20], beams)
+    assert len({tuple(g[0]) for g in got[:len(SIZES)]}) > 1, "the answers depend on the image"
+
+
+# Text models of llama3-llava-next-8b (Llama with rope_scaling "llama3", its tokenizer's special tokens and two
+# end tokens) and llava-v1.6-34b (Yi: LlamaForCausalLM, its own vocabulary, no BOS, ChatML), with their chat
+# templates rendering the prompts through transformers' processor
+TEXT_VARIANTS = {
+    "llama3": dict(text_model="llama3", tower="clip", strategy="default", feature_layer=-2, seed=3),
+    "yi": dict(text_model="yi", tower="clip", strategy="default", feature_layer=[-3, -1], tile=16, patch=4,
+               grid=((2, 2), (1, 3), (3, 1)), seed=4),
+}
+
+
+def _chat_prompt(processor, question: str, n_images: int) -> str:
+    parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+
+
+def _cut(rows: list[list[int]], ends: set[int]) -> list[list[int]]:
+    """Each row up to and including its first end token (the server returns no more)."""
+    return [next((r[:i + 1] for i, t in enumerate(r) if t in ends), r) for r in rows]
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_VARIANTS))
+def test_llama3_and_yi_text_models_equal_generate(tmp_path_factory, name):
+    """Prompts from the checkpoint's chat template; images of every shape, several in one prompt; beams 1 and 3."""
+    from triton_vlm.demo.next_checkpoint import build_random_llava_next
+    from triton_vlm.engine.model import rope_inv_freq
+    from triton_vlm.spec import CheckpointSpec
+
+    d = build_random_llava_next(tmp_path_factory.mktemp("next-text") / name, **TEXT_VARIANTS[name])
+    ref = Reference(d)
+    tok, spec = ref.processor.tokenizer, CheckpointSpec.load(d)
+    ends = set(spec.eos_ids)
+    one, multi = _chat_prompt(ref.processor, "What is this?", 1), _chat_prompt(ref.processor, "Compare them.", 3)
+    if name == "llama3":
+        assert spec.text.rope["rope_type"] == "llama3"
+        assert not torch.equal(rope_inv_freq(spec.text.rope, spec.text.head_dim),
+                               rope_inv_freq({"rope_theta": 500000.0}, spec.text.head_dim)), "the scaling bites"
+        assert ends == {tok.convert_tokens_to_ids("<|eot_id|>"), tok.convert_tokens_to_ids("<|end_of_text|>")}
+        assert one.startswith("<|start_header_id|>user<|end_header_id|>\n\n<image>\n")
+        assert ref.inputs(one, [IMAGES["wide"]])["input_ids"][0, 0] == tok.convert_tokens_to_ids("<|begin_of_text|>")
+    else:
+        assert ends == {tok.convert_tokens_to_ids("<|im_end|>")} and one.startswith("<|im_start|>user\n<image>\n")
+        assert ref.inputs(one, [IMAGES["wide"]])["input_ids"][0, 0] == tok.convert_tokens_to_ids("<|im_start|>")
+    cases = [(one, [IMAGES[k]], 1 if i % 2 else 3) for i, k in enumerate(SIZES)]
+    cases += [(multi, [IMAGES[k] for k in ("large", "tiny", "tall")], 3),
+              (multi, [IMAGES[k] for k in ("sliver", "square", "wide")], 1)]
+    got = _engine_answers(d, cases, 10)
+    for i, (prompt, images, beams) in enumerate(cases):
+        x = ref.inputs(prompt, images)
+        with torch.no_grad():
+            out = ref.model.generate(**x, max_new_tokens=10, do_sample=False, num_beams=beams,
+                                     num_return_sequences=beams)
+        want = _cut(out[:, x["input_ids"].shape[1]:].tolist(), ends)
+        assert got[i] == want, (name, i, [len(b) for b in images], beams)
+    assert len({tuple(g[0]) for g in got[:len(SIZES)]}) > 1, "the answers depend on the image"
 
 
 def test_truncation_drops_whole_images_with_their_true_counts(ckpts, refs):
