@@ -13,6 +13,11 @@ Scores follow Hugging Face:
   `compute_transition_scores(sequences, logits, normalize_logits=True)` with `output_logits=True`
   (the model's own distribution, independent of temperature / top-k / top-p / penalties); `cum_log_prob` = sum.
 Sampled sequences are returned in HF's row order (sampling order), not re-ranked.
+
+Greedy requests without score processors (`greedy.GreedySearch.eligible`) keep their state on the host, and the
+scheduler steps all of them at once with `step_greedy` (one batched argmax / log_softmax, one device read-back for
+every row). Beam search and sampling step per request with one read-back each; sampling stays per request because
+each request draws from its own seeded `torch.Generator`, as transformers does from `torch.manual_seed(seed)`.
 """
 from __future__ import annotations
 

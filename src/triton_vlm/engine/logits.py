@@ -81,6 +81,7 @@ class LogitsPipeline:
             for g in by_len.values()
         ]
         self._device = torch.device("cpu")
+        self._eos_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "LogitsPipeline":
         if device != self._device:
@@ -129,8 +130,11 @@ class LogitsPipeline:
 
     def _min_new_tokens(self, new_len: int, scores: torch.Tensor) -> torch.Tensor:
         if new_len < self.min_new_tokens:
-            vocab = torch.arange(scores.shape[-1], device=scores.device)
-            return torch.where(torch.isin(vocab, self.eos), -math.inf, scores)
+            mask = self._eos_mask  # [V] the end ids, built on the first step that needs it
+            if mask is None or mask.device != scores.device or mask.shape[0] != scores.shape[-1]:
+                vocab = torch.arange(scores.shape[-1], device=scores.device)
+                mask = self._eos_mask = torch.isin(vocab, self.eos)
+            return torch.where(mask, -math.inf, scores)
         return scores
 
     def _top_k(self, scores: torch.Tensor) -> torch.Tensor:
