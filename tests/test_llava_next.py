@@ -174,11 +174,12 @@ def test_engine_tokens_equal_generate(ckpts, refs, name):
 
 # Text models of llama3-llava-next-8b (Llama with rope_scaling "llama3", its tokenizer's special tokens and two
 # end tokens) and llava-v1.6-34b (Yi: LlamaForCausalLM, its own vocabulary, no BOS, ChatML), with their chat
-# templates rendering the prompts through transformers' processor
+# templates rendering the prompts through transformers' processor; peaked attention (qk_scale): positions, and so
+# the rope, change the answers
 TEXT_VARIANTS = {
-    "llama3": dict(text_model="llama3", tower="clip", strategy="default", feature_layer=-2, seed=3),
+    "llama3": dict(text_model="llama3", tower="clip", strategy="default", feature_layer=-2, seed=3, qk_scale=4.0),
     "yi": dict(text_model="yi", tower="clip", strategy="default", feature_layer=[-3, -1], tile=16, patch=4,
-               grid=((2, 2), (1, 3), (3, 1)), seed=4),
+               grid=((2, 2), (1, 3), (3, 1)), seed=4, qk_scale=4.0),
 }
 
 

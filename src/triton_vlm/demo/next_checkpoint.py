@@ -77,7 +77,7 @@ YI_SPECIALS = ["<unk>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|i
 # Llama-3's rope: theta 5e5, "llama3" scaling (original context small here, so that the scaling bends most of
 # the tiny model's frequencies)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+               "original_max_position_embeddings": 16}
 
 
 def _texts(texts: Optional[Iterable[str]], specials: list[str]) -> list[str]:
@@ -119,10 +119,10 @@ def build_yi_tokenizer(texts: Optional[Iterable[str]] = None, vocab_size: int = 
     bpe.add_special_tokens(YI_SPECIALS)
     bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])  # Llama's SentencePiece decoder
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<|startoftext|>",
-                                   eos_token="<|im_end|>", pad_token="<unk>", extra_special_tokens={"image_token": IMAGE},
-                                   clean_up_tokenization_spaces=False, padding_side="left")
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<|startoftext|>",
+                                   eos_token="<|im_end|>", pad_token="<unk>",
+                                   extra_special_tokens={"image_token": IMAGE}, clean_up_tokenization_spaces=False,
+                                   padding_side="left")
 
 
 def build_next_tokenizer(text_model: str, texts: Optional[Iterable[str]] = None) -> PreTrainedTokenizerFast:
@@ -214,11 +214,13 @@ def build_random_llava_next(
     max_position_embeddings: int = 2048,
     sliding_window: Optional[int] = None,
     seed: int = 0,
+    qk_scale: float = 1.0,
     vocab_texts: Iterable[str] | None = None,
     tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
     """Build and save a random (seeded) LLaVA-NeXT checkpoint; return its directory. `grid` is the pinpoints in
-    tiles ((rows, columns) each); `text_model` one of `TEXT_MODELS`; `tower` "clip" or "siglip"."""
+    tiles ((rows, columns) each); `text_model` one of `TEXT_MODELS`; `tower` "clip" or "siglip"; `qk_scale`
+    multiplies the text model's query and key weights (random attention is near uniform, blind to positions)."""
     if text_model not in TEXT_MODELS or tower not in ("clip", "siglip"):
         raise InvalidArgument(f"text_model must be one of {TEXT_MODELS} and tower clip or siglip, got "
                               f"{text_model!r}, {tower!r}")
@@ -236,6 +238,9 @@ def build_random_llava_next(
     model = LlavaNextForConditionalGeneration(config).eval()
     with torch.no_grad():  # a spread of logits: ties between tokens become vanishingly rare
         model.lm_head.weight.mul_(8.0)
+        for name, w in model.named_parameters():  # qk_scale > 1: peaked attention, where positions (rope) matter
+            if "language_model" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w.mul_(qk_scale)
     processor = make_llava_next_processor(tokenizer, tower=tower, tile=tile, patch=patch, grid_pinpoints=points,
                                           strategy=strategy, chat_template=CHAT_TEMPLATES[text_model])
     out = save_checkpoint(model, processor, Path(out_dir))
