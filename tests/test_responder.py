@@ -273,3 +273,57 @@ def test_cancellation_stays_prompt_with_many_live_requests():
     r.stop()
     assert leaving.sent == [(("error", "Cancelled"), FINAL)] and cancelled == ["leaving"]
     assert all(s.finals == [("error", "Unavailable")] for s in quiet)
+
+
+class _Tensor:
+    """Stands for a `pb_utils.Tensor`: `alive` tells whether anything still references it."""
+
+
+class _Response:
+    """Like `pb_utils.InferenceResponse`: holds its tensors, and `output_tensors()` hands out references."""
+
+    def __init__(self, n: int):
+        self.tensors = [_Tensor() for _ in range(n)]
+
+    def output_tensors(self):
+        return list(self.tensors)
+
+
+class _PruningSender:
+    """Like the python backend's `send()`: it drops the response's tensors (PruneOutputTensors, without the
+    GIL) and records which of them were freed right there."""
+
+    def __init__(self):
+        self.freed_inside: list[int] = []
+        self.cancelled_asked = 0
+
+    def send(self, response=None, flags=0):
+        import gc
+        import weakref
+
+        if response is None:
+            return
+        refs = [weakref.ref(t) for t in response.tensors]
+        response.tensors.clear()
+        gc.collect()
+        self.freed_inside = [i for i, r in enumerate(refs) if r() is None]
+
+    def is_cancelled(self):
+        self.cancelled_asked += 1
+        return True
+
+
+def test_response_sender_keeps_output_tensors_referenced_until_send_returns():
+    import weakref
+
+    from triton_vlm.triton.tensors import ResponseSender
+
+    inner = _PruningSender()
+    sender = ResponseSender(inner)
+    response = _Response(3)
+    refs = [weakref.ref(t) for t in response.tensors]
+    sender.send(response, flags=0)
+    assert inner.freed_inside == []  # nothing freed inside send(): the stub would do it without the GIL
+    assert all(r() is None for r in refs)  # and nothing kept afterwards
+    sender.send(None, flags=FINAL)  # a response-less FINAL passes through
+    assert sender.is_cancelled() and inner.cancelled_asked == 1

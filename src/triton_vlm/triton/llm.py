@@ -12,6 +12,10 @@ was streamed for j (`text_output` [n], index j), so that per sequence the concat
 equals the non-streamed text; `output_ids` / `output_log_probs` likewise hold only the ids not yet sent, and
 `cum_log_probs` the final scores.
 
+Outputs: a response carries only the outputs its request asked for (all when the client named none), read at
+`execute()`; the python backend would otherwise drop the rest inside `send()` without the GIL, which crashed the
+stub (see `tensors.ResponseSender`, which also keeps a response's tensors referenced across `send()`).
+
 Batched requests (batch dim B > 1, TensorRT-LLM's `--batch-inputs`): every row is its own generation request
 (engine id `<key>/<row>`), validated on its own (an error names the row and refuses the whole request); its
 responses carry `batch_index` = the row, and the last row to finish sends the request's FINAL flag with its
@@ -23,6 +27,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -54,6 +59,7 @@ class _Live:
     """One Triton request: its rows (one per prompt)."""
 
     rows: list[_Row]
+    outputs: Optional[frozenset[str]] = None  # the outputs the request asked for (None: all)
 
     def __post_init__(self):
         self.by_id = {r.gen.request_id: r for r in self.rows}
@@ -126,7 +132,7 @@ class LLMService:
     # --- requests ----------------------------------------------------------------------------------------
     def execute(self, requests) -> None:
         for request in requests:
-            sender = request.get_response_sender()
+            sender = tensors.ResponseSender(request.get_response_sender())
             try:
                 gens = self.parse(request)
             except Exception as e:  # noqa: BLE001 - one bad request never affects the others
@@ -136,7 +142,8 @@ class LLMService:
             key = request_key(gens[0].request_id)
             if len(gens) > 1:
                 self._batches[key] = [g.request_id for g in gens]
-            self.responder.open(key, sender, _Live([_Row(g, i) for i, g in enumerate(gens)]))
+            live = _Live([_Row(g, i) for i, g in enumerate(gens)], tensors.requested_outputs(request))
+            self.responder.open(key, sender, live)
             for i, gen in enumerate(gens):
                 try:
                     self.backend.submit(gen, self._on_result)
@@ -217,12 +224,19 @@ class LLMService:
             self._batches.pop(key, None)
             return self._error(tensors.in_row(result.error, row.index, len(live.rows))), True
         if not result.final:
-            return self._piece(row, result), False
+            return self._asked(live, self._piece(row, result)), False
         row.done = True
         last = not live.pending()
         if last:
             self._batches.pop(key, None)
-        return self._final(row, result), last
+        return self._asked(live, self._final(row, result)), last
+
+    def _asked(self, live: _Live, outputs: dict):
+        """The response with only the outputs the request asked for: the python backend would drop the others
+        inside `send()` without the GIL (see `tensors.ResponseSender`), and they would cost copies for nothing."""
+        if live.outputs is not None:
+            outputs = {name: v for name, v in outputs.items() if name in live.outputs}
+        return self._response(outputs)
 
     def _counts(self, row: _Row, new_tokens: int, cached_tokens: int) -> dict:
         """num_input_tokens / num_output_tokens when the request asked for them (TensorRT-LLM's outputs); with
@@ -250,12 +264,12 @@ class LLMService:
         return {N.OUTPUT_TOP_LOG_PROBS: (_OUT[N.OUTPUT_TOP_LOG_PROBS], lp),
                 N.OUTPUT_TOP_LOG_PROB_IDS: (_OUT[N.OUTPUT_TOP_LOG_PROB_IDS], tid)}
 
-    def _piece(self, row: _Row, result: GenerationResult):
+    def _piece(self, row: _Row, result: GenerationResult) -> dict:
         seq = result.sequences[0]
         j = result.sequence_index
         row.streamed[j] = row.streamed.get(j, "") + seq.text
         row.streamed_ids.setdefault(j, []).extend(seq.token_ids)
-        return self._response({
+        return {
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], [seq.text]),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], np.array([seq.token_ids], dtype=np.int32).reshape(1, -1)),
             N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(seq.token_ids)]),
@@ -267,9 +281,9 @@ class LLMService:
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [row.gen.dropped_images]),
             **self._counts(row, len(seq.token_ids), result.cached_tokens),
             **self._top(row, [seq.top_log_probs], [seq.top_ids]),
-        })
+        }
 
-    def _final(self, row: _Row, result: GenerationResult):
+    def _final(self, row: _Row, result: GenerationResult) -> dict:
         p, gen = row.gen.params, row.gen
         # streamed responses never repeat the prompt (as in TensorRT-LLM), the final one included
         prompt_ids = [] if p.exclude_input_in_output or p.stream else gen.input_ids
@@ -301,7 +315,7 @@ class LLMService:
             out_lp[i, :len(x)] = x
         if not p.return_log_probs:
             out_lp = np.zeros((len(lps), 0), dtype=np.float32)
-        return self._response({
+        return {
             N.TEXT_OUTPUT: (_OUT[N.TEXT_OUTPUT], texts),
             N.OUTPUT_IDS: (_OUT[N.OUTPUT_IDS], out_ids),
             N.SEQUENCE_LENGTH: (_OUT[N.SEQUENCE_LENGTH], [len(r) for r in rows]),
@@ -312,7 +326,7 @@ class LLMService:
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
             **self._counts(row, new_tokens, result.cached_tokens),
             **self._top(row, tops, top_ids),
-        })
+        }
 
     def prompt_text(self, ids: list[int]) -> str:
         """The prompt as text, each image's run of placeholder ids shown as one `<image>`."""

@@ -195,6 +195,41 @@ def torch_outputs(outputs: dict[str, Sequence]) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+def requested_outputs(request) -> Optional[frozenset[str]]:
+    """The output names the request asked for (Triton lists every output when the client named none); None
+    when the request cannot tell (the unit tests' fakes): build every output then."""
+    names = getattr(request, "requested_output_names", None)
+    return None if names is None else frozenset(names())
+
+
+class ResponseSender:
+    """A request's `InferenceResponseSender` whose `send()` holds the response's output tensors from Python
+    until the call returns, so that the stub never frees a numpy array without the GIL.
+
+    Why (python_backend r24.10, Triton 2.51): `ResponseSender::Send` releases the GIL first thing, then
+    `InferResponse::PruneOutputTensors` erases the outputs the request did not ask for; when the response held
+    the last reference to such a `pb_utils.Tensor` (the usual case: the Python list passed to
+    `InferenceResponse` is gone), `~PbTensor` drops its numpy array, a Py_DECREF and pymalloc free without
+    the GIL, racing every other Python thread's allocations. The stub then dies with SIGSEGV in
+    `pymalloc_alloc` on some other thread. Fixed upstream in r24.12 (python_backend #390: `~PbTensor` takes
+    the GIL). Holding the tensors here moves their last release to after `send()`, with the GIL held; the
+    llm model also builds only the outputs the request asked for, so nothing is pruned at all."""
+
+    __slots__ = ("_sender",)
+
+    def __init__(self, sender):
+        self._sender = sender
+
+    def send(self, response=None, flags: int = 0) -> None:
+        tensors = getattr(response, "output_tensors", None)
+        held = tensors() if tensors is not None else None  # [pb_utils.Tensor]: one reference each
+        self._sender.send(response, flags=flags)
+        del held  # here, with the GIL: the last references may go now
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+
 def lora_inputs(request, row: Optional[int] = None) -> tuple | None:
     """(lora_task_id, lora_weights [N, W], lora_config [N, 3], lora_name), each None when absent or empty; None
     when the request sent none of them."""
