@@ -1,5 +1,5 @@
 """The llm stub under concurrent streams with cancellations: it stays alive, and each response carries only the
-outputs its request asked for.
+outputs its request asked for. Every stub of a killed server exits through our lifeline, first.
 
 The python backend (r24.10) frees the outputs a request did not ask for inside `InferenceResponseSender.send`
 without the GIL; with the llm model building every output, the stub died with SIGSEGV in `pymalloc_alloc`
@@ -8,7 +8,9 @@ See `triton_vlm.triton.tensors.ResponseSender`.
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,3 +128,43 @@ def test_llm_stub_survives_concurrent_streams_and_cancellations(tmp_path_factory
     assert "Fatal Python error" not in text, text[text.find("Fatal Python error"):][:4000]
     assert not tally.problems, tally.problems[:10]
     assert tally.finished >= STREAMS and tally.cancelled >= 1, tally
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by whoever adopted it, maybe late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.server
+def test_every_stub_of_a_killed_server_exits_through_the_lifeline(tmp_path_factory, demo_model):
+    """SIGKILL tritonserver: each stub's lifeline sees the pidfd and exits at once, before the stub's own health
+    thread tears the stub down under its main thread (which crashed in `pthread_mutex_lock` on the unmapped
+    shared memory, or inside the stub)."""
+    from triton_vlm.server import procs
+    from triton_vlm.server.process import TritonServer, free_port
+
+    run_dir = tmp_path_factory.mktemp("stub-kill")
+    log = run_dir / "server.log"
+    server = TritonServer(str(demo_model), free_port(), free_port(), free_port(), run_dir=run_dir, log_file=log,
+                          exit_timeout=10)
+    server.start()
+    try:
+        server.wait_ready(300)
+        stubs = procs.stubs_of(server.proc.pid)
+        assert sorted(stubs.values()) == ["llm", "preprocess", "vision"], stubs
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in stubs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(_running(pid) for pid in stubs), "a stub outlived its server by 10 s"
+    finally:
+        server.stop()
+    text = log.read_text(errors="replace")
+    exits = {pid for pid in stubs if f"is gone; stub pid {pid} exits" in text}
+    assert exits == set(stubs), (stubs, text[-3000:])
+    assert "Fatal Python error" not in text, text[text.find("Fatal Python error"):][:4000]
