@@ -272,12 +272,13 @@ def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
         view = wait_for(servers, engine, lambda v: (
             v["a"].running == 2 and v["a"].waiting >= 1 and v["b"].running <= 1 and v["b"].waiting == 0
             and v["a"].active_models == {"french"} and v["b"].active_models <= {"sentence"}
+            and v["a"].waiting_models == {"french"} and not v["b"].waiting_models
             and v["a"].kv_usage > v["b"].kv_usage),
             "a: 2 running, some waiting (french), more KV in use; b: at most 1 running (sentence)", load=load)
     finally:
         load.finish()
     a, b = view["a"], view["b"]
-    assert a.waiting_models == {"french"} and not b.waiting_models
+    assert a.waiting_models == {"french"} and not b.waiting_models  # the LoRA gauge, read in the same view
     assert a.max_active_models == b.max_active_models == int(REPLICA_PARAMS["max_loras"])
     assert a.kv_usage <= 1  # a 0-1 fraction
     assert score("queue-scorer", view, "")["b"] > score("queue-scorer", view, "")["a"]
