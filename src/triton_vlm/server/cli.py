@@ -153,14 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_frontend(args, server: TritonServer, model: Path, run_dir: Path) -> OpenAIFrontend | None:
     """The OpenAI-compatible front end on `--openai-port`, once it answers /health; None (said why) if not."""
-    extra: list[str] = []
-    if args.api_key:
-        extra += ["--api-key", args.api_key]
+    extra: list[str] = []  # the API key travels in the environment (TRITON_VLM_API_KEY), not on a command line
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
     frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{args.metrics_port}/metrics", str(model),
                               port=args.openai_port, lora_dir=args.lora_dir, extra_args=tuple(extra),
-                              log_file=run_dir / "openai.log")
+                              log_file=run_dir / "openai.log", api_key=args.api_key)
     try:
         frontend.start().wait_ready(min(args.timeout, 120.0))
     except (RuntimeError, TimeoutError, OSError) as e:

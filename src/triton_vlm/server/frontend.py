@@ -29,7 +29,8 @@ class OpenAIFrontend:
     port: int = 9000
     host: str = "0.0.0.0"
     lora_dir: str | None = None
-    extra_args: tuple[str, ...] = ()  # e.g. ("--api-key", KEY, "--served-model-name", NAME)
+    extra_args: tuple[str, ...] = ()  # e.g. ("--served-model-name", NAME)
+    api_key: str | None = None  # passed as TRITON_VLM_API_KEY: a command line is readable by every local user
     log_file: Path | None = None
     exit_timeout: int = 10
     proc: subprocess.Popen | None = None
@@ -51,7 +52,11 @@ class OpenAIFrontend:
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
         try:
             self._log_offset = out.tell() if out is not None else 0
-            self.proc = procs.spawn(self.command(), env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+            env.pop("TRITON_VLM_API_KEY", None)
+            if self.api_key:
+                env["TRITON_VLM_API_KEY"] = self.api_key
+            self.proc = procs.spawn(self.command(), env=env,
                                     stdout=out, stderr=subprocess.STDOUT if out else None,
                                     start_new_session=True, preexec_fn=procs.die_with_parent())
         finally:
