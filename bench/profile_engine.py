@@ -7,6 +7,11 @@
 been sent); `Engine.step()` is called in this thread. Each request is the benchmark prompt with its image
 placeholders expanded and random image features (the vision tower is not part of the engine).
 
+One stream first (`--stream-requests`, before any timer is installed): greedy requests one at a time, the rate
+of the decode-only steps (a step that ran a prefill chunk is left out) x the bytes one decode step must read
+(`bench.bandwidth.token_bytes`) against a single-thread memory bandwidth measured at start
+(`bench.bandwidth.measure_bandwidth`), printed as `... = F% of the measured W GB/s`.
+
 Time attribution: the engine's own functions are wrapped (at run time, nothing in the engine is edited) with
 timers that charge each call's *exclusive* time (its time minus that of wrapped calls inside it) to a
 category, so the categories add up to the measured step time:
@@ -40,6 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .bandwidth import Bandwidth, describe_bytes, fraction_line, measure_bandwidth, token_bytes
 from .model import describe, ensure_bench_model
 from .throughput import PROMPT
 
@@ -129,6 +135,10 @@ class RunStats:
     steps: int = 0
     decode_rows: list[int] = field(default_factory=list)  # rows per decode forward
     seconds: float = 0.0
+    # steps that ran decode forwards only (no prefill chunk): their wall time and returned-sequence tokens
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: float = 0.0
     excl: dict[str, float] = field(default_factory=dict)
 
 
@@ -195,9 +205,13 @@ def run(engine, timers: Timers, beam: int, concurrency: int, n_requests: int, ma
     # count rows per decode forward
     orig_plan = engine.cache.plan
 
+    prefill = [False]  # a prefill chunk ran in the current step
+
     def plan(rows, q_len):
         if q_len == 1:
             stats.decode_rows.append(len(rows))
+        else:
+            prefill[0] = True
         return orig_plan(rows, q_len)
 
     engine.cache.plan = plan
@@ -207,14 +221,42 @@ def run(engine, timers: Timers, beam: int, concurrency: int, n_requests: int, ma
     t0 = time.perf_counter()
     for _ in range(min(concurrency, n_requests)):
         new_request()
-    while engine.step():
+    more = True
+    while more:
+        prefill[0], n_rows = False, len(stats.decode_rows)
+        t_step = time.perf_counter()
+        more = engine.step()
+        dt = time.perf_counter() - t_step
         stats.steps += 1
         if errors:
             raise RuntimeError(errors[0])
+        if len(stats.decode_rows) > n_rows and not prefill[0]:  # decode only: rows / beam tokens returned
+            stats.decode_steps += 1
+            stats.decode_seconds += dt
+            stats.decode_tokens += sum(stats.decode_rows[n_rows:]) / beam
     stats.seconds = time.perf_counter() - t0
     del engine.cache.plan
     stats.excl = dict(timers.excl)
     return stats
+
+
+def decode_rate(s: RunStats) -> float:
+    """Tokens per second of the returned sequences over the decode-only steps (prefill steps left out)."""
+    return s.decode_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0
+
+
+def one_stream(engine, model_dir: Path, n_requests: int, max_tokens: int, bw: Bandwidth) -> str:
+    """Greedy requests one at a time through `Engine.step()`, before any timer is installed: the decode-only
+    steps' rate against the memory bandwidth (`bench.bandwidth`)."""
+    stats = run(engine, Timers(), 1, 1, n_requests, max_tokens, 120.0)
+    tb = token_bytes(model_dir, len(prompt_ids(engine)), max_tokens, engine.config.dtype)
+    return "\n".join([
+        f"one stream in-process (beam 1, concurrency 1, {stats.requests} requests x {max_tokens} tokens, "
+        f"{stats.decode_steps} decode-only steps of {1000 * stats.decode_seconds / max(1, stats.decode_steps):.2f} ms, "
+        f"no timers installed)",
+        f"  {describe_bytes(tb)}",
+        f"  {bw.method}: passes {bw.passes_gb_s} GB/s",
+        "  " + fraction_line("one stream (in-process, decode steps)", decode_rate(stats), tb, bw)])
 
 
 def report(s: RunStats) -> str:
@@ -224,6 +266,8 @@ def report(s: RunStats) -> str:
              f"{s.seconds:.2f} s = {s.tokens / s.seconds:.1f} tok/s; {s.steps} steps, "
              f"{1000 * s.seconds / max(1, s.steps):.1f} ms/step, "
              f"{sum(rows) / max(1, len(rows)):.1f} rows per decode forward (max {max(rows, default=0)})",
+             f"  decode-only steps: {s.decode_steps}, {1000 * s.decode_seconds / max(1, s.decode_steps):.1f} ms/step, "
+             f"{decode_rate(s):.1f} tok/s (returned-sequence tokens; timers included)",
              f"  {'category':<22}{'ms/step':>9}{'share':>8}"]
     for cat in ORDER + sorted(set(s.excl) - set(ORDER)):
         if cat in s.excl:
@@ -259,16 +303,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=180.0, help="seconds per beam width before no new requests")
     ap.add_argument("--ops", action="store_true", help="also print torch.profiler's top aten ops per beam width")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--stream-requests", type=int, default=4,
+                    help="greedy requests one at a time, before the timers, for the one-stream decode rate against "
+                         "the measured memory bandwidth (bench/bandwidth.py; 0 = skip)")
+    ap.add_argument("--bandwidth-mib", type=int, default=512, help="buffer of the bandwidth measurement")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     beams = [int(b) for b in args.beams.split(",") if b.strip()]
+    bw = measure_bandwidth(args.bandwidth_mib) if args.stream_requests else None  # before the engine's memory
     model_dir = ensure_bench_model()
     print(describe(model_dir))
     print(f"torch threads {torch.get_num_threads()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     kv_tokens = -(-args.max_rows * (128 + args.max_tokens) // 16) * 16
     engine = make_engine(model_dir, args.max_rows, kv_tokens)
     _ENGINE_DIRS[id(engine)] = model_dir
+    if args.stream_requests:  # before the timers: the engine's own speed
+        run(engine, Timers(), 1, 1, 2, min(8, args.max_tokens), 60.0)  # warm-up
+        print(one_stream(engine, model_dir, args.stream_requests, args.max_tokens, bw), flush=True)
     timers = Timers()
     instrument(timers)
     n = args.requests or 2 * args.concurrency
