@@ -137,8 +137,9 @@ def test_qwen2_biases_matter(qwen2_clip):
     model, _, path = qwen2_clip
     eng = Engine(path, EngineConfig(max_rows=1, kv_cache_tokens=256, block_size=4))
     layer = eng.model.layers[0]
-    assert {m for m in ("q_proj", "k_proj", "v_proj", "o_proj") if getattr(layer, m).bias is not None} == \
-        {"q_proj", "k_proj", "v_proj"}
+    # q/k/v run as one fused projection: its bias is theirs side by side; o_proj has none
+    assert [m for m, _ in layer.qkv_proj.parts] == ["q_proj", "k_proj", "v_proj"]
+    assert layer.qkv_proj.bias is not None and layer.qkv_proj.bias.abs().sum() > 0 and layer.o_proj.bias is None
     ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
     with torch.no_grad():
         with_bias = model(input_ids=ids).logits[0, -1]

@@ -16,8 +16,10 @@ longest row of the call is masked out, so it gets softmax weight exactly 0. What
 is floating-point blocking inside the matmuls (a different number of rows per GEMM): ulp-level, far below
 the logit gaps that decide tokens (tests/engine/test_engine.py checks 16 mixed requests token for token).
 
-Every projection (q/k/v/o, gate/up/down, lm_head) is a `Linear`: the one place where a per-row adapter
-delta (LoRA, `lora.py`) is added. An `AdapterBatch` knows which adapter each row of the call uses and
+Every projection is a `Linear` (q/k/v as one fused GEMM, gate/up as one, o, down, lm_head; on a CPU with
+weights prepacked for oneDNN, `gemm.py`): the one place where a per-row adapter delta (LoRA, `lora.py`) is
+added, per original module into its columns of a fused result. Rotary embeddings are applied to q and k in one
+pass over their fused columns. An `AdapterBatch` knows which adapter each row of the call uses and
 adds each row's delta to the projection (`add(x, y, layer, module)`).
 """
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from . import gemm
 from .kv_cache import AttentionBatch, KVCache
-from .weights import MODULES, ModelConfig, load_config, load_weights
+from .weights import ModelConfig, load_config, load_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LM_HEAD = "lm_head"  # module name of the output projection (layer -1)
@@ -45,16 +48,48 @@ class AdapterBatch(Protocol):
 
 
 class Linear:
-    """y = x @ W^T (+ b) (+ the adapter batch's per-row delta for this layer/module)."""
+    """y = x @ W^T (+ b) (+ the adapter batch's per-row delta for this layer/module). With `packed`, the weight
+    is kept in oneDNN's blocked layout (`gemm.py`: where that is faster than `F.linear`).
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, layer: int, module: str):
-        self.weight, self.bias = weight, bias  # [out, in], [out]
+    `parts` fuses projections of the same input: the weight is theirs stacked ([sum of outs, in]), one GEMM
+    computes them side by side, and each part's adapter delta goes into its own columns of the result
+    (q/k/v, gate/up: fewer, larger GEMMs; each output column is the same dot product as unfused)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, layer: int, module: str,
+                 packed: bool = False, parts: tuple[tuple[str, int], ...] = ()):
+        self.weight = gemm.pack(weight) if packed else weight  # [out, in] (dense, or packed: opaque)
+        self.bias = bias  # [out]
         self.layer, self.module = layer, module
+        self.parts = parts or ((module, weight.shape[0]),)  # (module, out features) side by side
+
+    @classmethod
+    def fused(cls, w: dict[str, torch.Tensor], i: int, name: str, modules: tuple[str, ...], packed: bool) -> "Linear":
+        """Layer i's projections `modules` (same input) as one Linear; a missing bias is zeros (adds exactly 0)."""
+        weights = [w[f"layers.{i}.{m}"] for m in modules]  # each [out_m, in]
+        bias = None
+        if any(f"layers.{i}.{m}.bias" in w for m in modules):
+            bias = torch.cat([w.get(f"layers.{i}.{m}.bias", weights[j].new_zeros(weights[j].shape[0]))
+                              for j, m in enumerate(modules)])
+        return cls(torch.cat(weights), bias, layer=i, module=name, packed=packed,
+                   parts=tuple((m, t.shape[0]) for m, t in zip(modules, weights)))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] matrix (a copy when packed)."""
+        return gemm.dense(self.weight)
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [rows, q_len, out]
-        if adapters is not None:  # as PEFT: the sum in the adapter's dtype (fp32), then back to the model's
-            y = adapters.add(x, y, self.layer, self.module)
+        y = gemm.linear(x, self.weight, self.bias)  # [rows, q_len, out]
+        if adapters is None:
+            return y
+        if len(self.parts) == 1:  # as PEFT: the sum in the adapter's dtype (fp32), then back to the model's
+            return adapters.add(x, y, self.layer, self.module)
+        start = 0
+        for module, n in self.parts:
+            part = y[..., start:start + n]  # [rows, q_len, n]: a view into y
+            added = adapters.add(x, part, self.layer, module)
+            if added is not part:
+                part.copy_(added)
+            start += n
         return y
 
 
@@ -98,11 +133,16 @@ def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Te
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0, packed: bool = False):
         self.input_norm, self.post_norm, self.eps = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"], eps
         self.window = window  # sliding attention window, 0 = full causal attention
-        for m in MODULES:
-            setattr(self, m, Linear(w[f"layers.{i}.{m}"], w.get(f"layers.{i}.{m}.bias"), layer=i, module=m))
+        self.qkv_proj = Linear.fused(w, i, "qkv_proj", ("q_proj", "k_proj", "v_proj"), packed)  # [q + 2 kv, hidden]
+        self.o_proj = Linear.fused(w, i, "o_proj", ("o_proj",), packed)
+        self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)  # [2 intermediate, hidden]
+        self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
 
 class LlamaModel:
@@ -110,10 +150,11 @@ class LlamaModel:
         self.config = c = config
         self.embed_tokens = weights["embed"]  # [vocab, hidden]
         self.norm = weights["norm"]
-        self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD)
-        windows = c.layer_windows or (0,) * c.num_layers
-        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i]) for i in range(c.num_layers)]
         self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
+        packed = gemm.packing_enabled(self.device, self.dtype)
+        self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
+        windows = c.layer_windows or (0,) * c.num_layers
+        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed) for i in range(c.num_layers)]
         inv = rope_inv_freq(c.rope, c.head_dim)  # [head_dim / 2]
         freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
@@ -128,12 +169,11 @@ class LlamaModel:
         return cls(config, load_weights(model_dir, config, dtype, device))
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the model holds (weights, rotary tables); a tied lm_head appears twice."""
+        """Every tensor the model holds (weights, rotary tables); a tied lm_head appears twice (packed: a copy)."""
         out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin]
         for layer in self.layers:
             out += [layer.input_norm, layer.post_norm]
-            for m in MODULES:
-                lin = getattr(layer, m)
+            for lin in layer.linears():
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
         return out
 
@@ -151,14 +191,16 @@ class LlamaModel:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
         rows, q_len, _ = x.shape
-        cos = self.cos[batch.positions][:, None]  # [rows, 1, q_len, head_dim]
-        sin = self.sin[batch.positions][:, None]
+        cos = self.cos[batch.positions][:, :, None]  # [rows, q_len, 1, head_dim]
+        sin = self.sin[batch.positions][:, :, None]
         masks = window_masks(batch, {layer.window for layer in self.layers})
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, layer.eps)
             x = x + self._attention(layer, i, h, cos, sin, batch, masks[layer.window], cache, adapters)
             h = rms_norm(x, layer.post_norm, layer.eps)
-            x = x + layer.down_proj(F.silu(layer.gate_proj(h, adapters)) * layer.up_proj(h, adapters), adapters)
+            gate_up = layer.gate_up_proj(h, adapters)  # [rows, q_len, 2 * intermediate]
+            inter = gate_up.shape[-1] // 2
+            x = x + layer.down_proj(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], adapters)
         if not all_logits:
             x = x[:, -1:]
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -169,18 +211,20 @@ class LlamaModel:
                    cache: KVCache, adapters):
         c = self.config
         rows, q_len, _ = h.shape
-        q = layer.q_proj(h, adapters).view(rows, q_len, c.num_heads, c.head_dim).transpose(1, 2)
-        k = layer.k_proj(h, adapters).view(rows, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = layer.v_proj(h, adapters).view(rows, q_len, c.num_kv_heads, c.head_dim)
-        q = q * cos + rotate_half(q) * sin  # [rows, heads, q_len, head_dim]
-        k = k * cos + rotate_half(k) * sin  # [rows, kv_heads, q_len, head_dim]
+        heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = layer.qkv_proj(h, adapters).view(rows, q_len, heads + 2 * kv_heads, hd)
+        qk = qkv[:, :, :heads + kv_heads]  # [rows, q_len, heads + kv_heads, hd]: rotary on q and k at once
+        qk = qk * cos + rotate_half(qk) * sin
+        q = qk[:, :, :heads].transpose(1, 2)  # [rows, heads, q_len, hd]
+        k = qk[:, :, heads:]  # [rows, q_len, kv_heads, hd]
+        v = qkv[:, :, heads + kv_heads:]  # [rows, q_len, kv_heads, hd]
         kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim]
-        kc.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(-1, c.num_kv_heads, c.head_dim))
-        vc.index_copy_(0, batch.write_slots, v.reshape(-1, c.num_kv_heads, c.head_dim))
+        kc.index_copy_(0, batch.write_slots, k.reshape(-1, kv_heads, hd))
+        vc.index_copy_(0, batch.write_slots, v.reshape(-1, kv_heads, hd))
         flat = batch.read_slots.reshape(-1)  # index_select: ~1.5x faster than advanced indexing on CPU
         T = batch.read_slots.shape[1]
-        keys = kc.index_select(0, flat).view(rows, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        values = vc.index_select(0, flat).view(rows, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        keys = kc.index_select(0, flat).view(rows, T, kv_heads, hd).transpose(1, 2)
+        values = vc.index_select(0, flat).view(rows, T, kv_heads, hd).transpose(1, 2)
         # keys / values: [rows, kv_heads, T, head_dim]
         # grouped-query attention without materialising repeated K/V (the repeat was 40% of a beam step)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,

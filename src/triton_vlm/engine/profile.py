@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..errors import InvalidArgument
+from . import gemm
 from .kv_cache import KVCache, blocks_needed
 from .merge import merge_image_embeds
 
@@ -238,13 +239,13 @@ def token_bytes(model) -> int:
 
 
 def model_bytes(model) -> int:
-    """Bytes of the model's tensors, each storage once (a tied lm_head is the embedding)."""
+    """Bytes of the model's tensors, each storage once (a tied lm_head is the embedding, or its packed copy)."""
     seen, total = set(), 0
     for t in model.tensors():
-        key = (t.untyped_storage().data_ptr(), t.device)
+        key = id(t) if gemm.is_packed(t) else (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += gemm.nbytes(t)
     return total
 
 
