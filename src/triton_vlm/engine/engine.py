@@ -10,6 +10,9 @@ budget that cannot hold one request at the full context refuses to start, naming
 Prefix caching (`enable_prefix_caching`, on by default; `prefix_cache.py`): `submit()` hashes the prompt's full
 blocks (with its images' and adapter's identities), admission reuses the longest cached prefix, and every
 result carries `cached_tokens`; `prefix_cache_stats()` counts lookups and hits in tokens.
+CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
+`cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
+CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
 
 Failures: a request's own failure ends that request (`scheduler.py`). A step that raises anyway (a bug) is
 retried after a pause that doubles while it keeps failing (`faults.Backoff`, up to 2 s) and resets on success.
@@ -37,6 +40,7 @@ from typing import Callable, Optional
 from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
 from .adapter_slots import DeviceAdapters
+from .cuda_graph import DecodeGraphs
 from .decoder import Decoder
 from .faults import Backoff, is_device_fault
 from .detok import IncrementalDetokenizer
@@ -72,12 +76,18 @@ class EngineConfig:
     lora_cache_device_mb: int = 256
     # reuse the KV of cached prompt prefixes (full blocks; vLLM's automatic prefix caching, `prefix_cache.py`)
     enable_prefix_caching: bool = True
+    # CUDA graphs of decode steps (`cuda_graph.py`; no effect on a CPU): rows buckets 1, 2, 4, 8, 16, 24, ... up to
+    # min(cuda_graph_max_rows, max_rows) (larger steps run eager), keys buckets from cuda_graph_min_keys doubling
+    # up to the context
+    cuda_graphs: bool = True
+    cuda_graph_max_rows: int = 64
+    cuda_graph_min_keys: int = 256
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb",
-                     "instances"):
+                     "instances", "cuda_graph_max_rows", "cuda_graph_min_keys"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens < 0 or self.kv_cache_mb < 0 or self.context_length < 0:
@@ -136,6 +146,9 @@ class Engine:
         self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
         self.scheduler = Scheduler(self.model, self.cache, self.lora_slots, max_rows=config.max_rows,
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text)
+        self.decode_graphs: Optional[DecodeGraphs] = None
+        if config.cuda_graphs and self.model.device.type == "cuda":
+            self.decode_graphs = self.make_decode_graphs(capture=True)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
@@ -148,6 +161,15 @@ class Engine:
         self.backoff = Backoff()  # the loop's pause after a step that raised
         # called once with the CUDA error that stopped the engine; must not call shutdown() (it runs on the loop)
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Route decode steps through bucketed static shapes (`cuda_graph.py`), captured as CUDA graphs with
+        `capture`; without, the same padded steps run uncaptured (any device: how tests check that path)."""
+        c = self.config
+        graphs = DecodeGraphs(self.model, self.cache, max_rows=min(c.cuda_graph_max_rows, c.max_rows),
+                              context=self.max_context, min_keys=c.cuda_graph_min_keys, capture=capture)
+        self.decode_graphs = self.scheduler.runner.graphs = graphs
+        return graphs
 
     def stats(self) -> EngineStats:
         with self._cond:

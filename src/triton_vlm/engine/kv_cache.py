@@ -2,9 +2,10 @@
 
 Design choice: block tables with copy-on-write (as vLLM's PagedAttention), read by index gathers.
 
-- Memory: one preallocated pool per K and V, `[layers, num_blocks * block_size, kv_heads, head_dim]`, sized by
-  `kv_cache_tokens` (a budget in *tokens*; bytes = tokens * layers * 2 * kv_heads * head_dim * dtype size).
-  Slot `b * block_size + i` holds token `i` of block `b`.
+- Memory: one preallocated pool per K and V, `[layers, num_blocks * block_size + 1, kv_heads, head_dim]`, sized
+  by `kv_cache_tokens` (a budget in *tokens*; bytes = tokens * layers * 2 * kv_heads * head_dim * dtype size).
+  Slot `b * block_size + i` holds token `i` of block `b`. The one slot after the blocks (`scratch_slot`) belongs
+  to no block and no row reads it: the padding rows of a bucketed decode step (`cuda_graph.py`) write there.
 - A row (one beam / sample / prompt being prefilled) is a `RowKV`: its block table and its length. Rows
   join and leave between steps by getting or returning blocks; nothing else in the batch moves.
 - Forks (beam reordering, the prompt row turning into `beam_width` rows) copy the block table and bump each
@@ -76,7 +77,8 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_slot = num_blocks * block_size  # written by padding rows only, never read by a row
+        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: lowest ids handed out first

@@ -12,6 +12,9 @@
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
+Decode steps on static shapes (`cuda_graph.DecodeGraphs`, when the engine sets `graphs`: CUDA graphs on a GPU)
+take every step they can (no LoRA row, rows and keys within their largest buckets); the others run eager here.
+
 The per-row adapter map (`lora.LoraBatch`) is built here for every forward from the rows' requests: rows of
 different requests may use different LoRA adapters, or none. Each row reads its request's device copy
 (`Active.lora`, taken at admission), so an adapter replaced meanwhile never changes a running request.
@@ -22,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .cuda_graph import DecodeGraphs
 from .kv_cache import KVCache, RowKV
 from .lora import LoraBatch, StackCache
 from .merge import merge_image_embeds
@@ -34,6 +38,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache):
         self.model, self.cache = model, cache
         self.lora_stacks = StackCache()  # the adapters of recent batches, stacked per projection
+        self.graphs: Optional[DecodeGraphs] = None  # bucketed static-shape decode steps (CUDA graphs), if on
 
     def prefill(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
         a, kv = chunk.active, chunk.active.kv
@@ -54,12 +59,13 @@ class ModelRunner:
 
     def decode(self, actives: list[Active]) -> torch.Tensor:
         rows = [r for a in actives for r in a.kv.rows]
-        tokens = torch.tensor([t for a in actives for t in a.kv.next_tokens], dtype=torch.long)
-        x = self.model.embed(tokens)[:, None]  # [rows, 1, hidden]
-        # the per-row adapter map: every row (beam / sample) of a request uses the request's adapter
-        adapters = LoraBatch.build([a.lora for a in actives for _ in a.kv.rows], self.lora_stacks,
-                                   self.model.device)
-        logits = self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
+        token_ids = [t for a in actives for t in a.kv.next_tokens]
+        row_adapters = [a.lora for a in actives for _ in a.kv.rows]  # every row of a request: its adapter
+        logits = None if self.graphs is None else self.graphs.decode(rows, token_ids, row_adapters)
+        if logits is None:  # eager: no graphs, or a step they do not take
+            x = self.model.embed(torch.tensor(token_ids, dtype=torch.long))[:, None]  # [rows, 1, hidden]
+            adapters = LoraBatch.build(row_adapters, self.lora_stacks, self.model.device)
+            logits = self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
         self._cache_decoded_blocks(actives)
         return logits
 

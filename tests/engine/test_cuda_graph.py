@@ -1,0 +1,264 @@
+"""Decode steps on bucketed static shapes (`cuda_graph.py`).
+
+On the CPU the padded path runs uncaptured (`capture=False`: the same buffers and forward a graph records): an
+engine on it generates the same tokens as the plain engine for greedy and beam requests of different lengths
+arriving at different steps (row counts and key counts crossing buckets), padding rows never change the real
+rows' logits nor any cache slot but the scratch slot, and LoRA / oversized steps run eager. On a GPU (`gpu`
+marker): captured graphs replay the same tokens as eager, are reused across steps and requests, and a steady
+decode step synchronises with the host a constant number of times.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
+from triton_vlm.engine import scheduler as scheduler_mod
+from triton_vlm.engine.cuda_graph import DecodeGraphs, keys_buckets, rows_buckets
+from triton_vlm.engine.engine import Engine, EngineConfig
+from triton_vlm.engine.model import LlamaModel
+from triton_vlm.errors import InvalidArgument
+from triton_vlm.lora.format import Adapter, LoraModule, module_shape
+from triton_vlm.params import GenerationParams, GenerationRequest
+
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    model, processor = build_random_llava_objects(seed=5, max_position_embeddings=CONTEXT)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # spread the logits so near-ties (and flips) are rare
+    return save_checkpoint(model, processor, tmp_path_factory.mktemp("llava"))
+
+
+def engine(path, padded: bool, capture: bool = False, **kw) -> Engine:
+    base = dict(max_rows=32, kv_cache_tokens=2048, block_size=4, prefill_chunk=8, cuda_graph_min_keys=8)
+    eng = Engine(path, EngineConfig(**(base | kw)))
+    if padded and eng.decode_graphs is None:
+        eng.make_decode_graphs(capture=capture)
+    return eng
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(5, 300, (n - 1,), generator=g).tolist()
+
+
+def request(rid: str, ids, max_tokens=8, beam=1, adapter=None, **kw) -> GenerationRequest:
+    params = GenerationParams(max_tokens=max_tokens, beam_width=beam, num_return_sequences=beam, **kw)
+    return GenerationRequest(request_id=rid, input_ids=list(ids), params=params, adapter=adapter)
+
+
+def run_staggered(eng: Engine, arrivals: dict[int, list[GenerationRequest]]) -> dict[str, list]:
+    results: dict[str, list] = {}
+    step = 0
+    while step <= max(arrivals) or any(not r or not r[-1].final for r in results.values()):
+        for req in arrivals.get(step, []):
+            results[req.request_id] = []
+            eng.submit(req, lambda res: results[res.request_id].append(res))
+        eng.step()
+        step += 1
+        assert step < 500
+    return results
+
+
+def finals(results) -> dict[str, tuple]:
+    out = {}
+    for rid, rs in results.items():
+        assert rs[-1].final and rs[-1].error is None, rs[-1].error
+        out[rid] = tuple((tuple(s.token_ids), s.cum_log_prob) for s in rs[-1].sequences)
+    return out
+
+
+def mixed_arrivals(n: int = 14) -> dict[int, list[GenerationRequest]]:
+    """Greedy and beam (2..4) requests, prompts of 3..41 tokens, two arriving every third step."""
+    arrivals: dict[int, list] = {}
+    for i in range(n):
+        r = request(f"q{i}", prompt(3 + (7 * i) % 39, 100 + i), max_tokens=5 + (3 * i) % 14, beam=1 + i % 4)
+        arrivals.setdefault(i // 2 * 3, []).append(r)
+    return arrivals
+
+
+def record_shapes(monkeypatch) -> list[tuple[int, int, int]]:
+    """(rows, B, T) of every step the padded path takes."""
+    seen: list[tuple[int, int, int]] = []
+    orig = DecodeGraphs.bucket_shape
+
+    def bucket_shape(self, rows, keys):
+        shape = orig(self, rows, keys)
+        seen.append((rows, *shape))
+        return shape
+
+    monkeypatch.setattr(DecodeGraphs, "bucket_shape", bucket_shape)
+    return seen
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Same tokens; scores within fp32 rounding (the GEMMs see B rows instead of n: ulp-level blocking changes)."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert [s[0] for s in got[rid]] == [s[0] for s in want[rid]], rid
+        assert [s[1] for s in got[rid]] == pytest.approx([s[1] for s in want[rid]], rel=1e-4, abs=1e-4), rid
+
+
+# --- buckets ---------------------------------------------------------------------------------------------------
+def test_buckets():
+    assert rows_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert rows_buckets(20) == [1, 2, 4, 8, 16, 20] and rows_buckets(3) == [1, 2, 3] and rows_buckets(1) == [1]
+    assert keys_buckets(96, 8) == [8, 16, 32, 64, 96] and keys_buckets(4096, 256) == [256, 512, 1024, 2048, 4096]
+    assert keys_buckets(64, 64) == [64]
+
+
+def test_config_validation_and_default_off_on_cpu(ckpt):
+    for name in ("cuda_graph_max_rows", "cuda_graph_min_keys"):
+        with pytest.raises(InvalidArgument, match=f"{name} must be >= 1, got 0"):
+            EngineConfig(**{name: 0}).validate()
+    eng = engine(ckpt, padded=False)
+    assert eng.config.cuda_graphs and eng.decode_graphs is None and eng.scheduler.runner.graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        eng.make_decode_graphs(capture=True)
+
+
+# --- the padded path on the CPU ----------------------------------------------------------------------------------
+def test_padded_engine_generates_the_plain_engines_tokens(ckpt, monkeypatch):
+    shapes = record_shapes(monkeypatch)
+    plain = finals(run_staggered(engine(ckpt, padded=False), mixed_arrivals()))
+    eng = engine(ckpt, padded=True)
+    padded = finals(run_staggered(eng, mixed_arrivals()))
+    assert_same(padded, plain)
+    g = eng.decode_graphs
+    assert g.static_steps == len(shapes) > 20 and g.fallbacks == 0 and g.replays == 0
+    assert len({b for _, b, _ in shapes}) >= 4 and len({t for _, _, t in shapes}) >= 4  # crossing buckets
+    assert any(n < b for n, b, _ in shapes) and any(n == b for n, b, _ in shapes)  # padded and full buckets
+    assert eng.cache.used_blocks == 0 and eng.cache.reserved == 0 and not eng.scheduler.has_work()
+
+
+def prefilled_rows(model: LlamaModel, cache, lengths, seed=0):
+    """Rows holding random prompts of the given lengths (eager prefill), and each row's next token."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        row = cache.new_row()
+        ids = torch.randint(5, 300, (n,), generator=g)
+        model.forward(model.embed(ids)[None], cache.plan([row], n), cache)
+        rows.append(row)
+    return rows, torch.randint(5, 300, (len(rows),), generator=g).tolist()
+
+
+@pytest.mark.parametrize("lengths", [(5, 6, 7), (9, 2, 14, 5, 1)])  # 3 rows in bucket 4, 5 rows in bucket 8
+def test_padding_rows_never_change_real_rows(ckpt, lengths):
+    """The same step twice with different padding content: the real rows' logits are bit for bit the same (a row
+    reads only its own keys, every row's arithmetic is its own), and no cache slot but the rows' new slots and
+    the scratch slot changes. Against the eager forward the logits agree to fp32 rounding."""
+    model = LlamaModel.from_pretrained(ckpt)
+    cache = model.new_cache(32, 4)
+    rows, tokens = prefilled_rows(model, cache, lengths)  # no row's next token opens a new block
+    state = [(list(r.blocks), r.length) for r in rows]
+    graphs = DecodeGraphs(model, cache, max_rows=8, context=CONTEXT, min_keys=8, capture=False)
+    assert graphs.bucket_shape(len(rows), max(lengths) + 1)[0] > len(rows)  # padding rows present
+    assert cache.scratch_slot == 32 * 4 == cache.k.shape[1] - 1  # the slot after the blocks
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    runs = []
+    for pad in (0, 77):
+        for r, (blocks, length) in zip(rows, state):
+            r.blocks, r.length = list(blocks), length
+        graphs.pad_token = pad
+        runs.append((graphs.decode(rows, tokens), cache.k.clone(), cache.v.clone()))
+    (a, ka, va), (b, kb, vb) = runs
+    assert torch.equal(a, b) and a.shape == (len(rows), model.config.vocab_size)
+    new = [r.blocks[(r.length - 1) // 4] * 4 + (r.length - 1) % 4 for r in rows] + [cache.scratch_slot]
+    keep = torch.ones(cache.k.shape[1], dtype=torch.bool)
+    keep[new] = False
+    assert torch.equal(ka[:, keep], k0[:, keep]) and torch.equal(va[:, keep], v0[:, keep])  # nothing else written
+    assert torch.equal(ka[:, :cache.scratch_slot], kb[:, :cache.scratch_slot])  # the rows' own K: the same
+    assert not torch.equal(ka[:, cache.scratch_slot], kb[:, cache.scratch_slot])  # the pads wrote the scratch slot
+    for r, (blocks, length) in zip(rows, state):
+        r.blocks, r.length = list(blocks), length
+    x = model.embed(torch.tensor(tokens))[:, None]  # [rows, 1, hidden]
+    eager = model.forward(x, cache.plan(rows, 1), cache)  # [rows, vocab]
+    # fp32 logits up to ~20 (ulp ~2e-6; measured differences <= 5e-6): another GEMM row count / key padding
+    # moves the last bits only
+    torch.testing.assert_close(a, eager, rtol=1e-5, atol=1e-4)
+
+
+def tiny_adapter(spec) -> Adapter:
+    g = torch.Generator().manual_seed(3)
+    n_in, n_out = module_shape(spec, "q_proj")
+    return Adapter("t", {(0, "q_proj"): LoraModule(torch.randn(2, n_in, generator=g) * 0.1,
+                                                   torch.randn(n_out, 2, generator=g) * 0.1, 1.0)})
+
+
+def test_lora_and_oversized_steps_run_eager(ckpt):
+    """A step with a LoRA row, or with more rows than the largest bucket (4 here), runs the eager forward;
+    tokens are the plain engine's either way."""
+    eng_plain, eng = engine(ckpt, padded=False), engine(ckpt, padded=True, cuda_graph_max_rows=4)
+    ad = tiny_adapter(eng.model_config)
+    reqs = {0: [request("lora", prompt(9, 1), max_tokens=6, adapter=ad)],
+            8: [request("wide", prompt(7, 2), max_tokens=6, beam=6)],
+            16: [request("small", prompt(11, 3), max_tokens=6, beam=2)]}
+    want = finals(run_staggered(eng_plain, reqs))
+    assert_same(finals(run_staggered(eng, reqs)), want)
+    g = eng.decode_graphs
+    assert g.fallbacks >= 10 and g.static_steps >= 4  # lora / wide steps eager, small's steps padded
+
+
+# --- CUDA graphs (a GPU) -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_tokens_and_are_reused(ckpt):
+    eager = engine(ckpt, padded=False, device="cuda", cuda_graphs=False)
+    assert eager.decode_graphs is None
+    want = finals(run_staggered(eager, mixed_arrivals()))
+    eng = engine(ckpt, padded=False, device="cuda")  # cuda_graphs on by default
+    g = eng.decode_graphs
+    assert g is not None and g.capture
+    assert_same(finals(run_staggered(eng, mixed_arrivals())), want)
+    assert g.captures == g.captured > 1 and g.replays > 20 and g.static_steps == 0 and g.fallbacks == 0
+    captures, replays = g.captures, g.replays
+    assert_same(finals(run_staggered(eng, mixed_arrivals())), want)  # the same steps again: no new capture
+    assert g.captures == captures and g.replays == 2 * replays
+
+
+def sync_counts(eng: Engine, n_requests: int, monkeypatch) -> list[int]:
+    """Host-device synchronisations (warnings of torch's sync debug mode) of each decode step of all n greedy
+    requests that captures no graph and ends no request."""
+    per_step: list[int] = []
+    orig = scheduler_mod.Scheduler._decode
+    graphs = eng.decode_graphs
+
+    def decode(self, batch, out):
+        captures, n_out = graphs.captures if graphs else 0, len(out)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                return orig(self, batch, out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in seen)
+            if (len(batch) == n_requests and (graphs.captures if graphs else 0) == captures
+                    and not any(r.final for _, r in out[n_out:])):
+                per_step.append(syncs)
+
+    monkeypatch.setattr(scheduler_mod.Scheduler, "_decode", decode)
+    p = GenerationParams(max_tokens=20, min_tokens=20)
+    reqs = {0: [GenerationRequest(f"r{i}", prompt(3 + i % 9, i), p) for i in range(n_requests)]}
+    finals(run_staggered(eng, reqs))
+    monkeypatch.undo()
+    assert len(per_step) >= 4
+    return per_step
+
+
+@pytest.mark.gpu
+def test_a_graphed_greedy_decode_step_syncs_a_constant_number_of_times(ckpt, monkeypatch):
+    """A graphed step copies its inputs from pinned memory (no sync): what is left is the greedy step's own (its
+    read-back, and the index tensors of min_tokens), the same for 2 and 30 requests and fewer than eager's."""
+    eng = engine(ckpt, padded=False, device="cuda")
+    few, many = sync_counts(eng, 2, monkeypatch), sync_counts(eng, 30, monkeypatch)
+    assert eng.decode_graphs.replays > 0 and eng.decode_graphs.fallbacks == 0
+    eager = sync_counts(engine(ckpt, padded=False, device="cuda", cuda_graphs=False), 30, monkeypatch)
+    assert len(set(few) | set(many)) == 1 and 1 <= many[0] <= 3, (few, many)
+    assert min(eager) > many[0], (eager, many)  # eager copies its plan and tokens to the device, synchronously
