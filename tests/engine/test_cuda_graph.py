@@ -127,14 +127,17 @@ def test_config_validation_and_default_off_on_cpu(ckpt):
 def test_padded_engine_generates_the_plain_engines_tokens(ckpt, monkeypatch):
     shapes = record_shapes(monkeypatch)
     plain = finals(run_staggered(engine(ckpt, padded=False), mixed_arrivals()))
-    eng = engine(ckpt, padded=True)
+    eng = engine(ckpt, padded=True, enable_prefix_caching=False)  # a second run repeats the first one's steps
     padded = finals(run_staggered(eng, mixed_arrivals()))
     assert_same(padded, plain)
     g = eng.decode_graphs
-    assert g.static_steps == len(shapes) > 20 and g.fallbacks == 0 and g.replays == 0
+    steps, buckets = g.static_steps, len(g._buckets)
+    assert steps == len(shapes) > 20 and g.fallbacks == 0 and g.replays == 0
     assert len({b for _, b, _ in shapes}) >= 4 and len({t for _, _, t in shapes}) >= 4  # crossing buckets
     assert any(n < b for n, b, _ in shapes) and any(n == b for n, b, _ in shapes)  # padded and full buckets
     assert eng.cache.used_blocks == 0 and eng.cache.reserved == 0 and not eng.scheduler.has_work()
+    assert_same(finals(run_staggered(eng, mixed_arrivals())), plain)  # again: the same buckets serve it
+    assert g.static_steps == 2 * steps and len(g._buckets) == buckets
 
 
 def prefilled_rows(model: LlamaModel, cache, lengths, seed=0):
@@ -212,7 +215,7 @@ def test_cuda_graphs_replay_the_eager_tokens_and_are_reused(ckpt):
     eager = engine(ckpt, padded=False, device="cuda", cuda_graphs=False)
     assert eager.decode_graphs is None
     want = finals(run_staggered(eager, mixed_arrivals()))
-    eng = engine(ckpt, padded=False, device="cuda")  # cuda_graphs on by default
+    eng = engine(ckpt, padded=False, device="cuda", enable_prefix_caching=False)  # cuda_graphs on by default
     g = eng.decode_graphs
     assert g is not None and g.capture
     assert_same(finals(run_staggered(eng, mixed_arrivals())), want)
@@ -222,23 +225,44 @@ def test_cuda_graphs_replay_the_eager_tokens_and_are_reused(ckpt):
     assert g.captures == captures and g.replays == 2 * replays
 
 
+SYNC_METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy")  # as test_decode_batch.py
+
+
+def host_reads(monkeypatch, counting: list[bool]) -> list[int]:
+    """CPU stand-in for syncs (test_decode_batch.py's): every tensor-to-host call while counting[0], host-built
+    tensors included (an upper bound of what would synchronise on a GPU)."""
+    calls = [0]
+    for name in SYNC_METHODS:
+        def wrapped(self, *a, _orig=getattr(torch.Tensor, name), **kw):
+            calls[0] += counting[0]
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    return calls
+
+
 def sync_counts(eng: Engine, n_requests: int, monkeypatch) -> list[int]:
-    """Host-device synchronisations (warnings of torch's sync debug mode) of each decode step of all n greedy
-    requests that captures no graph and ends no request."""
+    """Host-device synchronisations of each decode step of all n greedy requests that captures no graph and ends
+    no request: on CUDA the warnings of torch's sync debug mode, on a CPU the stand-in above."""
     per_step: list[int] = []
-    orig = scheduler_mod.Scheduler._decode
-    graphs = eng.decode_graphs
+    orig, graphs, cuda = scheduler_mod.Scheduler._decode, eng.decode_graphs, eng.model.device.type == "cuda"
+    counting = [False]
+    calls = None if cuda else host_reads(monkeypatch, counting)
 
     def decode(self, batch, out):
-        captures, n_out = graphs.captures if graphs else 0, len(out)
-        torch.cuda.set_sync_debug_mode("warn")
+        captures, n_out, before = graphs.captures if graphs else 0, len(out), 0 if cuda else calls[0]
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        counting[0] = True
         try:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 return orig(self, batch, out)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in seen)
+            counting[0] = False
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in seen) if cuda else calls[0] - before
             if (len(batch) == n_requests and (graphs.captures if graphs else 0) == captures
                     and not any(r.final for _, r in out[n_out:])):
                 per_step.append(syncs)
@@ -252,13 +276,24 @@ def sync_counts(eng: Engine, n_requests: int, monkeypatch) -> list[int]:
     return per_step
 
 
+def test_a_padded_greedy_decode_step_reads_back_once(ckpt, monkeypatch):
+    """The padded path builds its inputs on the host and copies them in one piece: the step's only tensor-to-host
+    call is the greedy step's read-back, for 2 requests as for 30 (the eager plan adds its max length)."""
+    eng = engine(ckpt, padded=True, prefill_chunk=512)  # every prompt prefilled in one step: 30 decode together
+    few, many = sync_counts(eng, 2, monkeypatch), sync_counts(eng, 30, monkeypatch)
+    assert eng.decode_graphs.static_steps > 0 and eng.decode_graphs.fallbacks == 0
+    assert set(few) == set(many) == {1}, (few, many)
+    assert set(sync_counts(engine(ckpt, padded=False, prefill_chunk=512), 30, monkeypatch)) == {2}
+
+
 @pytest.mark.gpu
 def test_a_graphed_greedy_decode_step_syncs_a_constant_number_of_times(ckpt, monkeypatch):
     """A graphed step copies its inputs from pinned memory (no sync): what is left is the greedy step's own (its
     read-back, and the index tensors of min_tokens), the same for 2 and 30 requests and fewer than eager's."""
-    eng = engine(ckpt, padded=False, device="cuda")
+    eng = engine(ckpt, padded=False, device="cuda", prefill_chunk=512)
     few, many = sync_counts(eng, 2, monkeypatch), sync_counts(eng, 30, monkeypatch)
     assert eng.decode_graphs.replays > 0 and eng.decode_graphs.fallbacks == 0
-    eager = sync_counts(engine(ckpt, padded=False, device="cuda", cuda_graphs=False), 30, monkeypatch)
+    eager = sync_counts(engine(ckpt, padded=False, device="cuda", cuda_graphs=False, prefill_chunk=512), 30,
+                        monkeypatch)
     assert len(set(few) | set(many)) == 1 and 1 <= many[0] <= 3, (few, many)
     assert min(eager) > many[0], (eager, many)  # eager copies its plan and tokens to the device, synchronously

@@ -62,8 +62,7 @@ WARMUP_RUNS = 2  # eager runs on a side stream before a capture (as torch.cuda.m
 
 def rows_buckets(max_rows: int) -> list[int]:
     """vLLM's capture sizes: 1, 2, 4, then multiples of 8, up to max_rows (included)."""
-    sizes = sorted({s for s in (1, 2, 4) if s <= max_rows} | set(range(8, max_rows + 1, 8)) | {max_rows})
-    return sizes
+    return sorted({s for s in (1, 2, 4) if s <= max_rows} | set(range(8, max_rows + 1, 8)) | {max_rows})
 
 
 def keys_buckets(context: int, min_keys: int) -> list[int]:
