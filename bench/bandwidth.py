@@ -5,9 +5,11 @@ and the line that compares a measured decode rate with both.
 
 - **Bandwidth** (`measure_bandwidth`): a single-thread streaming read. A 512 MiB fp32 tensor (16x the 32 MiB L3
   of the benchmark machines, so every pass comes from DRAM), filled once so its pages are mapped, is summed
-  with `torch.Tensor.sum()` under `torch.set_num_threads(1)` `reps` times; GB/s = bytes / the fastest pass
+  with `torch.Tensor.sum()` under `torch.set_num_threads(1)` `reps` (20) times; GB/s = bytes / the fastest pass
   (10^9 bytes per GB). One thread because the benchmark's server processes run with `OMP_NUM_THREADS=1`: this
-  is what one core can pull from memory, the ceiling of one decode stream.
+  is what one core can pull from memory, the ceiling of one decode stream. Other work on the machine lowers it
+  (on a shared 2-core machine at load average 5-8 it read 17-20 GB/s, quiet 33-40 GB/s), so the load average
+  is recorded with it.
 - **Bytes per token** (`token_bytes`): what one decode step of one stream must read at the least, from the
   checkpoint's own tensors (names and shapes) and config, at the element size of the dtype the engine runs in:
   every language-model tensor (q/k/v/o, gate/up/down, lm_head, RMSNorm weights, any biases) except the token
@@ -21,6 +23,7 @@ and the line that compares a measured decode rate with both.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,12 +42,13 @@ class Bandwidth:
     buffer_mib: int
     threads: int
     method: str
+    load_1min: float  # load average when measured: other work on the machine lowers the figure
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def measure_bandwidth(buffer_mib: int = 512, reps: int = 10) -> Bandwidth:
+def measure_bandwidth(buffer_mib: int = 512, reps: int = 20) -> Bandwidth:
     """Single-thread streaming read of a `buffer_mib` fp32 buffer, best of `reps` passes (after one untimed)."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -60,7 +64,8 @@ def measure_bandwidth(buffer_mib: int = 512, reps: int = 10) -> Bandwidth:
     finally:
         torch.set_num_threads(prev)
     return Bandwidth(gb_s=max(passes), passes_gb_s=[round(p, 2) for p in passes], buffer_mib=buffer_mib, threads=1,
-                     method=f"torch.Tensor.sum() of a {buffer_mib} MiB fp32 tensor, 1 thread, best of {reps}")
+                     method=f"torch.Tensor.sum() of a {buffer_mib} MiB fp32 tensor, 1 thread, best of {reps}",
+                     load_1min=round(os.getloadavg()[0], 2))
 
 
 @dataclass
@@ -144,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure the single-thread memory bandwidth; print the bench model's "
                                              "bytes per decoded token.")
     ap.add_argument("--mib", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=29)
     ap.add_argument("--new-tokens", type=int, default=32)
     a = ap.parse_args(argv)
     bw = measure_bandwidth(a.mib, a.reps)
-    print(f"bandwidth: {bw.gb_s:.2f} GB/s ({bw.method}; passes {bw.passes_gb_s})")
+    print(f"bandwidth: {bw.gb_s:.2f} GB/s ({bw.method}; load average {bw.load_1min}; passes {bw.passes_gb_s})")
     tb = token_bytes(ensure_bench_model(), a.prompt_tokens, a.new_tokens)
     print(describe_bytes(tb))
     print(f"-> one stream at 100% of it: {bw.gb_s * GB / tb.total:.1f} tok/s; at 50%: "

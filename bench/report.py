@@ -2,7 +2,9 @@
 
 A row is one (backend, beam_width, concurrency) measurement (`RowResult`). The report pairs each engine row
 with the baseline ("hf") row of the same beam width and concurrency and shows the ratio ours/baseline of
-tokens per second (higher is better) and of p50 latency (lower is better).
+tokens per second (higher is better) and of p50 latency (lower is better). `stream_lines` renders the one-stream
+measurement against the memory bandwidth (`bench/bandwidth.py`), `target_lines` the issue's targets read off
+the same run, and the markdown starts with the command that produced it.
 """
 from __future__ import annotations
 
@@ -98,9 +100,68 @@ def console_table(rows: list[RowResult]) -> str:
     return "\n".join([line(HEADER), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 
+def stream_lines(meta: dict) -> list[str]:
+    """The bandwidth and, per backend, `one stream: X tok/s x Y MB/token = Z GB/s = F% of the measured W GB/s`."""
+    bw, tb, streams = meta.get("bandwidth"), meta.get("token_bytes"), meta.get("one_stream") or {}
+    if not bw:
+        return []
+    when = (f"the better of {' and '.join(f'{x:.2f}' for x in bw['measured'])} GB/s measured before the first "
+            "server started and after the last one stopped" if "measured" in bw else "before any server started")
+    when += f", load average {bw['load_1min']}" if "load_1min" in bw else ""
+    out = [f"memory bandwidth: {bw['gb_s']:.2f} GB/s ({bw['method']}; {when}; its passes: "
+           f"{', '.join(f'{x:.1f}' for x in bw['passes_gb_s'])} GB/s)"]
+    if tb:
+        out.append(f"bytes per decoded token ({tb['dtype']}): weights {tb['weights'] / 1e6:.2f} MB (every language-"
+                   f"model tensor but the embedding table) + one embedding row {tb['embed_row'] / 1e3:.1f} kB + KV "
+                   f"read {tb['kv'] / 1e6:.3f} MB ({tb['context']:.1f} positions on average) = {tb['total'] / 1e6:.2f} MB")
+    for backend in (OURS, BASELINE):
+        r = streams.get(backend)
+        if r is None:
+            continue
+        if "error" in r:
+            out.append(f"one stream ({backend}): failed: {r['error']}")
+            continue
+        out.append(f"one stream ({backend}): {r['tok_s']:.1f} tok/s x {tb['total'] / 1e6:.2f} MB/token = "
+                   f"{r['gb_s']:.2f} GB/s = {100 * r['fraction']:.1f}% of the measured {bw['gb_s']:.2f} GB/s "
+                   f"(median of {r['requests']} greedy requests x {r['tokens']} tokens streamed one at a time; "
+                   f"(tokens - first response's) / (last token's arrival - first's); first token after "
+                   f"{r['first_s']:.3f} s)")
+    o, b = streams.get(OURS, {}), streams.get(BASELINE, {})
+    if "tok_s" in o and "tok_s" in b:
+        out.append(f"one stream ours/base: {o['tok_s'] / b['tok_s']:.2f}x")
+    return out
+
+
+def target_lines(rows: list[RowResult], meta: dict) -> list[str]:
+    """The issue's targets, read off this run's rows and one-stream figure."""
+    def tr(beam: int, conc: int) -> Optional[float]:
+        o, b = _find(rows, OURS, beam, conc), _find(rows, BASELINE, beam, conc)
+        return ratio(o and o.tokens_per_s, b and b.tokens_per_s)
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    out = []
+    if (r := tr(1, 1)) is not None:
+        out.append(f"greedy, concurrency 1: {r:.2f}x the baseline's tok/s (target >= 1.3x: {mark(r >= 1.3)})")
+    s = (meta.get("one_stream") or {}).get(OURS, {})
+    if "fraction" in s:
+        f = s["fraction"]
+        out.append(f"one stream: {100 * f:.1f}% of the measured bandwidth (target >= 50%: {mark(f >= 0.5)})")
+    if (r := tr(4, 16)) is not None:
+        out.append(f"beam 4, concurrency 16: {r:.2f}x the baseline's tok/s (target >= 6x: {mark(r >= 6)})")
+    a, b = _find(rows, OURS, 4, 16), _find(rows, OURS, 4, 32)
+    if a and b:
+        out.append(f"beam 4: concurrency 32 {b.tokens_per_s:.1f} tok/s vs concurrency 16 {a.tokens_per_s:.1f} tok/s "
+                   f"({b.tokens_per_s / a.tokens_per_s:.2f}x; target above: {mark(b.tokens_per_s > a.tokens_per_s)})")
+    return out
+
+
 def markdown(rows: list[RowResult], meta: dict) -> str:
     lines = [
         "# triton-vlm throughput benchmark",
+        "",
+        f"Every figure below comes from one run of `{meta.get('command', 'python -m bench.throughput')}`.",
         "",
         f"- model: {meta.get('model', '?')}",
         f"- machine: {meta.get('cpus', '?')} CPUs, torch threads per server process = "
@@ -119,6 +180,11 @@ def markdown(rows: list[RowResult], meta: dict) -> str:
         f"- engine: llm `backend: engine`, max_rows {meta.get('max_rows', '?')}, kv_cache_tokens "
         f"{meta.get('kv_cache_tokens', '?')}; baseline: llm `backend: hf` (transformers generate(), one request "
         "at a time); both through the same Triton ensemble (preprocess -> vision -> llm)",
+    ]
+    if meta.get("capacity"):
+        lines.append(f"- {meta['capacity']['text']}")
+    lines += [f"- {x}" for x in stream_lines(meta)]
+    lines += [
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---:" for _ in HEADER) + "|",
@@ -128,6 +194,9 @@ def markdown(rows: list[RowResult], meta: dict) -> str:
     if errs:
         lines += ["", "Errors:"] + [f"- {r.backend} beam {r.beam_width} conc {r.concurrency}: {r.errors} failed, "
                                     f"first: {r.first_error}" for r in errs]
+    targets = target_lines(rows, meta)
+    if targets:
+        lines += ["", "Targets:"] + [f"- {x}" for x in targets]
     if meta.get("note"):
         lines += ["", meta["note"]]
     return "\n".join(lines) + "\n"
@@ -206,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     md.write_text(markdown(rows, meta))
     plot(rows, png, title=plot_title(meta))
     print(console_table(rows))
+    print("\n".join(stream_lines(meta) + target_lines(rows, meta)))
     print(f"wrote {md}, {png}")
     return 0
 
