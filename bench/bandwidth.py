@@ -8,8 +8,8 @@ and the line that compares a measured decode rate with both.
   with `torch.Tensor.sum()` under `torch.set_num_threads(1)` `reps` (20) times; GB/s = bytes / the fastest pass
   (10^9 bytes per GB). One thread because the benchmark's server processes run with `OMP_NUM_THREADS=1`: this
   is what one core can pull from memory, the ceiling of one decode stream. Other work on the machine lowers it
-  (on a shared 2-core machine at load average 5-8 it read 17-20 GB/s, quiet 33-40 GB/s), so the load average
-  is recorded with it.
+  (on the shared 2-core machine it read 17 to 40 GB/s depending on what else ran), so the load average is
+  recorded with it.
 - **Bytes per token** (`token_bytes`): what one decode step of one stream must read at the least, from the
   checkpoint's own tensors (names and shapes) and config, at the element size of the dtype the engine runs in:
   every language-model tensor (q/k/v/o, gate/up/down, lm_head, RMSNorm weights, any biases) except the token

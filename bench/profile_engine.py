@@ -255,7 +255,7 @@ def one_stream(engine, model_dir: Path, n_requests: int, max_tokens: int, bw: Ba
         f"{stats.decode_steps} decode-only steps of {1000 * stats.decode_seconds / max(1, stats.decode_steps):.2f} ms, "
         f"no timers installed)",
         f"  {describe_bytes(tb)}",
-        f"  {bw.method}: passes {bw.passes_gb_s} GB/s",
+        f"  {bw.method} (load average {bw.load_1min}): passes {bw.passes_gb_s} GB/s",
         "  " + fraction_line("one stream (in-process, decode steps)", decode_rate(stats), tb, bw)])
 
 
