@@ -16,9 +16,9 @@ Time attribution: the engine's own functions are wrapped (at run time, nothing i
 timers that charge each call's *exclusive* time (its time minus that of wrapped calls inside it) to a
 category, so the categories add up to the measured step time:
 
-- attn q/k/v/o proj   the four attention `Linear`s
+- attn q/k/v/o proj   the attention `Linear`s (q/k/v fused, o)
 - attn core           rope, KV write (index_copy), KV gather, GQA repeat, scaled_dot_product_attention
-- mlp gate/up/down    the three MLP `Linear`s
+- mlp gate/up/down    the MLP `Linear`s (gate/up fused, down)
 - norms/residual/act  RMSNorms, residual adds, SiLU * up, last-position slice (rest of `LlamaModel.forward`)
 - lm_head             the output projection (+ fp32 cast)
 - embed / image merge token embedding lookup, image feature merge at prefill
@@ -84,8 +84,8 @@ class Timers:
         setattr(owner, name, wrapper)
 
 
-ATTN_PROJ = {"q_proj", "k_proj", "v_proj", "o_proj"}
-MLP_PROJ = {"gate_proj", "up_proj", "down_proj"}
+ATTN_PROJ = {"qkv_proj", "o_proj"}  # `model.Layer`'s projections (q/k/v and gate/up fused)
+MLP_PROJ = {"gate_up_proj", "down_proj"}
 
 
 def instrument(timers: Timers) -> None:
