@@ -15,11 +15,17 @@ scores [0, -1e9, ...] exactly as HF does after `_expand_inputs_for_generation`.
 When no candidate has a finite score (every token of every beam excluded, or NaN / inf logits), beam sampling
 draws from uniform scores instead (`multinomial` would reject the distribution: a device-side assert on CUDA)
 and the step raises `NoTokenLeft` once it has synced; HF would go on with -inf / NaN beams.
+
+A request built with a `beam_batch.BatchSpec` may instead be stepped with other such requests by
+`beam_batch.beam_step` (the same computation over [B, nb, V], one read-back for all). Its state then lives in a
+`beam_batch.BeamGroup` (`group` = (group, index)); `_view()` reads it there, and `_own()` copies it back into this
+object before any per-request operation that changes it (`step`, `finalize`, the cancel path).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -45,10 +51,25 @@ class _Candidates:
     token_lp: torch.Tensor  # [K, max_new] processed log-prob of each new token
 
 
+@dataclass
+class BeamState:
+    """One request's beam-search state (own tensors, or views into a `beam_batch.BeamGroup`)."""
+
+    gen: torch.Tensor  # [nb, max_new] running beams' new tokens (columns >= t unused)
+    tok_lp: torch.Tensor  # [nb, max_new] their processed log-probs
+    running: torch.Tensor  # [1, nb] running beam scores
+    fin_gen: torch.Tensor  # [nb, max_new] finished pool (HF `sequences`), best first
+    fin_lp: torch.Tensor  # [nb, max_new]
+    fin_len: torch.Tensor  # [1, nb] long
+    fin_score: torch.Tensor  # [1, nb] HF `beam_scores`
+    is_fin: torch.Tensor  # [1, nb] bool HF `is_sent_finished`
+    unsat: torch.Tensor  # [1, 1] bool HF `is_early_stop_heuristic_unsatisfied`
+
+
 class BeamSearch:
     def __init__(self, *, prompt_ids: list[int], num_beams: int, max_new_tokens: int, length_penalty: float,
                  early_stopping: bool | str, n_eos: int, pipeline: LogitsPipeline, stop: StopCriteria,
-                 generator_seed: int | None = None, do_sample: bool = False):
+                 generator_seed: int | None = None, do_sample: bool = False, batch_spec: Any = None):
         self.prompt = torch.tensor(prompt_ids, dtype=torch.long)  # [Lp]
         self.Lp = len(prompt_ids)
         self.nb = num_beams
@@ -64,6 +85,14 @@ class BeamSearch:
         self.t = 0  # new tokens in every running row
         self.done = False
         self._init = False
+        self.spec = batch_spec  # a `beam_batch.BatchSpec`: may be stepped batched by `beam_batch.beam_step`
+        self.group: Optional[tuple[Any, int]] = None  # (BeamGroup, index) while its state lives there
+        self._norm_row: Optional[torch.Tensor] = None  # [max_new + 1] fp32 length ** length_penalty, on the host
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Requests with the same key may step together (`beam_batch.beam_step`)."""
+        return (self.nb, self.K)
 
     def _setup(self, device: torch.device) -> None:
         nb, K, Lmax = self.nb, self.K, self.Lp + self.max_new
@@ -92,8 +121,36 @@ class BeamSearch:
     def num_rows(self) -> int:
         return 0 if self.done else (1 if self.t == 0 else self.nb)
 
+    def _view(self) -> BeamState:
+        """The current state, read where it lives (no copy)."""
+        if self.group is not None:
+            g, i = self.group
+            return g.member(i)
+        return BeamState(self.seqs[:, self.Lp:], self.tok_lp, self.running_scores, self.fin_gen, self.fin_lp,
+                         self.fin_len, self.beam_scores, self.is_fin, self.unsat)
+
+    def _own(self) -> None:
+        """Take the state back from its batch group (if any) into this object's own tensors."""
+        if self.group is None:
+            return
+        st = self._view()
+        self.group = None
+        self.seqs = torch.cat((self.seqs[:, :self.Lp], st.gen), dim=1)  # [nb, Lp + max_new]
+        self.tok_lp, self.running_scores = st.tok_lp, st.running
+        self.fin_gen, self.fin_lp, self.fin_len = st.fin_gen, st.fin_lp, st.fin_len
+        self.beam_scores, self.is_fin, self.unsat = st.fin_score, st.is_fin, st.unsat
+
+    def norm_row(self) -> torch.Tensor:
+        """[max_new + 1] fp32 on the host: entry L = float32(`_len_norm(L)`), the divisor HF's Python float becomes
+        (entry 0 unused)."""
+        if self._norm_row is None:
+            vals = [1.0] + [self._len_norm(n) for n in range(1, self.max_new + 1)]
+            self._norm_row = torch.tensor(vals, dtype=torch.float64).to(torch.float32)
+        return self._norm_row
+
     def step(self, logits: torch.Tensor) -> tuple[list[int], list[int], bool]:
         """logits [num_rows, V] -> (parents, tokens, done) for the next step's rows."""
+        self._own()
         first = self.t == 0
         if not self._init:
             self._setup(logits.device)
@@ -200,6 +257,7 @@ class BeamSearch:
         """Stopped before beam search ended (cancel): running beams join the pool as HF's old finalize did."""
         if self.t == 0:
             return
+        self._own()
         t, nb = self.t, self.nb
         pen = self.running_scores / self._len_norm(t)
         merged = torch.cat((self.beam_scores, pen), dim=1)
@@ -217,9 +275,10 @@ class BeamSearch:
         the kept finished hypotheses and extensions of the running beams, so their common prefix is final."""
         if self.t == 0:
             return []
-        cands = [row[self.Lp:self.Lp + self.t] for row in self.seqs.tolist()]
-        fin, lens = self.is_fin[0].tolist(), self.fin_len[0].tolist()
-        cands += [self.fin_gen[i, :lens[i]].tolist() for i in range(self.nb) if fin[i]]
+        st = self._view()
+        cands = [row[:self.t] for row in st.gen.tolist()]
+        fin, lens = st.is_fin[0].tolist(), st.fin_len[0].tolist()
+        cands += [st.fin_gen[i, :lens[i]].tolist() for i in range(self.nb) if fin[i]]
         prefix = cands[0]
         for c in cands[1:]:
             n = 0
@@ -238,6 +297,7 @@ class BeamSearch:
         `sequences_scores`), `log_probs` the processed log-prob of each chosen token."""
         if not self.done:
             self._force_finish()
+        self._own()
         if self.t == 0:
             return [Sequence_([], "", 0.0, []) for _ in range(n)]
         lens = self.fin_len[0].tolist()

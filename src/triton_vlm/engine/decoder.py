@@ -16,8 +16,11 @@ Sampled sequences are returned in HF's row order (sampling order), not re-ranked
 
 Greedy requests without score processors (`greedy.GreedySearch.eligible`) keep their state on the host, and the
 scheduler steps all of them at once with `step_greedy` (one batched argmax / log_softmax, one device read-back for
-every row). Beam search and sampling step per request with one read-back each; sampling stays per request because
-each request draws from its own seeded `torch.Generator`, as transformers does from `torch.manual_seed(seed)`.
+every row). Beam search without sampling whose only score processor is min_new_tokens (`beam_batch.eligible`) is
+stepped with the other such requests of the same (num_beams, beams_to_keep) by `step_beams` (HF's batched
+`_beam_search` over [B, nb, V], one read-back per group). Other beam searches and sampling step per request with
+one read-back each; sampling stays per request because each request draws from its own seeded `torch.Generator`,
+as transformers does from `torch.manual_seed(seed)`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 from .. import names as N
 from ..errors import Internal, InvalidArgument, VLMError
 from ..params import GenerationParams, Sequence_
+from . import beam_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
 from .logits import LogitsPipeline, StopCriteria
@@ -73,10 +77,15 @@ class Decoder:
                                         min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids)
         elif beam:
             seed = resolve_seed(params.seed) if sampling else None
+            spec = None
+            if beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`)
+                spec = beam_batch.BatchSpec(
+                    eos=tuple(eos_ids), min_new=int(params.min_tokens) if eos_ids else 0,
+                    stop_words=tuple(tuple(int(t) for t in w) for w in stop_words_ids if len(w)))
             self._search = BeamSearch(
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
-                pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling)
+                pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
         else:
             self._search = Sampler(
                 prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
@@ -116,6 +125,12 @@ class Decoder:
     def batched_greedy(self) -> bool:
         """Its steps may run in `step_greedy` with other such requests' rows (one row, host state)."""
         return isinstance(self._search, GreedySearch)
+
+    @property
+    def beam_key(self):
+        """None, or the key of the requests it may step with in `step_beams` (same num_beams and K)."""
+        s = self._search
+        return s.key if isinstance(s, BeamSearch) and s.spec is not None else None
 
     def _no_token_error(self, e: NoTokenLeft) -> VLMError:
         """What left a row nothing to choose from: the model's logits, or the request's exclusions."""
@@ -159,4 +174,20 @@ def step_greedy(decoders: list[Decoder], logits: torch.Tensor) -> list[StepResul
     if logits.dim() != 2 or logits.shape[0] != len(decoders) or logits.shape[1] != decoders[0].vocab_size:
         raise Internal(f"expected logits [{len(decoders)}, {decoders[0].vocab_size}], got {tuple(logits.shape)}")
     outs = greedy_step([d._search for d in decoders], logits)
+    return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]
+
+
+def step_beams(decoders: list[Decoder], logits: torch.Tensor, starts: list[int]) -> list[StepResult | VLMError]:
+    """One step of beam decoders with the same `beam_key` at once (`beam_batch.beam_step`): logits [rows, vocab]
+    of the decode step, decoders[i]'s `num_rows` rows beginning at starts[i]. Each decoder's `StepResult`, or the
+    error that ends its request (the others are unaffected)."""
+    key = decoders[0].beam_key
+    for d in decoders:
+        if key is None or d.beam_key != key or d.done:
+            raise Internal("step_beams() needs unfinished batchable beam decoders with the same key")
+    if logits.dim() != 2 or logits.shape[1] != decoders[0].vocab_size:
+        raise Internal(f"expected logits [rows, {decoders[0].vocab_size}], got {tuple(logits.shape)}")
+    if any(st < 0 or st + d.num_rows > logits.shape[0] for d, st in zip(decoders, starts)):
+        raise Internal(f"decoder rows outside the {logits.shape[0]} rows of logits")
+    outs = beam_batch.beam_step([d._search for d in decoders], logits, starts)
     return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]

@@ -3,7 +3,8 @@
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
     for each prefill chunk: runner.prefill -> (prompt complete) -> advance
     runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
-        step (`decoder.step_greedy`, one device read-back), the others on their slices -> advance each
+        step (`decoder.step_greedy`, one device read-back), batchable beam requests in one batched step per
+        (num_beams, K) (`decoder.step_beams`, one read-back each), the others on their slices -> advance each
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
@@ -114,6 +115,17 @@ class Scheduler:
                 done = dict(zip(greedy, self.output.step_greedy([batch[i] for i in greedy], rows)))
             except Exception as e:  # noqa: BLE001
                 done = {i: self._error(e) for i in greedy}
+        beams: dict[tuple, list[int]] = {}  # beam requests by (num_beams, K): one batched step, one read-back each
+        for i, a in enumerate(batch):
+            key = getattr(a.decoder, "beam_key", None)
+            if key is not None:
+                beams.setdefault(key, []).append(i)
+        for group in beams.values():
+            try:
+                done.update(zip(group, self.output.step_beams([batch[i] for i in group], logits,
+                                                              [starts[i] for i in group])))
+            except Exception as e:  # noqa: BLE001
+                done.update({i: self._error(e) for i in group})
         for i, a in enumerate(batch):
             try:
                 res = done.get(i)

@@ -1,5 +1,7 @@
 """The interface every per-request search implements (beam search in `beam.py`, greedy / sampling in
-`sampling.py`); `decoder.Decoder` validates the parameters, builds one and delegates to it."""
+`sampling.py`); `decoder.Decoder` validates the parameters, builds one and delegates to it. Greedy
+(`greedy.greedy_step`) and beam search (`beam_batch.beam_step`) may also step several requests' searches at once;
+their per-request methods below then still work on each one."""
 from __future__ import annotations
 
 from typing import Optional, Protocol
