@@ -118,8 +118,10 @@ def run_both(dtype, device="cpu", copies=2, ties=True):
     return [d for d, _ in batched]
 
 
+@pytest.mark.parametrize("grow", [beam_batch.GROW, 3])  # 3: the histories widen during the test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_beams_equal_per_request_decoders(dtype):
+def test_batched_beams_equal_per_request_decoders(dtype, grow, monkeypatch):
+    monkeypatch.setattr(beam_batch, "GROW", grow)
     done = run_both(dtype)
     lens = [len(d.finalize()[0].token_ids) for d in done]
     assert min(lens) == 1 and max(lens) >= 12 and len(set(lens)) > 5  # requests ended at different steps
@@ -173,8 +175,10 @@ def test_settings_that_keep_the_per_request_path():
         step_beams([a, b], torch.zeros(2, V), [0, 1])  # different K
 
 
-def test_cancel_mid_flight_and_streaming_read_the_group():
-    """finalize() before the end (cancel) and stream prefixes of a request whose state lives in a group."""
+def test_cancel_mid_flight_and_streaming_read_the_group(monkeypatch):
+    """finalize() before the end (cancel) and stream prefixes of a request whose state lives in a group (with
+    histories narrower than max_new)."""
+    monkeypatch.setattr(beam_batch, "GROW", 2)
     def two(batched):
         ctx = contextlib.nullcontext() if batched else per_request()
         with ctx:
@@ -187,7 +191,7 @@ def test_cancel_mid_flight_and_streaming_read_the_group():
         step_beams(bs, logits, [0, n])
         for k, d in enumerate(ss):
             d.step(logits[k * n:(k + 1) * n])
-    assert bs[0]._search.group is not None  # the state lives in the group
+    assert bs[0]._search.group is not None and bs[0]._search.group[0].W < 20  # the state lives in the group
     assert [d.stream_prefixes() for d in bs] == [d.stream_prefixes() for d in ss]
     fb, fs = bs[0].finalize(), ss[0].finalize()  # cancel: running beams join the pool
     assert [(x.token_ids, x.cum_log_prob, x.log_probs) for x in fb] == [

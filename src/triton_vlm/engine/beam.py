@@ -55,11 +55,11 @@ class _Candidates:
 class BeamState:
     """One request's beam-search state (own tensors, or views into a `beam_batch.BeamGroup`)."""
 
-    gen: torch.Tensor  # [nb, max_new] running beams' new tokens (columns >= t unused)
-    tok_lp: torch.Tensor  # [nb, max_new] their processed log-probs
+    gen: torch.Tensor  # [nb, <= max_new] running beams' new tokens (columns >= t unused; a group's may be narrower)
+    tok_lp: torch.Tensor  # [nb, <= max_new] their processed log-probs
     running: torch.Tensor  # [1, nb] running beam scores
-    fin_gen: torch.Tensor  # [nb, max_new] finished pool (HF `sequences`), best first
-    fin_lp: torch.Tensor  # [nb, max_new]
+    fin_gen: torch.Tensor  # [nb, <= max_new] finished pool (HF `sequences`), best first
+    fin_lp: torch.Tensor  # [nb, <= max_new]
     fin_len: torch.Tensor  # [1, nb] long
     fin_score: torch.Tensor  # [1, nb] HF `beam_scores`
     is_fin: torch.Tensor  # [1, nb] bool HF `is_sent_finished`
@@ -135,9 +135,13 @@ class BeamSearch:
             return
         st = self._view()
         self.group = None
-        self.seqs = torch.cat((self.seqs[:, :self.Lp], st.gen), dim=1)  # [nb, Lp + max_new]
-        self.tok_lp, self.running_scores = st.tok_lp, st.running
-        self.fin_gen, self.fin_lp, self.fin_len = st.fin_gen, st.fin_lp, st.fin_len
+
+        def full(x: torch.Tensor) -> torch.Tensor:  # [nb, w] -> [nb, max_new]
+            return nn.functional.pad(x, (0, self.max_new - x.shape[1]))
+
+        self.seqs = torch.cat((self.seqs[:, :self.Lp], full(st.gen)), dim=1)  # [nb, Lp + max_new]
+        self.tok_lp, self.running_scores = full(st.tok_lp), st.running
+        self.fin_gen, self.fin_lp, self.fin_len = full(st.fin_gen), full(st.fin_lp), st.fin_len
         self.beam_scores, self.is_fin, self.unsat = st.fin_score, st.is_fin, st.unsat
 
     def norm_row(self) -> torch.Tensor:

@@ -9,7 +9,9 @@ Every op is row-wise, so each request gets bit for bit what `beam.BeamSearch` (b
 tests/engine/test_decoding.py) computes alone: log_softmax, topk and the reductions see the same row on the same
 algorithm (on CPU; on CUDA topk's kernel choice can depend on the number of rows, so exact ties may order
 differently: tests/engine/test_beam_batch.py checks it on a GPU). What differs per request is a tensor here:
-- t, max_new (requests start at different steps; histories are padded to the group's longest max_new, T);
+- t, max_new (requests start at different steps). The token / log-prob histories [B, nb, W] hold the columns
+  written so far: W grows in steps of `GROW` up to the longest max_new, so a long request does not make every
+  step copy everyone's unused columns (HF pads to max_length);
 - the length-penalty divisor: HF divides by the Python float `new_len ** length_penalty`. PyTorch turns it into
   float32(b); on CPU `a / b` is computed, on CUDA (`div_true_kernel_cuda`, CPU-scalar branch) `a * inv_b` with
   inv_b = 1.0f / float32(b) computed in fp32 on the host. `norm` holds float32(L ** lp) per request and length L
@@ -41,6 +43,7 @@ from .beam import BeamSearch, BeamState
 from .search import NoTokenLeft
 
 StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
+GROW = 64  # history columns added at a time
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,19 @@ def readback(t: torch.Tensor) -> list:
 
 
 def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """[n, w_i] each -> [B, n, width], zero-padded on the right."""
+    """[n, w_i] each -> [B, n, width]: cut or zero-padded on the right."""
+    rows = [r[:, :width] for r in rows]
     if all(r.shape[-1] == width for r in rows):
         return torch.stack(rows)
     out = rows[0].new_zeros((len(rows), rows[0].shape[0], width))
     for b, r in enumerate(rows):
         out[b, :, :r.shape[-1]] = r
     return out
+
+
+def _width(t_max: int, T: int) -> int:
+    """History columns for a step that writes column t_max: a multiple of GROW, at most T."""
+    return min(T, (t_max // GROW + 1) * GROW)
 
 
 class BeamGroup:
@@ -84,11 +93,12 @@ class BeamGroup:
         s0, B = searches[0], len(searches)
         self.members, self.nb, self.K, self.device = list(searches), s0.nb, s0.K, device
         self.T = T = max(s.max_new for s in searches)
+        self.W = W = _width(max(s.t for s in searches), T)
         st: list[BeamState] = [s._view() for s in searches]
-        self.gen = _padded([x.gen for x in st], T)  # [B, nb, T] running beams' new tokens
-        self.lp = _padded([x.tok_lp for x in st], T)  # [B, nb, T] their log-probs
-        self.fin_gen = _padded([x.fin_gen for x in st], T)  # [B, nb, T] finished pool
-        self.fin_lp = _padded([x.fin_lp for x in st], T)  # [B, nb, T]
+        self.gen = _padded([x.gen for x in st], W)  # [B, nb, W] running beams' new tokens
+        self.lp = _padded([x.tok_lp for x in st], W)  # [B, nb, W] their log-probs
+        self.fin_gen = _padded([x.fin_gen for x in st], W)  # [B, nb, W] finished pool
+        self.fin_lp = _padded([x.fin_lp for x in st], W)  # [B, nb, W]
         self.run = torch.cat([x.running for x in st])  # [B, nb]
         self.fin_len = torch.cat([x.fin_len for x in st])  # [B, nb]
         self.fin_score = torch.cat([x.fin_score for x in st])  # [B, nb]
@@ -132,7 +142,7 @@ class BeamGroup:
         self.word_pos = torch.arange(1 - M, 1, device=self.device)  # [M] offsets of a window ending at t
 
     def member(self, i: int) -> BeamState:
-        """Member i's state: views (width its own max_new)."""
+        """Member i's state: views, min(W, its max_new) columns wide."""
         n = self.members[i].max_new
         return BeamState(self.gen[i, :, :n], self.lp[i, :, :n], self.run[i:i + 1], self.fin_gen[i, :, :n],
                          self.fin_lp[i, :, :n], self.fin_len[i:i + 1], self.fin_score[i:i + 1],
@@ -158,6 +168,7 @@ class BeamGroup:
         """logits [B, nb, V] -> [B, 4 + 2 nb] long: per member (improvement possible, pool all finished, every
         candidate stopped, stuck), the next running rows' parents [nb] and tokens [nb]."""
         B, nb, K = len(self.members), self.nb, self.K
+        self._grow(max(s.t for s in self.members))
         log_probs = nn.functional.log_softmax(logits.to(torch.float32), dim=-1)  # [B, nb, V]
         V = log_probs.shape[-1]
         if any(s.t < m for s, m in zip(self.members, self.min_new_host)):  # MinNewTokensLengthLogitsProcessor
@@ -170,9 +181,9 @@ class BeamGroup:
         top, idx = torch.topk(scores, k=K)  # [B, K]
         beam, token = idx // V, idx % V  # [B, K] each
         col = self.t[:, None, None].expand(B, K, 1)  # [B, K, 1] each member's new-token column
-        cand_gen = torch.take_along_dim(self.gen, beam[:, :, None], dim=1)  # [B, K, T]
+        cand_gen = torch.take_along_dim(self.gen, beam[:, :, None], dim=1)  # [B, K, W]
         cand_gen.scatter_(2, col, token[:, :, None])
-        cand_lp = torch.take_along_dim(self.lp, beam[:, :, None], dim=1)  # [B, K, T]
+        cand_lp = torch.take_along_dim(self.lp, beam[:, :, None], dim=1)  # [B, K, W]
         cand_lp.scatter_(2, col, flat.gather(1, idx)[:, :, None])
         stopped = self._stopped(cand_gen, token)  # [B, K]
         # HF `_get_running_beams_for_next_iteration`
@@ -180,12 +191,21 @@ class BeamGroup:
         keep = torch.topk(running, k=nb)[1]  # [B, nb]
         parents, tokens = beam.gather(1, keep), token.gather(1, keep)  # [B, nb] each
         self.run = running.gather(1, keep)
-        self.gen = torch.take_along_dim(cand_gen, keep[:, :, None], dim=1)  # [B, nb, T]
+        self.gen = torch.take_along_dim(cand_gen, keep[:, :, None], dim=1)  # [B, nb, W]
         self.lp = torch.take_along_dim(cand_lp, keep[:, :, None], dim=1)
         self._update_finished(top, cand_gen, cand_lp, stopped)
         self.t = self.t + 1
         flags = self._flags(stopped, stuck)  # [B, 4]
         return torch.cat((flags, parents, tokens), dim=1)
+
+    def _grow(self, t_max: int) -> None:
+        """Widen the histories (zeros on the right) when column t_max is not there yet."""
+        W = _width(t_max, self.T)
+        if W > self.W:
+            pad = (0, W - self.W)
+            self.gen, self.lp = nn.functional.pad(self.gen, pad), nn.functional.pad(self.lp, pad)
+            self.fin_gen, self.fin_lp = nn.functional.pad(self.fin_gen, pad), nn.functional.pad(self.fin_lp, pad)
+            self.W = W
 
     def _eos_mask(self, V: int) -> torch.Tensor:
         if self.eos_mask is None or self.eos_mask.shape[1] != V:
