@@ -7,8 +7,9 @@ K = beams_to_keep) and reads the results back with ONE `.tolist()` of a [B, 4 + 
 
 Every op is row-wise, so each request gets bit for bit what `beam.BeamSearch` (batch 1, checked against HF in
 tests/engine/test_decoding.py) computes alone: log_softmax, topk and the reductions see the same row on the same
-algorithm (on CPU; on CUDA topk's kernel choice can depend on the number of rows, so exact ties may order
-differently: tests/engine/test_beam_batch.py checks it on a GPU). What differs per request is a tensor here:
+algorithm (on CPU, exact ties included; on CUDA topk's kernel choice can depend on the number of rows, so exact
+ties may be ordered differently: tests/engine/test_beam_batch.py's GPU test compares tie-free logits). What differs
+per request is a tensor here:
 - t, max_new (requests start at different steps). The token / log-prob histories [B, nb, W] hold the columns
   written so far: W grows in steps of `GROW` up to the longest max_new, so a long request does not make every
   step copy everyone's unused columns (HF pads to max_length);
@@ -17,7 +18,7 @@ differently: tests/engine/test_beam_batch.py checks it on a GPU). What differs p
   inv_b = 1.0f / float32(b) computed in fp32 on the host. `norm` holds float32(L ** lp) per request and length L
   (on CUDA its fp32 reciprocal, computed on the host as CUDA does) and divides (multiplies on CUDA) by it;
 - `early_stopping is True` (pool full) and `early_stopping == "never" and length_penalty > 0` (best length);
-- end ids (padded with -1), stop words (right-aligned in [B, W, M] with a mask) and min_new_tokens.
+- end ids (padded with -1), stop words (right-aligned in [B, words, M] with a mask) and min_new_tokens.
 
 Eligible (`eligible`): beam search without sampling whose only score processor is min_new_tokens (a -inf mask of
 the end ids, applied with `masked_fill`: the same -inf as `LogitsPipeline`'s `torch.where`). Repetition /
@@ -25,9 +26,10 @@ presence / frequency penalties, no-repeat-ngram and bad words need each request'
 per-request path, as does beam sampling (each request's own `torch.Generator` stream, as in HF).
 
 State: a `BeamGroup` holds the stacked state of its members (`BeamSearch.group` points at it); while the members
-of consecutive steps are the same, the group steps in place (no copies). A step with other members builds a new
+of consecutive steps are the same, the group is reused (nothing restacked). A step with other members builds a new
 group from each member's current state (`BeamSearch._view`: own tensors or views into its old group). Groups only
-rebind their tensors (never write into them), so views read by finished or streaming requests stay valid.
+rebind their tensors (never write into them), so views read by finished or streaming requests stay valid. In the
+engine a request's first step (the prompt's row) runs per request, at the end of its prefill; later steps here.
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ class BeamGroup:
             s.group = (self, i)
 
     def _stop_words(self, searches: list[BeamSearch]) -> None:
-        """words [B, W, M] right-aligned, care [B, W, M] (the word's positions), or None without stop words."""
+        """words [B, n_words, M] right-aligned, care (the word's positions) alike, or None without stop words."""
         W = max(len(s.spec.stop_words) for s in searches)
         self.words = self.care = None
         if not W:
@@ -219,8 +221,8 @@ class BeamGroup:
         if self.words is not None:
             pos = self.t[:, None] + self.word_pos[None, :]  # [B, M] window columns; < 0: before the first token
             win = torch.take_along_dim(cand_gen, pos.clamp(min=0)[:, None, :], dim=2)  # [B, K, M]
-            eq = (win[:, :, None, :] == self.words[:, None]) & (pos >= 0)[:, None, None, :]  # [B, K, W, M]
-            hit = (eq | ~self.care[:, None]).all(-1) & self.care[:, None].any(-1)  # [B, K, W]
+            eq = (win[:, :, None, :] == self.words[:, None]) & (pos >= 0)[:, None, None, :]  # [B, K, words, M]
+            hit = (eq | ~self.care[:, None]).all(-1) & self.care[:, None].any(-1)  # [B, K, words]
             done = done | hit.any(-1)
         return done
 
