@@ -24,7 +24,8 @@ category, so the categories add up to the measured step time:
 - embed / image merge token embedding lookup, image feature merge at prefill
 - kv plan             `KVCache.plan`: block appends, copy-on-write, slot tables, masks (python + small tensors)
 - kv fork/free        beam reordering: block-table forks and frees
-- decoder             `Decoder.step` and the batched greedy step (`OutputProcessor.step_greedy`): logits
+- decoder             `Decoder.step` and the batched greedy and beam steps (`OutputProcessor.step_greedy`,
+                      `step_beams`): logits
                       processors, greedy argmax / beam top-k bookkeeping, stop checks, the device read-back
 - finalize+detok      `Decoder.finalize` and detokenization of finished requests
 - scheduler python    the rest of `Scheduler.step` (admission, batching lists, per-request slicing)
@@ -114,6 +115,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(kv_mod.KVCache, "free", "kv fork/free")
     timers.wrap(dec_mod.Decoder, "step", "decoder")
     timers.wrap(out_mod.OutputProcessor, "step_greedy", "decoder")
+    timers.wrap(out_mod.OutputProcessor, "step_beams", "decoder")
     timers.wrap(dec_mod.Decoder, "finalize", "finalize+detok")
     timers.wrap(out_mod.OutputProcessor, "_piece", "finalize+detok")
     timers.wrap(sch_mod.Scheduler, "step", "scheduler python")
