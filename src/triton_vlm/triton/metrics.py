@@ -172,6 +172,9 @@ class LLMMetrics(MetricsBase):
                 self._lora_gauges[(field, level)] = fam.Metric(labels={**labels, "level": level})
 
     def update_gauges(self) -> None:
+        """Set the gauges from the engine's state now. Call on a clock of its own (the llm responder's tick), not
+        when results arrive: a call made as a final response is sent sees the engine between requests, so
+        back-to-back requests shorter than the interval would never be seen running."""
         if self._gauges:
             snap = self._stats()
             for name, gauge in self._gauges.items():
