@@ -1,7 +1,10 @@
 """The operator metrics on Triton's metrics port move with real traffic (live server)."""
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -51,3 +54,57 @@ def test_latency_histograms_token_counters_and_outcomes(triton_server):
         assert delta(f"{h}_sum") > 0, h
         assert metric(after, f"{h}_bucket", le="+Inf") == metric(after, f"{h}_count")
     assert metric(after, "triton_vlm_engine_kv_blocks_total") > 0
+
+
+def test_engine_gauges_see_a_serial_stream_of_requests_shorter_than_their_refresh(triton_server):
+    """One client sending one short request after another keeps the engine busy most of the time, each request
+    well under the gauges' 0.5 s refresh: scraped at 20 Hz, the running-requests gauge and the LoRA gauge must show
+    the request about as often as the engine was busy (an unbiased sample), not only between requests.
+
+    Regression: the llm responder ran its metrics tick only when a result woke it, which for back-to-back requests
+    was right after it sent a final response, the moment the engine had just finished that request: requests
+    shorter than the refresh were never seen running (an endpoint picker saw a busy replica as idle)."""
+    body = json.dumps({"text_input": "USER: Say hello. ASSISTANT:", "max_tokens": 60, "min_tokens": 60,
+                       "exclude_input_in_output": True, "lora_name": "sentence", "beam_width": 2}).encode()
+    url = f"http://{triton_server.http_url}/v2/models/ensemble/generate"
+    stop, latencies, errors = threading.Event(), [], []
+
+    def loop():
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(urllib.request.Request(
+                        url, body, {"Content-Type": "application/json"}), timeout=60) as r:
+                    r.read()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+                return
+            latencies.append(time.monotonic() - start)
+
+    client = threading.Thread(target=loop, daemon=True)
+    client.start()
+    try:
+        wait = time.monotonic() + 60
+        while not latencies and not errors and time.monotonic() < wait:  # the first answer: warmed up
+            time.sleep(0.05)
+        first, t0 = scrape(triton_server), time.monotonic()
+        scrapes, running, lora_running = 0, 0, 0
+        while time.monotonic() - t0 < 6:
+            values = scrape(triton_server)
+            scrapes += 1
+            running += metric(values, "triton_vlm_engine_running_requests") > 0
+            lora_running += any(k.startswith("triton_vlm_lora_requests_info{") and
+                                'running_lora_adapters="sentence"' in k for k in values)
+            time.sleep(0.05)
+        last, wall = scrape(triton_server), time.monotonic() - t0
+    finally:
+        stop.set()
+        client.join(60)
+    assert not errors, errors
+    # the share of the time the llm held a request (arrival in llm to its last token), as a sample would see it
+    busy = (metric(last, "triton_vlm_request_seconds_sum") - metric(first, "triton_vlm_request_seconds_sum")) / wall
+    seen = f"{running}/{scrapes} scrapes running, {lora_running} with the adapter running; llm busy {busy:.2f}; " \
+           f"{len(latencies)} requests, median {sorted(latencies)[len(latencies) // 2]:.3f} s"
+    assert busy > 0.3, seen  # the stream kept the engine busy
+    assert running >= busy / 2 * scrapes, seen
+    assert lora_running >= busy / 2 * scrapes, seen

@@ -327,3 +327,51 @@ def test_response_sender_keeps_output_tensors_referenced_until_send_returns():
     assert all(r() is None for r in refs)  # and nothing kept afterwards
     sender.send(None, flags=FINAL)  # a response-less FINAL passes through
     assert sender.is_cancelled() and inner.cancelled_asked == 1
+
+
+def test_tick_keeps_its_own_clock_when_requests_are_shorter_than_it():
+    """Back-to-back requests shorter than `tick_s` (the next one starts once the previous final response is sent,
+    as one client's stream does): the tick (the llm's gauges) must see one running about as often as there is one.
+    A tick run only when a result woke the responder came right after a final response, when none was."""
+    running = threading.Event()
+    seen: list[bool] = []
+    r = make(tick=lambda: seen.append(running.is_set()), tick_s=0.05)
+    r.start()
+    try:
+        deadline, n = time.monotonic() + 1.5, 0
+        while time.monotonic() < deadline:
+            sender, key = FakeSender(), f"r{n}"
+            n += 1
+            r.open(key, sender, None)
+            running.set()
+            time.sleep(0.02)  # the engine works on it, then takes it out of its running set and posts the result
+            running.clear()
+            r.post(key, Result(final=True))
+            assert wait_for(lambda: sender.finals)
+    finally:
+        r.stop()
+    assert len(seen) >= 10 and sum(seen) >= len(seen) / 3, f"{sum(seen)} of {len(seen)} ticks saw one running"
+
+
+class SlowSender(FakeSender):
+    def send(self, response=None, flags=0):
+        time.sleep(0.002)  # a response that takes a while to hand over
+        super().send(response, flags)
+
+
+def test_tick_runs_while_results_arrive_without_a_gap():
+    """A backlog of results (the queue never empty while they are sent) must not hold the tick off: it runs on
+    its own clock between results, the rest waiting in the queue."""
+    ticks: list[float] = []
+    r = make(tick=lambda: ticks.append(time.monotonic()), tick_s=0.05)
+    sender = SlowSender()
+    r.open("busy", sender, None)
+    for i in range(300):  # queued before the responder starts: ~0.6 s of sending with no gap
+        r.post("busy", Result(final=i == 299, text=str(i)))
+    r.start()
+    try:
+        assert wait_for(lambda: sender.finals, timeout=30)
+    finally:
+        r.stop()
+    assert len(sender.sent) == 300 and not sender.violations
+    assert len(ticks) >= 6, f"{len(ticks)} ticks while sending 300 results (~0.6 s)"

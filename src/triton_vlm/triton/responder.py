@@ -146,12 +146,16 @@ class Responder:
     def _serve(self) -> None:
         next_tick = time.monotonic()
         while True:
-            try:
-                item = self._queue.get(timeout=self._tick_s)
+            try:  # the tick keeps its own clock: waking only for results would run it right after a final
+                # response, when the engine had just finished that request (shorter ones were never seen running)
+                wait = max(0.0, next_tick - time.monotonic()) if self._tick is not None else self._tick_s
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
                 item = None
             while item is not None:
                 self._handle(item)
+                if self._tick is not None and time.monotonic() >= next_tick:
+                    break  # a steady flow of results must not hold the tick off; the rest waits in the queue
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
