@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.merge import merge_image_embeds
-from triton_vlm.engine.model import LM_HEAD, LlamaModel
+from triton_vlm.engine.model import LM_HEAD, LlamaModel, apply_rotary, rms_norm
 from triton_vlm.engine.weights import MODULES, load_config
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.spec import CheckpointError
@@ -274,3 +274,22 @@ def test_adapter_hook_sees_every_linear_and_adds_per_row(llama):
     # a zero delta on an inner module leaves the output unchanged (the no-op path)
     zero = RecordingAdapters((1, "down_proj"), torch.zeros(2, c.hidden_size))
     torch.testing.assert_close(run(zero), base, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hidden", [64, 96, 512, 4096])
+def test_rms_norm_fused_is_the_formula_bit_for_bit(hidden):
+    """The fp32 CPU path uses `torch.rms_norm`; it must equal transformers' LlamaRMSNorm ops exactly."""
+    g = torch.Generator().manual_seed(hidden)
+    x, w = torch.randn(3, 5, hidden, generator=g) * 4, torch.randn(hidden, generator=g)
+    h = x.to(torch.float32)
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    assert torch.equal(rms_norm(x, w, 1e-6), want)
+
+
+def test_apply_rotary_is_transformers_rotation_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 6, 64, generator=g)  # [rows, q_len, heads, head_dim]
+    cos, sin = torch.randn(4, 3, 1, 64, generator=g), torch.randn(4, 3, 1, 64, generator=g)
+    rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    sin_rot = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin_rot), x * cos + rotate_half * sin)

@@ -94,6 +94,9 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: in fp32, then weight * normed.to(x.dtype)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":  # one fused op: bit for bit the formula below
+        return torch.rms_norm(x, weight.shape, weight, eps)   # (tests/engine/test_model.py)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -118,9 +121,11 @@ def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
     return inv
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` (rotate_half(x) = [-x_2, x_1]) in 4 ops instead of 7, bit for
+    bit: rotate_half(x) is roll(x, half) with its first half negated, and that sign moves exactly onto sin
+    (`sin_rot` = [-sin_1, sin_2])."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_rot
 
 
 def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Tensor]:
@@ -159,7 +164,8 @@ class LlamaModel:
         freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.cos = emb.cos().to(self.device, self.dtype)
-        self.sin = emb.sin().to(self.device, self.dtype)
+        sin, half = emb.sin().to(self.device, self.dtype), c.head_dim // 2
+        self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -170,7 +176,7 @@ class LlamaModel:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the model holds (weights, rotary tables); a tied lm_head appears twice (packed: a copy)."""
-        out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin]
+        out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin_rot]
         for layer in self.layers:
             out += [layer.input_norm, layer.post_norm]
             for lin in layer.linears():
@@ -192,7 +198,7 @@ class LlamaModel:
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
         rows, q_len, _ = x.shape
         cos = self.cos[batch.positions][:, :, None]  # [rows, q_len, 1, head_dim]
-        sin = self.sin[batch.positions][:, :, None]
+        sin = self.sin_rot[batch.positions][:, :, None]
         masks = window_masks(batch, {layer.window for layer in self.layers})
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, layer.eps)
@@ -214,7 +220,7 @@ class LlamaModel:
         heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = layer.qkv_proj(h, adapters).view(rows, q_len, heads + 2 * kv_heads, hd)
         qk = qkv[:, :, :heads + kv_heads]  # [rows, q_len, heads + kv_heads, hd]: rotary on q and k at once
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = apply_rotary(qk, cos, sin)
         q = qk[:, :, :heads].transpose(1, 2)  # [rows, heads, q_len, hd]
         k = qk[:, :, heads:]  # [rows, q_len, kv_heads, hd]
         v = qkv[:, :, heads + kv_heads:]  # [rows, q_len, kv_heads, hd]
