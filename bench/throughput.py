@@ -108,7 +108,7 @@ def parse_args(argv: Optional[list[str]]) -> Settings:
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
                     help="engine KV cache size in tokens (default max_rows x (128 + max_tokens))")
     ap.add_argument("--stream-requests", type=int, default=None,
-                    help="one-stream measurement: greedy streamed requests one at a time per backend (default 5, "
+                    help="one-stream measurement: greedy streamed requests one at a time per backend (default 9, "
                          "quick 3; 0 = skip)")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens per one-stream request (default 64)")
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="buffer of the memory bandwidth measurement")
@@ -137,7 +137,7 @@ def parse_args(argv: Optional[list[str]]) -> Settings:
         max_rows=a.max_rows,
         kv_cache_tokens=a.kv_cache_tokens or -(-a.max_rows * (128 + a.max_tokens) // 16) * 16,
         torch_threads=a.torch_threads,
-        stream_requests=(3 if q else 5) if a.stream_requests is None else a.stream_requests,
+        stream_requests=(3 if q else 9) if a.stream_requests is None else a.stream_requests,
         stream_tokens=a.stream_tokens,
         bandwidth_mib=a.bandwidth_mib,
         out=a.out,
