@@ -18,9 +18,12 @@ Greedy requests without score processors (`greedy.GreedySearch.eligible`) keep t
 scheduler steps all of them at once with `step_greedy` (one batched argmax / log_softmax, one device read-back for
 every row). Beam search without sampling whose only score processor is min_new_tokens (`beam_batch.eligible`) is
 stepped with the other such requests of the same (num_beams, beams_to_keep) by `step_beams` (HF's batched
-`_beam_search` over [B, nb, V], one read-back per group). Other beam searches and sampling step per request with
-one read-back each; sampling stays per request because each request draws from its own seeded `torch.Generator`,
-as transformers does from `torch.manual_seed(seed)`.
+`_beam_search` over [B, nb, V], one read-back per group). Sampling whose only score processors are min_new_tokens,
+temperature, top-k and top-p (`sampling_batch.SampleSearch.eligible`) is stepped with the other such requests by
+`step_samples` (the processors row-wise over all rows, each request's draw from its own seeded `torch.Generator`
+as transformers draws from `torch.manual_seed(seed)`, one read-back for all). Other beam searches and sampling
+(penalties, no-repeat-ngram, bad words: processors that need each row's context) step per request with one
+read-back each.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
 from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
+from .sampling_batch import SampleSearch, sample_step
 from .search import NoTokenLeft, Search
 
 
@@ -86,6 +90,12 @@ class Decoder:
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
                 pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
+        elif SampleSearch.eligible(params, bad_words_ids):  # batched across requests by `step_samples`
+            self._search = SampleSearch(
+                num_rows=params.num_return_sequences, max_new_tokens=params.max_tokens, eos_ids=eos_ids,
+                min_new_tokens=params.min_tokens, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, seed=params.seed, top_log_probs=params.top_log_probs,
+                stop_words_ids=stop_words_ids)
         else:
             self._search = Sampler(
                 prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
@@ -125,6 +135,11 @@ class Decoder:
     def batched_greedy(self) -> bool:
         """Its steps may run in `step_greedy` with other such requests' rows (one row, host state)."""
         return isinstance(self._search, GreedySearch)
+
+    @property
+    def batched_sampling(self) -> bool:
+        """Its steps may run in `step_samples` with other such requests' rows (host state, own generator)."""
+        return isinstance(self._search, SampleSearch)
 
     @property
     def beam_key(self):
@@ -190,4 +205,19 @@ def step_beams(decoders: list[Decoder], logits: torch.Tensor, starts: list[int])
     if any(st < 0 or st + d.num_rows > logits.shape[0] for d, st in zip(decoders, starts)):
         raise Internal(f"decoder rows outside the {logits.shape[0]} rows of logits")
     outs = beam_batch.beam_step([d._search for d in decoders], logits, starts)
+    return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]
+
+
+def step_samples(decoders: list[Decoder], logits: torch.Tensor, starts: list[int]) -> list[StepResult | VLMError]:
+    """One step of `batched_sampling` decoders at once (`sampling_batch.sample_step`): logits [rows, vocab] of the
+    decode step, decoders[i]'s `num_rows` rows beginning at starts[i]. Each decoder's `StepResult`, or the error
+    that ends its request (the others are unaffected)."""
+    for d in decoders:
+        if not d.batched_sampling or d.done:
+            raise Internal("step_samples() needs unfinished batchable sampling decoders")
+    if logits.dim() != 2 or logits.shape[1] != decoders[0].vocab_size:
+        raise Internal(f"expected logits [rows, {decoders[0].vocab_size}], got {tuple(logits.shape)}")
+    if any(st < 0 or st + d.num_rows > logits.shape[0] for d, st in zip(decoders, starts)):
+        raise Internal(f"decoder rows outside the {logits.shape[0]} rows of logits")
+    outs = sample_step([d._search for d in decoders], logits, starts)
     return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]

@@ -1,8 +1,9 @@
 """The output step: decoder steps, stream pieces and final results of one request.
 
 - `step(active, logits)`: one step of logits [rows, vocab] to the request's decoder; returns its
-  `StepResult` (the rows to keep, `parents`, and the tokens they feed next). `step_greedy` / `step_beams` do
-  the same for several requests at once (`decoder.step_greedy`, `decoder.step_beams`).
+  `StepResult` (the rows to keep, `parents`, and the tokens they feed next). `step_greedy` / `step_beams` /
+  `step_samples` do the same for several requests at once (`decoder.step_greedy`, `decoder.step_beams`,
+  `decoder.step_samples`).
 - `stream(active)`: for a request with `params.stream`, the new tokens of `Decoder.stream_prefixes()` (one
   per sequence_index) as non-final results, with their text from a per-sequence `IncrementalDetokenizer`. For
   beam search that is one prefix, the part every hypothesis still in the running shares, so nothing streamed is
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..params import GenerationResult, RequestStats, Sequence_
-from .decoder import step_beams, step_greedy
+from .decoder import step_beams, step_greedy, step_samples
 from .state import Active, Output, StreamState
 
 
@@ -47,6 +48,16 @@ class OutputProcessor:
         decode step's [rows, vocab], actives[i]'s rows beginning at starts[i] -> per request its `StepResult` or
         the error that ends it."""
         results = step_beams([a.decoder for a in actives], logits, starts)
+        for a, r in zip(actives, results):
+            if not isinstance(r, Exception):
+                _count_step(a)
+        return results
+
+    def step_samples(self, actives: list[Active], logits: torch.Tensor, starts: list[int]) -> list:
+        """One step of batchable sampling requests (`decoder.step_samples`): logits = the decode step's
+        [rows, vocab], actives[i]'s rows beginning at starts[i] -> per request its `StepResult` or the error that
+        ends it."""
+        results = step_samples([a.decoder for a in actives], logits, starts)
         for a, r in zip(actives, results):
             if not isinstance(r, Exception):
                 _count_step(a)

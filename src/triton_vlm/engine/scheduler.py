@@ -3,8 +3,9 @@
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
     for each prefill chunk: runner.prefill -> (prompt complete) -> advance
     runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
-        step (`decoder.step_greedy`, one device read-back), batchable beam requests in one batched step per
-        (num_beams, K) (`decoder.step_beams`, one read-back each), the others on their slices -> advance each
+        step (`decoder.step_greedy`, one device read-back), batchable sampling requests in one batched step
+        (`decoder.step_samples`, one read-back), batchable beam requests in one batched step per (num_beams, K)
+        (`decoder.step_beams`, one read-back each), the others on their slices -> advance each
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
@@ -30,6 +31,7 @@ from .policy import Policy, StepPlan
 from .runner import ModelRunner
 from .state import Active, Output
 
+SAMPLE = ("sample",)  # the group key of batchable sampling requests (beam keys are (num_beams, K))
 
 
 class Scheduler:
@@ -106,26 +108,7 @@ class Scheduler:
         for a in batch:
             starts.append(start)
             start += len(a.kv.rows)
-        greedy = [i for i, a in enumerate(batch) if getattr(a.decoder, "batched_greedy", False)]
-        done: dict[int, object] = {}
-        if greedy:  # every greedy request's row in one batched step, one device read-back
-            rows = logits if len(greedy) == len(batch) else logits.index_select(
-                0, torch.tensor([starts[i] for i in greedy], device=logits.device))  # [greedy, vocab]
-            try:
-                done = dict(zip(greedy, self.output.step_greedy([batch[i] for i in greedy], rows)))
-            except Exception as e:  # noqa: BLE001
-                done = {i: self._error(e) for i in greedy}
-        beams: dict[tuple, list[int]] = {}  # beam requests by (num_beams, K): one batched step, one read-back each
-        for i, a in enumerate(batch):
-            key = getattr(a.decoder, "beam_key", None)
-            if key is not None:
-                beams.setdefault(key, []).append(i)
-        for group in beams.values():
-            try:
-                done.update(zip(group, self.output.step_beams([batch[i] for i in group], logits,
-                                                              [starts[i] for i in group])))
-            except Exception as e:  # noqa: BLE001
-                done.update({i: self._error(e) for i in group})
+        done = self._batched_steps(batch, logits, starts)
         for i, a in enumerate(batch):
             try:
                 res = done.get(i)
@@ -134,6 +117,32 @@ class Scheduler:
                 self._advance(a, logits[starts[i]:starts[i] + len(a.kv.rows)], out, res)
             except Exception as e:  # noqa: BLE001
                 self._fail(a, out, self._error(e))
+
+    def _batched_steps(self, batch: list[Active], logits: torch.Tensor, starts: list[int]) -> dict[int, object]:
+        """The decoder steps that run batched: every greedy request's row in one step, every batchable sampling
+        request's rows in one step, beam requests in one step per (num_beams, K); one device read-back each.
+        -> batch index -> `StepResult` or the error that ends that request."""
+        done: dict[int, object] = {}
+        greedy = [i for i, a in enumerate(batch) if getattr(a.decoder, "batched_greedy", False)]
+        if greedy:
+            rows = logits if len(greedy) == len(batch) else logits.index_select(
+                0, torch.tensor([starts[i] for i in greedy], device=logits.device))  # [greedy, vocab]
+            try:
+                done = dict(zip(greedy, self.output.step_greedy([batch[i] for i in greedy], rows)))
+            except Exception as e:  # noqa: BLE001
+                done = {i: self._error(e) for i in greedy}
+        groups: dict[tuple, list[int]] = {}  # SAMPLE: batchable sampling; beam requests by (num_beams, K)
+        for i, a in enumerate(batch):
+            key = SAMPLE if getattr(a.decoder, "batched_sampling", False) else getattr(a.decoder, "beam_key", None)
+            if key is not None:
+                groups.setdefault(key, []).append(i)
+        for key, group in groups.items():
+            step = self.output.step_samples if key == SAMPLE else self.output.step_beams
+            try:
+                done.update(zip(group, step([batch[i] for i in group], logits, [starts[i] for i in group])))
+            except Exception as e:  # noqa: BLE001
+                done.update({i: self._error(e) for i in group})
+        return done
 
     # --- per request ----------------------------------------------------------------------------------------
     def _advance(self, a: Active, logits: torch.Tensor, out: list[Output], res=None) -> None:

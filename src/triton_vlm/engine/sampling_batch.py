@@ -1,0 +1,265 @@
+"""Multinomial sampling batched over requests, with its state on the host and one device read-back per step.
+
+A sampling request whose score processors are only min_new_tokens, temperature, top-k and top-p (no repetition /
+presence / frequency penalty, no no-repeat-ngram, no bad words: `SampleSearch.eligible`; those need each row's
+full context and keep `sampling.Sampler`) is stepped by `sample_step` with the other such requests of the decode
+step. The processors run once over all their rows [R, V] with per-row parameters, each the expression of
+`logits.LogitsPipeline` (transformers' warpers) made row-wise:
+- min_new_tokens: the end ids of the rows still held set to -inf (the same -inf as `torch.where`);
+- temperature: `scores / t` per row, float32(t) in a [R, 1] column (on CUDA `tensor / python_float` is
+  `a * (1.0f / float32(t))`, so there the column holds that fp32 reciprocal and multiplies); t = 1 is exact;
+- top-k (`TopKLogitsWarper`): the k-th largest value of each row (k = min(max(top_k, 1), V)) is column k - 1 of
+  ONE `topk(scores, max k)` (the k-th largest value does not depend on how many are asked for); rows without
+  top-k compare with -inf (nothing removed);
+- top-p (`TopPLogitsWarper`): the same ascending sort, softmax, cumsum and scatter over [R, V] (each row sorted
+  and summed on its own), compared with float32(1 - top_p) per row (the Python float HF compares with is cast to
+  fp32 likewise); rows without top-p compare with -1 (nothing removed); min_tokens_to_keep = 1.
+
+The draw stays per request: HF draws `torch.multinomial(probs [n, V], 1, generator)` with the request's own
+generator, and the random numbers it consumes depend on that call's shape, so rows of different requests cannot
+share one call. For num_samples = 1 torch computes (`at::native::multinomial`, checked against `torch.multinomial`
+in tests/engine/test_sampling_batch.py) `q = empty_like(probs).exponential_(1, generator)`, then
+`argmax(probs / q, -1)`. Here each request fills its own [n, V] block of q from its own generator (exactly the
+numbers its `multinomial` call would draw) and the division and argmax run once over every row. This also skips
+`multinomial`'s two validity checks, each a host sync on an accelerator: every row here is a valid distribution
+(a row with no finite score draws from uniform scores, as in `Sampler`, and its request fails after the step).
+Finished rows of a request (num_return_sequences n > 1) get uniform probabilities so that its block stays [n, V].
+
+Log probs are log_softmax of the raw logits, the chosen token's and (top_log_probs = k) one `topk` per distinct k
+(the order of exact ties in `topk` may depend on k). Everything comes back in ONE `.tolist()` of a
+[R, 3 + 2 max k] float64 tensor (ids < 2**53 and fp32 values are exact in float64); stopping (end ids, max tokens,
+stop words) is decided on the host, as `logits.StopCriteria` does on the device. Each request gets bit for bit
+what its own `Sampler` computes (on CPU, exact ties included; on CUDA the order of exact ties in `topk` can depend
+on the number of rows, as noted in beam_batch.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..params import GenerationParams, Sequence_
+from .sampling import resolve_seed
+from .search import NoTokenLeft
+
+StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
+
+
+def readback(t: torch.Tensor) -> list:
+    """The step's one device-to-host copy (a host-device synchronisation on an accelerator)."""
+    return t.tolist()
+
+
+class SampleSearch:
+    """One sampling request of n rows; its tokens and log probs are host lists."""
+
+    @staticmethod
+    def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
+        """Sampling whose only score processors are min_new_tokens, temperature, top-k and top-p."""
+        p = params
+        return (p.beam_width == 1 and bool(p.do_sample) and p.repetition_penalty == 1.0
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.no_repeat_ngram_size
+                and not any(len(w) for w in bad_words_ids))
+
+    def __init__(self, *, num_rows: int, max_new_tokens: int, eos_ids: Sequence[int], min_new_tokens: int,
+                 temperature: float, top_k: int, top_p: float, seed: Optional[int] = None, top_log_probs: int = 0,
+                 stop_words_ids: Sequence[Sequence[int]] = ()):
+        self.n = num_rows
+        self.max_new = max_new_tokens
+        self.eos = [int(e) for e in eos_ids]
+        self.min_new = int(min_new_tokens) if self.eos else 0  # as LogitsPipeline: no end id, nothing to hold
+        self.stop_words = sorted({tuple(int(t) for t in w) for w in stop_words_ids if len(w)}, key=len)
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        assert self.temperature > 0 and self.top_k >= 0 and 0 < self.top_p <= 1.0, "unvalidated params"
+        self.seed = resolve_seed(seed)
+        self.k = int(top_log_probs)
+        self.generator: Optional[torch.Generator] = None  # on the logits' device, made at the first step
+        self.t = 0
+        self.alive: list[int] = list(range(num_rows))  # rows (of n) still generating, in logits order
+        self.tokens: list[list[int]] = [[] for _ in range(num_rows)]
+        self.log_probs: list[list[float]] = [[] for _ in range(num_rows)]
+        self.top_lp: list[list[list[float]]] = [[] for _ in range(num_rows)]
+        self.top_ids: list[list[list[int]]] = [[] for _ in range(num_rows)]
+        self.done = False
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.done else (1 if self.t == 0 else len(self.alive))
+
+    def step(self, logits: torch.Tensor) -> StepOut:
+        out = sample_step([self], logits, [0])[0]
+        if isinstance(out, NoTokenLeft):
+            raise out
+        return out
+
+    def _advance(self, rows: list[list]) -> StepOut:
+        """rows: per alive row, its read-back [token, stuck, log prob, top lp (max k)..., top ids (max k)...]."""
+        first = self.t == 0
+        self.t += 1
+        keep = []
+        for i, (r, row) in enumerate(zip(self.alive, rows)):
+            self.tokens[r].append(int(row[0]))
+            self.log_probs[r].append(row[2])
+            if self.k:
+                kmax = (len(row) - 3) // 2
+                self.top_lp[r].append(row[3:3 + self.k])
+                self.top_ids[r].append([int(x) for x in row[3 + kmax:3 + kmax + self.k]])
+            if not self._stopped(self.tokens[r]):
+                keep.append(i)
+        tokens = [self.tokens[self.alive[i]][-1] for i in keep]
+        self.alive = [self.alive[i] for i in keep]
+        self.done = not self.alive
+        if self.done:
+            return [], [], True
+        return ([0] * len(keep) if first else keep), tokens, False
+
+    def _stopped(self, toks: list[int]) -> bool:
+        """`logits.StopCriteria` on the host: max new tokens, an end id, or a stop word just completed."""
+        n = len(toks)
+        if n >= self.max_new or toks[-1] in self.eos:
+            return True
+        return any(len(w) <= n and tuple(toks[n - len(w):]) == w for w in self.stop_words)
+
+    def stream_prefixes(self) -> list[list[int]]:
+        """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
+        return [list(x) for x in self.tokens] if self.t else []
+
+    def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list, list]:
+        lp = self.log_probs[r][start:end]
+        if not self.k:
+            return lp, [], []
+        return lp, [list(x) for x in self.top_lp[r][start:end]], [list(x) for x in self.top_ids[r][start:end]]
+
+    def finalize(self, n: int) -> list[Sequence_]:
+        """The first n rows in sampling order, as `Sampler.finalize`."""
+        if not self.t:
+            return [Sequence_([], "", 0.0, []) for _ in range(n)]
+        out = []
+        for r in range(min(n, self.n)):
+            lp, top_lp, top_ids = self.token_info(r, 0, len(self.tokens[r]))
+            out.append(Sequence_(list(self.tokens[r]), "", float(sum(lp)), lp, top_lp, top_ids))
+        return out
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(device)[:, None]  # [R, 1]
+
+
+def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """`LogitsPipeline` for sampling without context processors, row-wise: raw [R, V] fp32, row_of[j] = the search
+    of row j -> processed scores [R, V]."""
+    V, dev = raw.shape[-1], raw.device
+    scores = raw
+    held = [(j, e) for j, b in enumerate(row_of) if searches[b].t < searches[b].min_new for e in searches[b].eos]
+    if held:  # MinNewTokensLengthLogitsProcessor
+        rows, cols = zip(*held)
+        scores = raw.clone()
+        scores[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -math.inf
+    temps = [searches[b].temperature for b in row_of]
+    if any(t != 1.0 for t in temps):  # TemperatureLogitsWarper
+        if dev.type == "cuda":  # CUDA's `a / python_float`: a * (1.0f / float32(t))
+            scores = scores * (torch.ones(len(temps), 1) / _column(temps, torch.device("cpu"))).to(dev)
+        else:
+            scores = scores / _column(temps, dev)
+    ks = [min(max(searches[b].top_k, 1), V) if searches[b].top_k else 0 for b in row_of]
+    if any(ks):  # TopKLogitsWarper: remove below the k-th largest value
+        k_col = torch.tensor(ks, device=dev)[:, None]  # [R, 1]
+        kth = torch.topk(scores, max(ks))[0].gather(1, (k_col - 1).clamp(min=0))  # [R, 1]
+        kth = torch.where(k_col > 0, kth, -math.inf)
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    ps = [searches[b].top_p for b in row_of]
+    if any(p < 1.0 for p in ps):  # TopPLogitsWarper, min_tokens_to_keep = 1
+        limit = _column([1 - p if p < 1.0 else -1.0 for p in ps], dev)  # [R, 1] float32(1 - top_p)
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= limit
+        remove_sorted[..., -1:] = 0
+        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+        scores = scores.masked_fill(remove, -math.inf)
+    return scores
+
+
+def _draw(searches: list[SampleSearch], scores: torch.Tensor, pos: Optional[list[int]]) -> torch.Tensor:
+    """scores [R, V] (no row without a finite score) -> each row's token [R]: per search, torch.multinomial's
+    draw over its [n, V] block (its finished rows uniform) from its own generator; pos = each row's place among
+    the sum(n) rows of the blocks (None: all rows, in order)."""
+    if pos is None:
+        full = scores
+    else:
+        full = scores.new_zeros((sum(s.n for s in searches), scores.shape[-1]))  # [N, V] finished rows: uniform
+        full[torch.tensor(pos, device=scores.device)] = scores
+    probs = nn.functional.softmax(full, dim=-1)  # [N, V]
+    q = torch.empty_like(probs)  # [N, V]
+    off = 0
+    for s in searches:  # the numbers each request's own `multinomial(probs [n, V], 1)` would draw
+        q[off:off + s.n].exponential_(1, generator=s.generator)
+        off += s.n
+    drawn = torch.argmax(probs / q, dim=-1)  # [N]
+    return drawn if pos is None else drawn[torch.tensor(pos, device=drawn.device)]
+
+
+def _top_log_probs(searches: list[SampleSearch], row_of: list[int], logp: torch.Tensor) -> Optional[torch.Tensor]:
+    """[R, 2 max k] float64: the k best log probs then their ids per row (k = its search's top_log_probs; one
+    topk per distinct k), or None when no search asks."""
+    ks = [searches[b].k for b in row_of]
+    kmax = max(ks)
+    if not kmax:
+        return None
+    out = torch.zeros((len(ks), 2 * kmax), dtype=torch.float64, device=logp.device)
+    for k in sorted(set(ks) - {0}):
+        idx = torch.tensor([j for j, kj in enumerate(ks) if kj == k], device=logp.device)
+        top = torch.topk(logp.index_select(0, idx), k, dim=-1)  # [rows_k, k] each, best first
+        out[idx, :k] = top.values.to(torch.float64)
+        out[idx, kmax:kmax + k] = top.indices.to(torch.float64)
+    return out
+
+
+def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
+                starts: list[int]) -> list[Union[StepOut, NoTokenLeft]]:
+    """One step of sampling searches: logits [rows, V] of the decode step (any float dtype and device), search i's
+    rows beginning at starts[i] (one row, the prompt's, at its first step) -> each search's (parents, tokens,
+    done), or the `NoTokenLeft` that ends it (that search is left unchanged; the others are unaffected).
+    One device read-back for all of them."""
+    if any(s.done for s in searches):
+        raise ValueError("sample_step() needs unfinished sampling searches")
+    dev = logits.device
+    idx, row_of, pos, off, all_alive = [], [], [], 0, True
+    for b, (s, st) in enumerate(zip(searches, starts)):
+        if s.generator is None or s.generator.device != dev:
+            s.generator = torch.Generator(device=dev)
+            s.generator.manual_seed(s.seed)
+        rows = [st] * s.n if s.t == 0 else [st + i for i in range(len(s.alive))]  # first step: HF's n copies
+        idx += rows
+        row_of += [b] * len(rows)
+        pos += [off + r for r in s.alive]
+        all_alive &= len(s.alive) == s.n
+        off += s.n
+    if idx == list(range(len(idx))) and len(idx) == logits.shape[0]:
+        raw = logits.to(torch.float32)  # [R, V]
+    else:
+        raw = logits.index_select(0, torch.tensor(idx, device=dev)).to(torch.float32)  # [R, V]
+    scores = _process(searches, row_of, raw)
+    stuck = ~torch.isfinite(scores.amax(dim=-1))  # [R] no finite score: NaN, +inf or every token excluded
+    scores = torch.where(stuck[:, None], 0.0, scores)  # a valid distribution; the request fails below
+    tokens = _draw(searches, scores, None if all_alive else pos)  # [R]
+    logp = nn.functional.log_softmax(raw, dim=-1)  # [R, V]
+    chosen = logp.gather(1, tokens[:, None])[:, 0]  # [R]
+    cols = [tokens.to(torch.float64), stuck.to(torch.float64), chosen.to(torch.float64)]
+    packed = torch.stack(cols, dim=1)  # [R, 3]
+    top = _top_log_probs(searches, row_of, logp)
+    if top is not None:
+        packed = torch.cat((packed, top), dim=1)  # [R, 3 + 2 max k]
+    values = readback(packed)
+    out: list[Union[StepOut, NoTokenLeft]] = []
+    j = 0
+    for s in searches:
+        rows = values[j:j + len(s.alive)]  # at the first step every one of the n rows is alive
+        if any(r[1] for r in rows):
+            bad = torch.tensor([j + i for i, r in enumerate(rows) if r[1]], device=dev)
+            out.append(NoTokenLeft(s.t + 1, nonfinite_logits=not bool(torch.isfinite(raw[bad]).all())))
+        else:
+            out.append(s._advance(rows))
+        j += len(rows)
+    return out
