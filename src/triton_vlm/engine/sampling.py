@@ -1,5 +1,10 @@
 """Greedy search and multinomial sampling for one request, as transformers 5.x `GenerationMixin._sample`.
 
+The engine uses this per-request path for greedy search with score processors and for sampling with processors
+that need each row's context (repetition / presence / frequency penalties, no-repeat-ngram, bad words). Greedy
+without them runs batched in `greedy.greedy_step`, sampling without them in `sampling_batch.sample_step`; both are
+tested bit for bit against this class.
+
 Sampling with `num_return_sequences` n runs n rows like HF (the prompt expanded n times). HF draws every step with
 ONE `torch.multinomial(probs [n, V], 1)` over all n rows, finished rows included; the random stream consumed per
 call depends only on the shape, so finished rows (the scheduler no longer computes them) are filled with uniform

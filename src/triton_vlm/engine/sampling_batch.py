@@ -143,8 +143,17 @@ class SampleSearch:
         return out
 
 
+def _on(device: torch.device, values: Union[list, torch.Tensor], dtype=torch.long) -> torch.Tensor:
+    """A small host-built tensor on `device`. On CUDA copied from pinned memory without blocking: a plain
+    host-to-device copy synchronises the stream, and the step's only synchronisation is its read-back."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(device)[:, None]  # [R, 1]
+    return _on(device, values, torch.float32)[:, None]  # [R, 1]
 
 
 def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor) -> torch.Tensor:
@@ -156,16 +165,16 @@ def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor)
     if held:  # MinNewTokensLengthLogitsProcessor
         rows, cols = zip(*held)
         scores = raw.clone()
-        scores[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -math.inf
+        scores[_on(dev, list(rows)), _on(dev, list(cols))] = -math.inf
     temps = [searches[b].temperature for b in row_of]
     if any(t != 1.0 for t in temps):  # TemperatureLogitsWarper
         if dev.type == "cuda":  # CUDA's `a / python_float`: a * (1.0f / float32(t))
-            scores = scores * (torch.ones(len(temps), 1) / _column(temps, torch.device("cpu"))).to(dev)
+            scores = scores * _on(dev, torch.ones(len(temps), 1) / _column(temps, torch.device("cpu")))
         else:
             scores = scores / _column(temps, dev)
     ks = [min(max(searches[b].top_k, 1), V) if searches[b].top_k else 0 for b in row_of]
     if any(ks):  # TopKLogitsWarper: remove below the k-th largest value
-        k_col = torch.tensor(ks, device=dev)[:, None]  # [R, 1]
+        k_col = _on(dev, ks)[:, None]  # [R, 1]
         kth = torch.topk(scores, max(ks))[0].gather(1, (k_col - 1).clamp(min=0))  # [R, 1]
         kth = torch.where(k_col > 0, kth, -math.inf)
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -189,7 +198,7 @@ def _draw(searches: list[SampleSearch], scores: torch.Tensor, pos: Optional[list
         full = scores
     else:
         full = scores.new_zeros((sum(s.n for s in searches), scores.shape[-1]))  # [N, V] finished rows: uniform
-        full[torch.tensor(pos, device=scores.device)] = scores
+        full[_on(scores.device, pos)] = scores
     probs = nn.functional.softmax(full, dim=-1)  # [N, V]
     q = torch.empty_like(probs)  # [N, V]
     off = 0
@@ -197,7 +206,7 @@ def _draw(searches: list[SampleSearch], scores: torch.Tensor, pos: Optional[list
         q[off:off + s.n].exponential_(1, generator=s.generator)
         off += s.n
     drawn = torch.argmax(probs / q, dim=-1)  # [N]
-    return drawn if pos is None else drawn[torch.tensor(pos, device=drawn.device)]
+    return drawn if pos is None else drawn[_on(drawn.device, pos)]
 
 
 def _top_log_probs(searches: list[SampleSearch], row_of: list[int], logp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -209,7 +218,7 @@ def _top_log_probs(searches: list[SampleSearch], row_of: list[int], logp: torch.
         return None
     out = torch.zeros((len(ks), 2 * kmax), dtype=torch.float64, device=logp.device)
     for k in sorted(set(ks) - {0}):
-        idx = torch.tensor([j for j, kj in enumerate(ks) if kj == k], device=logp.device)
+        idx = _on(logp.device, [j for j, kj in enumerate(ks) if kj == k])
         top = torch.topk(logp.index_select(0, idx), k, dim=-1)  # [rows_k, k] each, best first
         out[idx, :k] = top.values.to(torch.float64)
         out[idx, kmax:kmax + k] = top.indices.to(torch.float64)
@@ -227,7 +236,7 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
     dev = logits.device
     idx, row_of, pos, off, all_alive = [], [], [], 0, True
     for b, (s, st) in enumerate(zip(searches, starts)):
-        if s.generator is None or s.generator.device != dev:
+        if s.generator is None:
             s.generator = torch.Generator(device=dev)
             s.generator.manual_seed(s.seed)
         rows = [st] * s.n if s.t == 0 else [st + i for i in range(len(s.alive))]  # first step: HF's n copies
@@ -239,7 +248,7 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
     if idx == list(range(len(idx))) and len(idx) == logits.shape[0]:
         raw = logits.to(torch.float32)  # [R, V]
     else:
-        raw = logits.index_select(0, torch.tensor(idx, device=dev)).to(torch.float32)  # [R, V]
+        raw = logits.index_select(0, _on(dev, idx)).to(torch.float32)  # [R, V]
     scores = _process(searches, row_of, raw)
     stuck = ~torch.isfinite(scores.amax(dim=-1))  # [R] no finite score: NaN, +inf or every token excluded
     scores = torch.where(stuck[:, None], 0.0, scores)  # a valid distribution; the request fails below
