@@ -145,8 +145,9 @@ def test_row_wise_warpers_equal_per_request_pipeline_on_ties(seed):
     assert (removed > 2).sum() > R // 2 and (removed == 0).sum() > 0  # the warpers removed tokens, or none
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("V_", [7, 61, 1000, 32000])
-def test_the_draw_is_torch_multinomial(V_):
+def test_the_draw_is_torch_multinomial(V_, device):
     """`_draw` over several requests' blocks = `torch.multinomial(probs [n, V], 1)` per request from the same
     generator state, and leaves each generator where multinomial leaves it."""
     g = torch.Generator().manual_seed(V_)
@@ -154,13 +155,14 @@ def test_the_draw_is_torch_multinomial(V_):
     ss = [SampleSearch(num_rows=n, max_new_tokens=4, eos_ids=(), min_new_tokens=0, temperature=1.0, top_k=0,
                        top_p=1.0, seed=11 * j) for j, n in enumerate(ns)]
     for s in ss:
-        s.generator = torch.Generator().manual_seed(s.seed)
+        s.generator = torch.Generator(device=device).manual_seed(s.seed)
     scores = torch.randn(sum(ns), V_, generator=g) * 4
     scores[::2, ::3] = -float("inf")
+    scores = scores.to(device)
     tokens = sampling_batch._draw(ss, scores, None)
     off = 0
     for s in ss:
-        ref = torch.Generator().manual_seed(s.seed)
+        ref = torch.Generator(device=device).manual_seed(s.seed)
         want = torch.multinomial(torch.softmax(scores[off:off + s.n], -1), 1, generator=ref).squeeze(1)
         assert torch.equal(tokens[off:off + s.n], want)
         assert torch.equal(s.generator.get_state(), ref.get_state())
