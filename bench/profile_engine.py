@@ -24,8 +24,8 @@ category, so the categories add up to the measured step time:
 - embed / image merge token embedding lookup, image feature merge at prefill
 - kv plan             `KVCache.plan`: block appends, copy-on-write, slot tables, masks (python + small tensors)
 - kv fork/free        beam reordering: block-table forks and frees
-- decoder             `Decoder.step` and the batched greedy and beam steps (`OutputProcessor.step_greedy`,
-                      `step_beams`): logits
+- decoder             `Decoder.step` and the batched greedy, beam and sampling steps (`OutputProcessor.step_greedy`,
+                      `step_beams`, `step_samples`): logits
                       processors, greedy argmax / beam top-k bookkeeping, stop checks, the device read-back
 - finalize+detok      `Decoder.finalize` and detokenization of finished requests
 - scheduler python    the rest of `Scheduler.step` (admission, batching lists, per-request slicing)
@@ -116,6 +116,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(dec_mod.Decoder, "step", "decoder")
     timers.wrap(out_mod.OutputProcessor, "step_greedy", "decoder")
     timers.wrap(out_mod.OutputProcessor, "step_beams", "decoder")
+    timers.wrap(out_mod.OutputProcessor, "step_samples", "decoder")
     timers.wrap(dec_mod.Decoder, "finalize", "finalize+detok")
     timers.wrap(out_mod.OutputProcessor, "_piece", "finalize+detok")
     timers.wrap(sch_mod.Scheduler, "step", "scheduler python")
