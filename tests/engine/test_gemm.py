@@ -68,3 +68,25 @@ def test_fused_projection_is_its_parts_side_by_side(packed, in_place):
     want[..., :8] += 1.0  # q_proj is the adapter batch's module 0
     want[..., 12:] += 2.0  # v_proj its module 1; k_proj untouched
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gemm_row_counts_come_from_a_bounded_set():
+    """oneDNN caches a compiled primitive per input shape (~570 KiB each): the row counts a server sees (every
+    prefill chunk length, every decode row count) are padded up to a bounded set, so that cache stays small."""
+    buckets = {gemm.padded_rows(m) for m in range(1, 8193)}
+    assert len(buckets) <= 60
+    for m in range(1, 8193):
+        p = gemm.padded_rows(m)
+        assert m <= p <= max(4, m + m // 8 + 7) or m > 128  # decode sizes: at most 1/8 more rows (+ rounding)
+        assert p < 2 * m or m <= 2
+    assert [gemm.padded_rows(m) for m in (1, 2, 3, 5, 64, 65, 129, 513, 2049)] == [1, 2, 4, 8, 64, 72, 160, 640, 2560]
+
+
+@pytest.mark.parametrize("rows", [3, 5, 17, 65, 130, 515])
+def test_padded_rows_give_the_unpadded_product(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(rows, 1, 24, generator=g)
+    y = gemm.linear(x, gemm.pack(w), b)
+    assert y.shape == (rows, 1, 40) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,14 @@ partial sums) differs, so results differ from MKL's in the last bits (~1e-6 rela
 size already does (model.py "Batch invariance"). Generated tokens are checked against transformers in
 tests/engine (same logits up to that rounding).
 
+Shapes: oneDNN builds (JIT-compiles) a primitive per input shape and caches it, ~570 KiB each (measured),
+up to 1,024 of them: a server sees every prefill chunk length and every decode row count, so the cache grew
+for hundreds of MB, and capping it only traded that for allocator churn (RSS grew more, measured). The row
+count of a packed GEMM is therefore padded up to a bounded set (`padded_rows`: 1, 2, 4, multiples of 8 up to
+128 rows, of 32 up to 512, of 128 up to 2,048, then of 512): about 50 shapes per weight, zero rows appended and
+their outputs dropped. A row's result does not depend on the padding rows; padding costs copying x (small)
+and at most 1/8 more compute at the decode sizes, where one row's GEMM is memory-bound anyway.
+
 Used only where it is measured to pay: a CPU device, float32 weights, oneDNN present in the torch build.
 Elsewhere (CUDA: cuBLAS; fp16 / bf16 on CPU) `F.linear` runs unchanged. `TRITON_VLM_CPU_GEMM=default`
 turns packing off (for comparisons).
@@ -34,6 +42,9 @@ import torch.nn.functional as F
 
 ENV = "TRITON_VLM_CPU_GEMM"  # "onednn" (default) or "default" (F.linear everywhere)
 BATCH_HINT = 16  # rows the packing is tuned for; any row count works (measured: best for 1..128 rows here)
+# row buckets of packed GEMMs: up to 128 rows (decode steps) multiples of 8, then of 32, 128, 512 (prefill chunks)
+ROW_STEPS = ((128, 8), (512, 32), (2048, 128))
+ROW_STEP_BEYOND = 512
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,11 +65,27 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.is_mkldnn
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a packed GEMM of `rows` rows runs with: one of a bounded set (module doc, "Shapes")."""
+    if rows <= 4:
+        return 1 << (rows - 1).bit_length()  # 1, 2, 4
+    for limit, step in ROW_STEPS:
+        if rows <= limit:
+            return -(-rows // step) * step
+    return -(-rows // ROW_STEP_BEYOND) * ROW_STEP_BEYOND
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] -> [..., out]: x @ W^T (+ b), with `weight` dense [out, in] or packed by `pack`."""
-    if weight.is_mkldnn:
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    pad = padded_rows(rows) - rows
+    if not pad:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    x2 = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))  # [rows + pad, in], zero rows appended
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")[:rows]  # [rows, out]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def dense(weight: torch.Tensor) -> torch.Tensor:
