@@ -54,6 +54,11 @@ class FakeServer:
     def watched(self) -> dict[int, str]:
         return {}
 
+    missing_stubs: list[str] = []  # what `missing()` reports (a stub that died before the supervisor looked)
+
+    def missing(self) -> list[str]:
+        return self.missing_stubs if self.starts == 1 else []
+
     def failure_cause(self) -> str | None:
         return "model 'llm' failed to load: stuck"
 
@@ -314,3 +319,34 @@ def test_leftover_check_counts_only_processes_of_this_session():
         for p in (other, mine):
             p.kill()
             p.wait(10)
+
+
+def test_supervisor_restarts_a_server_whose_stub_died_before_it_looked():
+    """A stub killed between the server's readiness and the supervisor's first look was never in `watched`: its
+    death went unseen and its requests hung until the server was stopped. `missing()` (the stubs the repository's
+    models should have) catches it at that first look."""
+    server = FakeServer()
+    server.loads_every_time = True
+    server.missing_stubs = ["the python stub of model llm"]
+    server.start()
+    said: list[str] = []
+    sup = Supervisor(server, say=said.append, interval=0.02).start()
+    try:
+        assert _wait(lambda: server.starts == 2 and any("serving again" in m for m in said), 10), said
+    finally:
+        sup.stop()
+        server.stop()
+    assert said[0] == "triton-vlm: the python stub of model llm died; restarting fake-server (restart 1)", said
+    assert server.starts == 2, said  # the new start has every stub: no further restart
+
+
+def test_python_instances_counts_the_stubs_of_the_repository(tmp_path):
+    from triton_vlm.server.process import python_instances
+
+    for name, text in {"a": 'backend: "python"\ninstance_group [ { count: 2, kind: KIND_CPU } ]\n',
+                       "b": 'backend: "python"\n', "c": 'platform: "ensemble"\n',
+                       "d": 'backend: "python"\ninstance_group [\n  { count: 1, kind: KIND_CPU },\n'
+                            '  { count: 3, kind: KIND_CPU }\n]\n'}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(text)
+    assert python_instances(tmp_path) == {"a": 2, "b": 1, "d": 4}

@@ -8,6 +8,7 @@ tests and the benchmarks.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,20 @@ from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 ADMIN_HEADER = "triton-vlm-admin-key"
+
+
+def python_instances(repo: Path) -> dict[str, int]:
+    """model -> stub count of each python-backend model of a filled repository (its instance_group counts; one
+    instance when none is given)."""
+    out = {}
+    for config in repo.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if not re.search(r'^\s*backend:\s*"python"', text, re.M):
+            continue
+        groups = re.search(r"^\s*instance_group\s*\[(.*?)\]", text, re.M | re.S)
+        counts = [int(c) for c in re.findall(r"count:\s*(\d+)", groups.group(1))] if groups else []
+        out[config.parent.name] = sum(counts) if counts else 1
+    return out
 
 
 def free_port() -> int:
@@ -143,6 +159,15 @@ class TritonServer:
         if self.proc is None:
             return {}
         return {pid: f"the python stub of model {model}" for pid, model in procs.stubs_of(self.proc.pid).items()}
+
+    def missing(self) -> list[str]:
+        """The python stubs the filled repository's models should have running (their instance counts) and that
+        are not running: a stub that died before anyone learnt its pid."""
+        if self.proc is None or self.run_dir is None:
+            return []
+        live = Counter(procs.stubs_of(self.proc.pid).values())
+        return [f"the python stub of model {model}" for model, n in
+                sorted(python_instances(Path(self.run_dir) / "model_repository").items()) if live[model] < n]
 
     def failure_cause(self) -> str | None:
         """Why the last start failed, from its log: the models' load errors (see `diagnose`)."""

@@ -48,6 +48,11 @@ class Supervised(Protocol):
         stubs); read once the child is ready. `{}` for none."""
         ...
 
+    def missing(self) -> list[str]:
+        """The processes this child should have now and does not (e.g. a python stub that died before the
+        supervisor saw the child ready, so never was in `watched`): descriptions, `[]` for none."""
+        ...
+
     def failure_cause(self) -> str | None:
         """Why the last start failed (e.g. a model's load error from the log), or None if unknown."""
         ...
@@ -123,6 +128,11 @@ class Supervisor:
                     self.say(f"triton-vlm: {w.child.name} is serving again after "
                              f"{time.monotonic() - w.down_since:.1f} s (restart {self.restart_count})")
                     w.down_since = None
+                # a stub that died between the child's readiness and this check is not in `watched`: without
+                # this, its death would go unseen and its requests never answered
+                missing = w.child.missing() if hasattr(w.child, "missing") else []
+                if missing:
+                    return "; ".join(f"{d} died" for d in missing)
             elif time.monotonic() - w.started > self.ready_timeout:
                 return f"{w.child.name} not ready after {self.ready_timeout:.0f} s"
             return None
