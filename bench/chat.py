@@ -6,7 +6,8 @@
 Each chat is a conversation of `--turns` turns; every turn adds a question with a new image and resends the
 whole history, images included (what a chat UI or the OpenAI chat API sends): turn t carries t images, the t-1
 earlier questions and answers, and the new question. The `--chats` chats run at the same time (one client thread
-each, a turn is sent when the previous answer is complete); `--rounds` times, with new images each round. Every answer is streamed with `max_tokens ==
+each, a turn is sent when the previous answer is complete; `--one-at-a-time`: one chat after another);
+`--rounds` times, with new images each round. Every answer is streamed with `max_tokens ==
 min_tokens` (the benchmark model is random: fixed lengths on both sides).
 
 The same chats run on two servers of the benchmark model (`bench.model`), both up for the whole run: llm
@@ -183,6 +184,8 @@ def run_round(server, first_chat: int, s: argparse.Namespace, turns: list[Turn])
     t0 = time.perf_counter()
     for th in threads:
         th.start()
+        if getattr(s, "one_at_a_time", False):  # each chat alone: TTFT without the other chats' CPU use
+            th.join()
     for th in threads:
         th.join()
     if errors:
@@ -246,13 +249,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-cache-tokens", type=int, default=16384)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (0: its default)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="run a round's chats one after another instead of at once (on 2 cores the stages of "
+                         "concurrent chats queue for a core, and that wait is in every TTFT)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     s = ap.parse_args(argv)
     if s.torch_threads:  # inherited by tritonserver and its python stubs
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(s.torch_threads)
     model_dir = ensure_bench_model()
     print(describe(model_dir), flush=True)
-    print(f"{s.chats} chats x {s.turns} turns x {s.rounds} rounds, {s.max_tokens} tokens per answer, load average "
+    print(f"{s.chats} chats {'one at a time' if s.one_at_a_time else 'at once'} x {s.turns} turns x {s.rounds} "
+          f"rounds, {s.max_tokens} tokens per answer, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
     both = run_both(model_dir, s)
     (on, parts_on), (off, parts_off) = both[True], both[False]
