@@ -2,7 +2,8 @@
 
 Every `Linear` of the decoder computes `y = x @ W^T (+ b)`. `F.linear` on a CPU calls MKL's sgemm, which on
 the AMD EPYC machines this project runs on takes its generic (non-AVX-512) path: measured with one thread,
-fp32, cold weights (`python -m bench.profile_engine`, and the microbenchmark in this module's test):
+fp32, cold weights (a microbenchmark cycling through more weights than the L3 holds; in the engine,
+`python -m bench.profile_engine` shows the step):
 
     shape (rows x in -> out)      F.linear (MKL)         oneDNN, prepacked
     1 x 512 -> 1408               200 us  14 GB/s        93-127 us  23-31 GB/s   (a decode step of one stream)
@@ -21,8 +22,9 @@ size already does (model.py "Batch invariance"). Generated tokens are checked ag
 tests/engine (same logits up to that rounding).
 
 Shapes: oneDNN builds (JIT-compiles) a primitive per input shape and caches it, ~570 KiB each (measured),
-up to 1,024 of them: a server sees every prefill chunk length and every decode row count, so the cache grew
-for hundreds of MB, and capping it only traded that for allocator churn (RSS grew more, measured). The row
+up to 1,024 of them (~570 MB): a server sees every prefill chunk length and every decode row count, so the
+cache kept growing (the soak test caught it), and capping it only traded that for allocator churn (RSS grew
+more, measured). The row
 count of a packed GEMM is therefore padded up to a bounded set (`padded_rows`: 1, 2, 4, multiples of 8 up to
 128 rows, of 32 up to 512, of 128 up to 2,048, then of 512): about 50 shapes per weight, zero rows appended and
 their outputs dropped. A row's result does not depend on the padding rows; padding costs copying x (small)
