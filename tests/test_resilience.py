@@ -3,7 +3,8 @@
 - soak: 2,000 mixed requests at concurrency 32, every answer checked, no process growing;
 - hostile input: each fault that once hung or crashed something answers INVALID_ARG fast;
 - overload: requests beyond the queue bound are refused at once, none hang, the server stays usable;
-- a killed llm stub: in-flight requests fail fast, readiness turns false, service comes back by itself.
+- a killed llm stub: in-flight requests fail fast, readiness turns false, service comes back by itself;
+- bursts: a request that arrives while a stage is busy is not left in Triton's queue (no queue policy).
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench import traffic
+from bench import queue_stall, traffic
 from triton_vlm.server import procs
 
 pytestmark = pytest.mark.server
@@ -67,6 +69,33 @@ def test_soak_mixed_traffic(triton_server):
 
 
 # --- hostile input --------------------------------------------------------------------------------------------
+def test_no_queue_policy_on_dynamically_batched_models():
+    # a queue policy turns off the dynamic batcher's prefetching: requests arriving while the instance is busy
+    # then wait for the next arrival or 500 ms (bench/queue_stall.py: p99 505 ms with max_queue_size 1024)
+    repo = Path(__file__).resolve().parent.parent / "model_repository"
+    for cfg in sorted(repo.glob("*/config.pbtxt")):
+        text = "\n".join(line.split("#", 1)[0] for line in cfg.read_text().splitlines())  # comments out
+        start = text.find("dynamic_batching")
+        if start < 0:
+            continue
+        depth, end = 0, text.index("{", start)
+        for end in range(end, len(text)):  # the block's closing brace
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        block = text[start:end + 1]
+        for key in ("queue_policy", "max_queue_size", "timeout", "priority_levels"):
+            assert key not in block, (cfg.parent.name, block)
+
+
+def test_burst_requests_are_not_held_in_the_queue(triton_server):
+    # 2-4 requests at once, then nothing in flight: each answered in milliseconds, none waits out the batcher's
+    # 500 ms idle wait (with a queue policy, 4-5 of these 60 bursts' requests would)
+    latencies = queue_stall.bursts(triton_server.grpc_url, 60, pause=0.05, timeout=30)
+    slow = [round(1000 * x) for x in latencies if x > 0.4]
+    assert len(latencies) >= 120 and not slow, f"requests held in the queue (ms): {slow}"
+
+
 def test_huge_prompt_of_unclosed_img_tags_is_answered_fast(triton_server):
     for text in ["<img " * 200_000, '<img src="data:image/png;base64,' * 30_000, "<img src=" * 100_000]:
         t0 = time.monotonic()
