@@ -211,6 +211,29 @@ def test_end_ids_override_and_text(ckpt):
     assert res.sequences[0].text == eng.tokenizer.decode(res.sequences[0].token_ids, skip_special_tokens=True)
 
 
+def test_first_token_leaves_when_its_prefill_ends(ckpt):
+    """Prompts prefilled in one step: each request's first token is delivered right after its own prefill,
+    before the next prompt's prefill and the step's decode (not all at the end of the step)."""
+    _, path = ckpt
+    eng = engine(path, prefill_chunk=64)
+    events: list[tuple[str, str]] = []
+    real_prefill, real_decode = eng.scheduler.runner.prefill, eng.scheduler.runner.decode
+    eng.scheduler.runner.prefill = lambda chunk: (events.append(("prefill", chunk.active.id)), real_prefill(chunk))[1]
+    eng.scheduler.runner.decode = lambda batch: (events.append(("decode", "")), real_decode(batch))[1]
+    eng.submit(request("old", prompt(5, 30), max_tokens=6, stream=True), lambda r: None)
+    eng.step()  # "old" decodes in the next step, beside the new prompts' prefills
+    events.clear()
+    for rid, n in (("a", 9), ("b", 11), ("c", 7)):
+        eng.submit(request(rid, prompt(n, 31 + n), max_tokens=4, stream=True),
+                   lambda r: events.append(("result", r.request_id)))
+    eng.step()
+    assert events[:7] == [("prefill", "a"), ("result", "a"), ("prefill", "b"), ("result", "b"),
+                          ("prefill", "c"), ("result", "c"), ("decode", "")], events
+    while eng.scheduler.has_work():
+        eng.step()
+    assert eng.cache.used_blocks == 0
+
+
 def test_streaming_sends_stable_pieces_then_the_final(ckpt):
     _, path = ckpt
     eng = engine(path)

@@ -268,8 +268,14 @@ class Engine:
             for a in inbox:
                 self.scheduler.add(a)
             outputs: list[Output] = []
+
+            def flush() -> None:  # a prefill's first token goes out at once, not at the end of the step
+                batch = outputs[:]
+                outputs.clear()
+                self._deliver(batch)
+
             try:
-                self.scheduler.step(cancels, outputs)
+                self.scheduler.step(cancels, outputs, flush)
             except Exception as e:  # noqa: BLE001
                 if not is_device_fault(e):
                     raise

@@ -64,16 +64,19 @@ class Scheduler:
     def add(self, active: Active) -> None:
         self.policy.add(active)
 
-    def step(self, cancelled: set[str] = frozenset(), out: Optional[list[Output]] = None) -> list[Output]:
+    def step(self, cancelled: set[str] = frozenset(), out: Optional[list[Output]] = None,
+             flush: Optional[Callable[[], None]] = None) -> list[Output]:
         """One step; its results are appended to `out` as they are made (so that an exception escaping the
-        step loses none of them) and returned."""
+        step loses none of them) and returned. `flush()`, when given, is called after each prefill chunk that
+        made a result: the caller delivers (and takes out of `out`) what is there, so that a request's first
+        token leaves when its prefill ends, not after the step's other prefills and its decode."""
         out = [] if out is None else out
         plan = self.policy.schedule(cancelled)
         for a in plan.cancelled:
             self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
         for a, e in plan.failed:
             self._fail(a, out, self._error(e, f"while admitting request {a.id}"))
-        self._prefill(plan, out)
+        self._prefill(plan, out, flush)
         self._decode([a for a in plan.decode if a.admitted], out)
         return out
 
@@ -85,7 +88,7 @@ class Scheduler:
         return out
 
     # --- phases -------------------------------------------------------------------------------------------
-    def _prefill(self, plan: StepPlan, out: list[Output]) -> None:
+    def _prefill(self, plan: StepPlan, out: list[Output], flush: Optional[Callable[[], None]] = None) -> None:
         for chunk in plan.prefill:
             a = chunk.active
             try:
@@ -94,6 +97,8 @@ class Scheduler:
                     self._advance(a, logits, out)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(a, out, self._error(e))
+            if flush is not None and out:
+                flush()
 
     def _decode(self, batch: list[Active], out: list[Output]) -> None:
         if not batch:
