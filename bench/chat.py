@@ -184,7 +184,7 @@ def run_round(server, first_chat: int, s: argparse.Namespace, turns: list[Turn])
     t0 = time.perf_counter()
     for th in threads:
         th.start()
-        if getattr(s, "one_at_a_time", False):  # each chat alone: TTFT without the other chats' CPU use
+        if getattr(s, "one_at_a_time", False):  # each chat alone: TTFT without the other chats' work
             th.join()
     for th in threads:
         th.join()
@@ -250,8 +250,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (0: its default)")
     ap.add_argument("--one-at-a-time", action="store_true",
-                    help="run a round's chats one after another instead of at once (on 2 cores the stages of "
-                         "concurrent chats queue for a core, and that wait is in every TTFT)")
+                    help="run a round's chats one after another instead of at once (each turn's TTFT without "
+                         "the other chats' turns prefilled or decoded beside it)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     s = ap.parse_args(argv)
     if s.torch_threads:  # inherited by tritonserver and its python stubs
