@@ -383,6 +383,40 @@ def test_invalid_requests_are_refused_at_the_boundary():
         dec.step(torch.randn(1, V))
 
 
+def _reference_stable_prefix(search) -> list[int]:
+    """The common prefix of every running beam and kept finished hypothesis, read back whole (the definition)."""
+    st = search._view()
+    cands = [row[:search.t] for row in st.gen.tolist()]
+    fin, lens = st.is_fin[0].tolist(), st.fin_len[0].tolist()
+    cands += [st.fin_gen[i, :lens[i]].tolist() for i in range(search.nb) if fin[i]]
+    prefix = cands[0]
+    for c in cands[1:]:
+        n = 0
+        while n < min(len(prefix), len(c)) and prefix[n] == c[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+@pytest.mark.parametrize("nb,es,lp", [(2, False, 1.0), (4, True, 0.5), (3, "never", 2.0), (6, False, -1.0)])
+def test_beam_stable_prefix_equals_its_definition_every_step(nb, es, lp):
+    """The incremental stable prefix (only the columns after the last one compared) equals the common prefix of
+    all candidates recomputed from scratch, at every step, with hypotheses finishing early (a frequent end id)."""
+    vocab = 12
+    for seed in range(4):
+        params = GenerationParams(max_tokens=16, beam_width=nb, num_return_sequences=1, length_penalty=lp,
+                                  early_stopping=es)
+        dec = Decoder(params, [1, 2, 3], eos_ids=[0], vocab_size=vocab)
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            logits = torch.randn(dec.num_rows, vocab, generator=g) * 2
+            logits[:, :3] += 2.0  # few distinct tokens, end id 0 often: beams tie up and finish early
+            dec.step(logits)
+            if dec.done:
+                break
+            assert dec.stream_prefixes()[0] == _reference_stable_prefix(dec._search), (seed, dec._search.t)
+
+
 def test_beam_stream_prefix_is_never_retracted():
     """Whatever stream_prefix() returned at any step is a prefix of every returned beam at the end."""
     torch.manual_seed(3)

@@ -85,6 +85,7 @@ class BeamSearch:
         self.t = 0  # new tokens in every running row
         self.done = False
         self._init = False
+        self._stable: list[int] = []  # the stable prefix found so far (`stable_prefix`)
         self.spec = batch_spec  # a `beam_batch.BatchSpec`: may be stepped batched by `beam_batch.beam_step`
         self.group: Optional[tuple[Any, int]] = None  # (BeamGroup, index) while its state lives there
         self._norm_row: Optional[torch.Tensor] = None  # [max_new + 1] fp32 length ** length_penalty, on the host
@@ -276,20 +277,24 @@ class BeamSearch:
 
     def stable_prefix(self) -> list[int]:
         """New tokens every possible final hypothesis starts with, safe to stream: the final ranking picks among
-        the kept finished hypotheses and extensions of the running beams, so their common prefix is final."""
+        the kept finished hypotheses and extensions of the running beams, so their common prefix is final. It
+        only grows (every later running beam or finished hypothesis extends one of this step's running beams),
+        so a call compares only the columns after the last call's prefix, on the device, and reads back one
+        row of them: O(new columns) per step, not O(generated tokens)."""
         if self.t == 0:
             return []
-        st = self._view()
-        cands = [row[:self.t] for row in st.gen.tolist()]
-        fin, lens = st.is_fin[0].tolist(), st.fin_len[0].tolist()
-        cands += [st.fin_gen[i, :lens[i]].tolist() for i in range(self.nb) if fin[i]]
-        prefix = cands[0]
-        for c in cands[1:]:
-            n = 0
-            while n < min(len(prefix), len(c)) and prefix[n] == c[n]:
-                n += 1
-            prefix = prefix[:n]
-        return prefix
+        known, t = len(self._stable), self.t
+        if known < t:
+            st = self._view()
+            gen, fin_gen = st.gen[:, known:t], st.fin_gen[:, known:t]  # [nb, t - known] each
+            cols = torch.arange(known, t, device=gen.device)  # [t - known]
+            ref = gen[0]  # [t - known]
+            in_fin = (fin_gen == ref) & (cols < st.fin_len[0][:, None])  # a finished one agrees below its length
+            agree = torch.all(gen == ref, dim=0) & torch.all(in_fin | ~st.is_fin[0][:, None], dim=0)  # [t - known]
+            common = torch.cumprod(agree.long(), dim=0).sum()  # leading columns every candidate shares
+            n, *row = torch.cat((common[None], ref)).tolist()  # one read-back
+            self._stable.extend(row[:n])
+        return list(self._stable)
 
     def stream_prefixes(self) -> list[list[int]]:
         """One: the prefix every hypothesis still in the running shares (which ranked sequence ends up where is
