@@ -279,8 +279,8 @@ class BeamSearch:
         """New tokens every possible final hypothesis starts with, safe to stream: the final ranking picks among
         the kept finished hypotheses and extensions of the running beams, so their common prefix is final. It
         only grows (every later running beam or finished hypothesis extends one of this step's running beams),
-        so a call compares only the columns after the last call's prefix, on the device, and reads back one
-        row of them: O(new columns) per step, not O(generated tokens)."""
+        so a call compares only the columns after the prefix found so far, on the device, and reads them back
+        for one row in one copy (no per-hypothesis read-backs, no Python loop over tokens)."""
         if self.t == 0:
             return []
         known, t = len(self._stable), self.t
