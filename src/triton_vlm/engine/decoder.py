@@ -163,6 +163,12 @@ class Decoder:
             f"every token is excluded at generated token {e.step} by {' and '.join(causes) or 'the request'}: "
             "there is nothing left to generate; exclude fewer tokens")
 
+    @property
+    def append_only(self) -> bool:
+        """Whether every streamed sequence only ever grows (greedy, batched sampling): the streamer then need not
+        check, every step, that what it sent is still the sequence's prefix."""
+        return bool(getattr(self._search, "append_only", False))
+
     def stream_prefixes(self) -> list[list[int]]:
         """Per returned sequence, the new tokens that can be streamed now and never retracted. Beam search:
         one, the common prefix of every hypothesis still in the running; greedy / sampling: every sequence's

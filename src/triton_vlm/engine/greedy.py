@@ -37,6 +37,7 @@ class GreedySearch:
     """One greedy row; its tokens and log probs are host lists."""
 
     seed: Optional[int] = None
+    append_only = True  # a row's tokens only ever grow: what was streamed is always their prefix
 
     @staticmethod
     def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
@@ -84,7 +85,7 @@ class GreedySearch:
         return any(len(w) <= n and tuple(toks[n - len(w):]) == w for w in self.stop_words)
 
     def stream_prefixes(self) -> list[list[int]]:
-        return [list(self.tokens)] if self.t else []
+        return [self.tokens] if self.t else []  # the live list: no O(tokens) copy per step
 
     def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list, list]:
         return self.log_probs[start:end], [], []

@@ -90,7 +90,9 @@ class OutputProcessor:
         if st is None:
             st = a.streams[j] = StreamState(detok=a.make_detok())
         n = len(st.sent)
-        if tokens[:n] != st.sent or (len(tokens) == n and not flush):
+        if len(tokens) < n or (len(tokens) == n and not flush):
+            return
+        if not getattr(a.decoder, "append_only", False) and tokens[:n] != st.sent:  # O(n): beams only
             return
         new = list(tokens[n:])
         text = st.detok.push(new) if new else ""

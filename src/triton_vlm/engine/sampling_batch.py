@@ -55,6 +55,8 @@ def readback(t: torch.Tensor) -> list:
 class SampleSearch:
     """One sampling request of n rows; its tokens and log probs are host lists."""
 
+    append_only = True  # a row's tokens only ever grow: what was streamed is always their prefix
+
     @staticmethod
     def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
         """Sampling whose only score processors are min_new_tokens, temperature, top-k and top-p."""
@@ -124,7 +126,7 @@ class SampleSearch:
 
     def stream_prefixes(self) -> list[list[int]]:
         """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
-        return [list(x) for x in self.tokens] if self.t else []
+        return self.tokens if self.t else []  # the live lists (append only): no O(tokens) copy per step
 
     def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list, list]:
         lp = self.log_probs[r][start:end]

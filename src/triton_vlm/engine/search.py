@@ -35,7 +35,8 @@ class Search(Protocol):
         `NoTokenLeft` when a row had nothing to choose from."""
 
     def stream_prefixes(self) -> list[list[int]]:
-        """Per streamed sequence, the new tokens that are final already (never retracted)."""
+        """Per streamed sequence, the new tokens that are final already (never retracted). The lists may be the
+        search's own (read them, never modify them)."""
 
     def finalize(self, n: int) -> list[Sequence_]:
         """The `n` returned sequences (text left empty), ranked (beam) or in sampling order."""
