@@ -36,6 +36,8 @@ def resolve_seed(seed: int | None) -> int:
 
 
 class Sampler:
+    append_only = True  # a row's tokens only ever grow: what was streamed is always their prefix
+
     def __init__(self, *, prompt_ids: list[int], num_rows: int, max_new_tokens: int, do_sample: bool,
                  pipeline: LogitsPipeline, stop: StopCriteria, seed: int | None = None, top_log_probs: int = 0):
         self.prompt = torch.tensor(prompt_ids, dtype=torch.long)  # [Lp]
@@ -51,6 +53,7 @@ class Sampler:
         self.t = 0
         self.alive: list[int] = list(range(num_rows))  # rows (of n) still generating, in logits order
         self.lengths = [0] * num_rows
+        self.generated: list[list[int]] = [[] for _ in range(num_rows)]  # host copy of each row's new tokens
         self.done = False
         self._init = False
 
@@ -110,8 +113,9 @@ class Sampler:
             bad = torch.tensor(stuck_rows, dtype=torch.bool, device=raw.device)
             raise NoTokenLeft(t + 1, nonfinite_logits=not bool(torch.isfinite(raw[bad]).all()))
         self.t = t + 1
-        for r in self.alive:
+        for r, tok in zip(self.alive, tok_list):
             self.lengths[r] = self.t
+            self.generated[r].append(tok)
         keep = [i for i, h in enumerate(hits) if not h]
         self.alive = [self.alive[i] for i in keep]
         self.done = not self.alive
@@ -124,8 +128,7 @@ class Sampler:
         """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
         if not self._init:
             return []
-        gen = self.seqs[:, self.Lp:].tolist()
-        return [gen[r][:self.lengths[r]] for r in range(self.n)]
+        return self.generated  # the live host lists (the step read the tokens back already): no device copy
 
     def token_info(self, r: int, start: int, end: int) -> tuple[list[float], list[list[float]], list[list[int]]]:
         """Row r's new tokens [start, end): their log probs, and the top-k log probs / ids ([] without k)."""
