@@ -457,6 +457,35 @@ def test_full_queue_is_429(tmp_path_factory, demo_model, base_config):
         _stop_server(small)
 
 
+def test_requests_beyond_max_concurrent_are_429_at_once(start):
+    # the front end's bound on requests in flight (the Triton stages before the llm have no queue bound)
+    fe = start(max_concurrent_requests=1)
+    c = fe.client()
+    stream = c.chat.completions.create(model="demo-v3", messages=[{"role": "user", "content": "Say hello."}],
+                                       max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))  # the first request is being served (streaming)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model="demo-v3", prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 429 and e.value.body["code"] == "too_many_requests", e.value.body
+        assert "--max-concurrent-requests 1" in e.value.body["message"], e.value.body
+        assert time.monotonic() - t0 < 5, "refused at once, not queued"
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 30  # the closed stream gives its place back
+    while True:
+        try:
+            out = c.completions.create(model="demo-v3", prompt=PROMPT, max_tokens=4)
+            break
+        except openai.APIStatusError as e:
+            assert e.status_code == 429 and time.monotonic() < deadline, e.body
+            time.sleep(0.2)
+    assert out.choices[0].text
+    metrics = urllib.request.urlopen(fe.url + "/metrics", timeout=10).read().decode()
+    assert re.search(r'triton_vlm_openai_requests_total\{[^}]*status="429"[^}]*\} [1-9]', metrics), metrics
+
+
 # --- cancellation, metrics, CLI ----------------------------------------------------------------------------
 def engine_metrics(triton_server) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://localhost:{triton_server.metrics_port}/metrics", timeout=10).read()

@@ -55,7 +55,8 @@ async def start_frontend(config: FrontendConfig) -> Frontend:
     log.info("serving %s (%s) from Triton at %s, route %s, adapters %s, chat template %s", served.base_id,
              served.model_dir, config.triton, config.route, served.adapters.names() or "none",
              served.chat.origin if served.chat else "none")
-    return Frontend(client, served, media, FrontendMetrics(config.metrics_url()), api_key=config.api_key)
+    return Frontend(client, served, media, FrontendMetrics(config.metrics_url()), api_key=config.api_key,
+                    max_concurrent_requests=config.max_concurrent_requests)
 
 
 def build_app(config: FrontendConfig):

@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
                         "ensemble: one call to the ensemble")
     p.add_argument("--grpc-channels", type=int, default=2, help="HTTP/2 connections to Triton")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--max-concurrent-requests", type=int, default=1024,
+                   help="requests served at once, streams included; more are refused with 429 (0: no limit)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for Triton at start")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -47,7 +49,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         allowed_image_domains=tuple(d.strip() for d in args.allowed_image_domains.split(",") if d.strip()),
         max_image_bytes=args.max_image_bytes, image_fetch_timeout_s=args.image_fetch_timeout,
         triton_metrics_url=args.triton_metrics_url, route=args.route, grpc_channels=args.grpc_channels,
-        request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout)
+        request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout,
+        max_concurrent_requests=args.max_concurrent_requests)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

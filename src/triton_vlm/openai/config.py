@@ -23,6 +23,9 @@ class FrontendConfig:
     route: str = "pipeline"  # "pipeline" (cancellable, default) or "ensemble" (see triton.py)
     grpc_channels: int = 2
     request_timeout_s: float = 600.0
+    # requests being served at once (streams until their last event); beyond it 429 at once (0: no limit). It
+    # bounds what waits for preprocess and the vision encoder, whose Triton queues have no bound (README)
+    max_concurrent_requests: int = 1024
     startup_timeout_s: float = 120.0  # how long to wait for Triton at start
 
     def metrics_url(self) -> str:

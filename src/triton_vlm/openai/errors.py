@@ -9,7 +9,7 @@ Triton's statuses map as vLLM's and OpenAI's front ends answer them:
 | Triton | HTTP | when |
 |---|---|---|
 | INVALID_ARGUMENT | 400 | the project's INVALID_ARG messages, passed through unchanged |
-| UNAVAILABLE, queue full | 429 | the engine's request queue or Triton's queue policy refused the request |
+| UNAVAILABLE, queue full | 429 | the engine's request queue refused the request |
 | UNAVAILABLE, other / unreachable | 503 | Triton down, restarting, a model not ready or shutting down |
 | NOT_FOUND | 503 | the server does not serve a model this front end needs |
 | DEADLINE_EXCEEDED | 504 | `--request-timeout` passed |

@@ -58,6 +58,10 @@ class FrontendMetrics:
         self.requests[(endpoint, status)] += 1
         self.latency[endpoint].observe(seconds)
 
+    def refused(self, endpoint: str, status: int) -> None:
+        """A request answered before any work (no latency observed: it would pull the histogram down)."""
+        self.requests[(endpoint, status)] += 1
+
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 

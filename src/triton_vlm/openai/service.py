@@ -34,6 +34,7 @@ class Frontend:
     media: MediaPolicy
     metrics: FrontendMetrics
     api_key: Optional[str] = None
+    max_concurrent_requests: int = 0  # 0: no limit (FrontendConfig)
 
     def generations(self, jobs: list[TritonRequest], plan: Plan) -> list[Generation]:
         return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length,

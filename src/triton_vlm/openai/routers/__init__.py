@@ -46,6 +46,11 @@ async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[ob
     the front end's metrics. An unstreamed request is cancelled when its client disconnects before the answer is
     ready; a streamed one is answered as soon as its first token is in, then Starlette watches the client."""
     fe, t0 = frontend(request), time.perf_counter()
+    limit = fe.max_concurrent_requests
+    if limit and fe.metrics.running >= limit:  # the event loop's thread only: no race between check and count
+        fe.metrics.refused(endpoint, 429)
+        raise APIError(429, f"the server is serving {fe.metrics.running} requests, its limit "
+                       f"(--max-concurrent-requests {limit}); retry later", code="too_many_requests")
     fe.metrics.running += 1
     status, streaming = 200, False
     try:
