@@ -213,3 +213,14 @@ def test_validation_errors_name_the_field():
                                          {"loc": ("body", "foo"), "msg": "x", "type": "extra_forbidden"}])
     assert param == "temperature"
     assert message == "temperature: Input should be a valid number; foo: unrecognized request argument"
+
+
+def test_cli_max_concurrent_requests_reaches_the_config():
+    from triton_vlm.openai.cli import config_from_args, parser
+
+    assert config_from_args(parser().parse_args([])).max_concurrent_requests == 1024
+    assert config_from_args(parser().parse_args(["--max-concurrent-requests", "7"])).max_concurrent_requests == 7
+    assert config_from_args(parser().parse_args(["--max-concurrent-requests", "0"])).max_concurrent_requests == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--max-concurrent-requests", bad])

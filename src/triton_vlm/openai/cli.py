@@ -12,6 +12,17 @@ from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 from .triton import ROUTES
 
 
+def _count(text: str) -> int:
+    """A count >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 (no limit) or more")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m triton_vlm.openai", description=__doc__)
     p.add_argument("--triton", default="localhost:8001", help="Triton's gRPC endpoint, host:port")
@@ -35,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                         "ensemble: one call to the ensemble")
     p.add_argument("--grpc-channels", type=int, default=2, help="HTTP/2 connections to Triton")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--max-concurrent-requests", type=int, default=1024,
+    p.add_argument("--max-concurrent-requests", type=_count, default=1024,
                    help="requests served at once, streams included; more are refused with 429 (0: no limit)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for Triton at start")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
