@@ -30,6 +30,11 @@ count of a packed GEMM is therefore padded up to a bounded set (`padded_rows`: 1
 their outputs dropped. A row's result does not depend on the padding rows; padding costs copying x (small)
 and at most 1/8 more compute at the decode sizes, where one row's GEMM is memory-bound anyway.
 
+Products of 1 to 4 rows (decode steps of up to 4 rows, the shortest prefill chunks) skip oneDNN: `gemv.py`'s
+kernel reads the same packed buffer, with ~2 us instead of ~11 us of fixed cost per call and closer to the
+memory's speed (a one-stream step's 33 products: 2.33 vs 2.96 ms, measured). Where it cannot run (no C
+compiler, another packed layout) oneDNN takes them; `TRITON_VLM_CPU_GEMV=0` forces that.
+
 Used only where it is measured to pay: a CPU device, float32 weights, oneDNN present in the torch build.
 Elsewhere (CUDA: cuBLAS; fp16 / bf16 on CPU) `F.linear` runs unchanged. `TRITON_VLM_CPU_GEMM=default`
 turns packing off (for comparisons).
@@ -41,6 +46,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import gemv
 
 ENV = "TRITON_VLM_CPU_GEMM"  # "onednn" (default) or "default" (F.linear everywhere)
 BATCH_HINT = 16  # rows the packing is tuned for; any row count works (measured: best for 1..128 rows here)
@@ -63,6 +70,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
+def decode_kernel() -> Optional[gemv.Kernel]:
+    """The kernel for products of 1-4 rows on packed weights (`gemv.py`), built and checked once; None where
+    oneDNN runs them."""
+    return gemv.kernel(pack)
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     return weight.is_mkldnn
 
@@ -78,10 +91,18 @@ def padded_rows(rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] -> [..., out]: x @ W^T (+ b), with `weight` dense [out, in] or packed by `pack`."""
+    """x [..., in] -> [..., out]: x @ W^T (+ b), with `weight` dense [out, in] or packed by `pack` (1-4 rows of a
+    packed weight: the decode kernel, when this machine has it)."""
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
+    if 0 < rows <= gemv.MAX_ROWS and x.dtype == torch.float32 and (bias is None or bias.is_contiguous()):
+        kernel = decode_kernel()
+        lay = None if kernel is None else kernel.layout(weight)
+        if lay is not None:
+            x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
+            y = kernel.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), lay, bias)  # [rows, out]
+            return y.view(*x.shape[:-1], y.shape[-1])
     pad = padded_rows(rows) - rows
     if not pad:  # called with 2-D input: the op's own flattening of [rows, q_len, in] costs ~6 us a call
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")

@@ -157,6 +157,8 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
         packed = gemm.packing_enabled(self.device, self.dtype)
+        if packed:
+            gemm.decode_kernel()  # built and checked now, not inside the first request's step
         self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
         windows = c.layer_windows or (0,) * c.num_layers
         self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed) for i in range(c.num_layers)]

@@ -1,0 +1,250 @@
+"""Decode-sized matrix products (1 to 4 rows) read straight from oneDNN's packed weights, by a small C kernel.
+
+Why: a one-stream decode step makes 33 projection calls (q/k/v, o, gate/up, down per layer, the lm_head). oneDNN
+runs each in ~11 us of fixed cost before it reads a byte (primitive lookup, memory descriptors: measured on a
+16 x 16 weight) and reaches 23-33 GB/s on the small matrices (o: 1 MB, q/k/v: 2 MB), against ~37 GB/s one
+core streams. For 1 to 4 rows a product is a pure read of the weight, so a kernel that streams the weight once
+and calls in ~2 us gets closer to the memory: `python -m bench.profile_engine` shows the step.
+
+The layout. `gemm.pack` leaves each weight in the blocked layout oneDNN picks for the machine; on the AVX-512
+machines this project runs on it is `[ceil(N / 64)][Kp][64]`: for each block of 64 outputs, K rows of 64
+weights (Kp = K rounded up, zero padded, as are the outputs past N). That is the layout a GEMV wants: per input
+element k, one contiguous 256-byte row of weights multiplied into 64 accumulators. The kernel reads the packed
+buffer itself (`torch.ops.mkldnn.data_ptr`), so no second copy of the weights exists. The layout is not part of
+oneDNN's API: `Kernel.check` packs a probe weight whose values are their own (n, k) and verifies the mapping
+for several shapes before the kernel is used, then compares results with a dense product; on any mismatch (an
+AVX2 machine's different block width, a future oneDNN) the kernel stays off and oneDNN runs every product.
+
+Numerics: each output is one fp32 fused multiply-add chain over k in ascending order, starting from 0; the bias
+is added at the end. oneDNN blocks the sum differently, so results differ from it (and from MKL) in the last
+bits, as a different batch size already does (model.py "Batch invariance"); tests/engine checks generated
+tokens against transformers.
+
+Build: the C source below is compiled once per machine with the system C compiler (`cc -O3 -march=native`)
+into `<cache>/kernels/` (the file name holds a hash of the source, the compiler and the CPU's model and flags,
+so a cached build never runs on a CPU it was not built for), and loaded with ctypes (the call releases the
+GIL, as a torch op does). No compiler, a failed build or a failed check: logged once, oneDNN everywhere.
+`TRITON_VLM_CPU_GEMV=0` turns the kernel off (for comparisons).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+ENV = "TRITON_VLM_CPU_GEMV"  # "1" (default): the kernel for 1-4 rows; "0": oneDNN for every product
+MAX_ROWS = 4  # products of up to this many rows run here
+BLOCK = 64  # outputs per block of the packed layout the kernel reads
+_ATTR = "_triton_vlm_gemv_layout"  # a packed weight's Layout (or None), set on first use
+_UNSET = object()
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64
+#define NV 4  /* vectors of 16 floats per block */
+typedef float v16 __attribute__((vector_size(64)));
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for MR rows; W packed as [ceil(N / 64)][Kp][64]. */
+#define DEFINE_GEMV(MR)                                                                                    \
+static void gemv_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t Kp, int64_t N,        \
+                      const float *bias, float *y, int64_t ldy) {                                          \
+    int64_t nblocks = (N + BLOCK - 1) / BLOCK;                                                             \
+    for (int64_t nb = 0; nb < nblocks; nb++) {                                                             \
+        v16 acc[MR][NV];                                                                                   \
+        for (int m = 0; m < MR; m++)                                                                       \
+            for (int j = 0; j < NV; j++) acc[m][j] = (v16){0};                                             \
+        const float *wb = w + nb * Kp * BLOCK;                                                             \
+        for (int64_t k = 0; k < K; k++) {                                                                  \
+            v16 wv[NV];                                                                                    \
+            for (int j = 0; j < NV; j++) memcpy(&wv[j], wb + k * BLOCK + 16 * j, sizeof(v16));             \
+            for (int m = 0; m < MR; m++) {                                                                 \
+                v16 xv = (v16){0} + x[m * ldx + k];                                                        \
+                for (int j = 0; j < NV; j++) acc[m][j] += xv * wv[j];                                      \
+            }                                                                                              \
+        }                                                                                                  \
+        int64_t n0 = nb * BLOCK, count = N - n0 < BLOCK ? N - n0 : BLOCK;                                  \
+        for (int m = 0; m < MR; m++) {                                                                     \
+            float out[BLOCK];                                                                              \
+            memcpy(out, acc[m], sizeof(out));                                                              \
+            if (bias)                                                                                      \
+                for (int64_t i = 0; i < count; i++) out[i] += bias[n0 + i];                                \
+            memcpy(y + m * ldy + n0, out, count * sizeof(float));                                          \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_GEMV(1)
+DEFINE_GEMV(2)
+DEFINE_GEMV(3)
+DEFINE_GEMV(4)
+
+int triton_vlm_gemv(const float *x, int64_t rows, int64_t ldx, int64_t K, const float *w, int64_t Kp,
+                    int64_t N, const float *bias, float *y, int64_t ldy) {
+    switch (rows) {
+    case 1: gemv_1(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
+    case 2: gemv_2(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
+    case 3: gemv_3(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
+    case 4: gemv_4(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
+    default: return -1;
+    }
+}
+"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a packed [N, K] weight's elements are: `[ceil(N / 64)][kp][64]` floats from `ptr`."""
+    ptr: int
+    n: int
+    k: int
+    kp: int
+
+
+class Kernel:
+    """The compiled kernel, once checked on this machine; `layout(w)` / `run(x, w, bias)`."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        fn = lib.triton_vlm_gemv
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, i64]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def layout(self, weight: torch.Tensor) -> Optional[Layout]:
+        """The packed weight's layout (kept on the tensor: weights live as long as their engine), or None if its
+        buffer is not `[N/64][Kp][64]` floats."""
+        found = getattr(weight, _ATTR, _UNSET)
+        if found is not _UNSET:
+            return found
+        n, k = weight.shape
+        nbytes = torch.ops.mkldnn._nbytes(weight)
+        n_pad = -(-n // BLOCK) * BLOCK
+        kp, rest = divmod(nbytes // 4, n_pad)
+        ok = rest == 0 and nbytes % 4 == 0 and kp >= k
+        found = Layout(torch.ops.mkldnn.data_ptr(weight), n, k, kp) if ok else None
+        setattr(weight, _ATTR, found)
+        return found
+
+    def run(self, x: torch.Tensor, lay: Layout, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [rows <= 4, K] fp32 (rows contiguous) -> [rows, N] fp32."""
+        rows = x.shape[0]
+        y = torch.empty(rows, lay.n, dtype=torch.float32)  # [rows, N]
+        rc = self._fn(x.data_ptr(), rows, x.stride(0), lay.k, lay.ptr, lay.kp, lay.n,
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), lay.n)
+        if rc != 0:
+            raise ValueError(f"gemv kernel: {rows} rows, at most {MAX_ROWS}")
+        return y
+
+    def check(self, pack) -> Optional[str]:
+        """Why the kernel must not be used here (None: it may). `pack` is `gemm.pack`."""
+        for n, k in ((64, 16), (100, 60), (200, 512), (40, 24)):
+            probe = (torch.arange(n, dtype=torch.float32)[:, None] * 4096 + torch.arange(k)[None, :])  # [n, k]
+            packed = pack(probe)
+            lay = self.layout(packed)
+            if lay is None:
+                return f"the packed {n}x{k} weight's buffer is not [N/64][Kp][64] floats"
+            buf = torch.frombuffer((ctypes.c_float * (-(-n // BLOCK) * BLOCK * lay.kp)).from_address(lay.ptr),
+                                   dtype=torch.float32)
+            nn, kk = torch.arange(n)[:, None], torch.arange(k)[None, :]
+            if not torch.equal(buf[(nn // BLOCK) * lay.kp * BLOCK + kk * BLOCK + nn % BLOCK], probe):
+                return f"oneDNN packed a {n}x{k} weight in another layout than [N/64][Kp][64]"
+            g = torch.Generator().manual_seed(n * k)
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            lay = self.layout(packed := pack(w))
+            for rows in range(1, MAX_ROWS + 1):
+                x = torch.randn(rows, k, generator=g)
+                want = x.double() @ w.double().T + b.double()
+                got = self.run(x, lay, b).double()
+                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                    return f"results differ from a dense product ({rows}x{k} @ {k}x{n})"
+            del packed
+        return None
+
+
+_lock = threading.Lock()
+_kernel: Optional[Kernel] = None
+_tried = False
+
+
+def enabled() -> bool:
+    choice = os.environ.get(ENV, "1").strip()
+    if choice not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
+    return choice == "1"
+
+
+def kernel(pack) -> Optional[Kernel]:
+    """The checked kernel, built on first use (None where it cannot run: module doc)."""
+    global _kernel, _tried
+    if _tried:
+        return _kernel
+    with _lock:
+        if not _tried:
+            _kernel = _load(pack) if enabled() else None
+            _tried = True
+    return _kernel
+
+
+def _load(pack) -> Optional[Kernel]:
+    try:
+        k = Kernel(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.info("decode gemv kernel unavailable (%s); oneDNN runs every product", e)
+        return None
+    reason = k.check(pack)
+    if reason is not None:
+        log.warning("decode gemv kernel not used: %s; oneDNN runs every product", reason)
+        return None
+    log.info("decode gemv kernel on: products of 1-%d rows read oneDNN's packed weights directly", MAX_ROWS)
+    return k
+
+
+def _machine_key() -> str:
+    """Compiler version and CPU model + flags: a build is only reused on the kind of machine it was made on."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    cpu = [next((x for x in lines if x.startswith(field)), "") for field in ("model name", "flags")]
+    return "\n".join([cc, version, *cpu])
+
+
+def _build() -> Path:
+    """Compile C_SOURCE (once per source, compiler and CPU) and return the shared library's path."""
+    key = _machine_key()
+    digest = hashlib.sha256((C_SOURCE + key).encode()).hexdigest()[:16]
+    out_dir = cache_dir() / "kernels"
+    lib = out_dir / f"gemv-{digest}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cc = key.split("\n", 1)[0]
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src, obj = Path(tmp) / "gemv.c", Path(tmp) / "gemv.so"
+        src.write_text(C_SOURCE)
+        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(obj), str(src)],
+                             capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
+        os.replace(obj, lib)  # atomic: a concurrent build of the same key writes the same bytes
+    return lib
