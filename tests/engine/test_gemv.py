@@ -109,3 +109,16 @@ def test_a_build_is_cached_per_machine(fresh):
     stamp = built[0].stat().st_mtime_ns
     assert gemv._build() == built[0] and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert not [p for p in (fresh / "kernels").iterdir() if p.suffix != ".so"]  # no temporary left behind
+
+
+def test_a_check_that_raises_keeps_the_kernel_off(fresh, monkeypatch):
+    """e.g. a torch build without `torch.ops.mkldnn.data_ptr`: the engine still loads, oneDNN runs every product."""
+    if not _machine_can_build():
+        assert gemv.kernel(gemm.pack) is None
+        return
+
+    def no_data_ptr(self, pack):
+        raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute 'data_ptr'")
+
+    monkeypatch.setattr(gemv.Kernel, "check", no_data_ptr)
+    assert gemv.kernel(gemm.pack) is None

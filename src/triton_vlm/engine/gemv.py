@@ -207,7 +207,10 @@ def _load(pack) -> Optional[Kernel]:
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.info("decode gemv kernel unavailable (%s); oneDNN runs every product", e)
         return None
-    reason = k.check(pack)
+    try:
+        reason = k.check(pack)
+    except Exception as e:  # noqa: BLE001 - e.g. a torch without mkldnn.data_ptr: the kernel stays off
+        reason = f"{type(e).__name__}: {e}"
     if reason is not None:
         log.warning("decode gemv kernel not used: %s; oneDNN runs every product", reason)
         return None
