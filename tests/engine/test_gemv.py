@@ -122,3 +122,26 @@ def test_a_check_that_raises_keeps_the_kernel_off(fresh, monkeypatch):
 
     monkeypatch.setattr(gemv.Kernel, "check", no_data_ptr)
     assert gemv.kernel(gemm.pack) is None
+
+
+def test_a_weight_whose_product_disagrees_with_onednn_stays_with_onednn(monkeypatch):
+    """`gemm.prepare` (at load) compares the kernel with oneDNN once per weight: a weight oneDNN laid out some other
+    way (here: a reference that disagrees) never reaches the kernel."""
+    kernel = gemm.decode_kernel()
+    if kernel is None:
+        assert not _machine_can_build()
+        return
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(80, 48, generator=g)
+    good, bad = gemm.pack(w), gemm.pack(w)
+    gemm.prepare(good)
+    assert kernel.layout(good) is not None
+    assert kernel.layout(bad, lambda x: -F.linear(x, w)) is None
+    seen = []
+    run = type(kernel).run
+    monkeypatch.setattr(type(kernel), "run", lambda self, x, lay, bias: seen.append(lay.n) or run(self, x, lay, bias))
+    x = torch.randn(2, 48, generator=g)
+    torch.testing.assert_close(gemm.linear(x, bad), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert seen == []  # oneDNN computed it
+    torch.testing.assert_close(gemm.linear(x, good), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert seen == [80]

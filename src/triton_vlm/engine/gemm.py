@@ -76,6 +76,13 @@ def decode_kernel() -> Optional[gemv.Kernel]:
     return gemv.kernel(pack)
 
 
+def prepare(weight: torch.Tensor) -> None:
+    """At load, for a packed weight: find (and check against oneDNN) the layout the decode kernel reads."""
+    kernel = decode_kernel()
+    if kernel is not None:
+        kernel.layout(weight, lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+
+
 def is_packed(weight: torch.Tensor) -> bool:
     return weight.is_mkldnn
 

@@ -38,7 +38,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -126,9 +126,12 @@ class Kernel:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def layout(self, weight: torch.Tensor) -> Optional[Layout]:
+    def layout(self, weight: torch.Tensor, reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+               ) -> Optional[Layout]:
         """The packed weight's layout (kept on the tensor: weights live as long as their engine), or None if its
-        buffer is not `[N/64][Kp][64]` floats."""
+        buffer is not `[N/64][Kp][64]` floats. With `reference` (x [1, K] -> x @ W^T by oneDNN), the first call
+        also compares the kernel's product with it on a random row: oneDNN may pick another layout for some
+        shape than for the probes of `check`, and then this weight stays with oneDNN."""
         found = getattr(weight, _ATTR, _UNSET)
         if found is not _UNSET:
             return found
@@ -138,6 +141,13 @@ class Kernel:
         kp, rest = divmod(nbytes // 4, n_pad)
         ok = rest == 0 and nbytes % 4 == 0 and kp >= k
         found = Layout(torch.ops.mkldnn.data_ptr(weight), n, k, kp) if ok else None
+        if found is not None and reference is not None:
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(n * 31 + k))  # [1, K]
+            want, got = reference(x), self.run(x, found, None)  # [1, N] each
+            if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1.0))):
+                log.warning("decode gemv kernel: a packed %dx%d weight is not in the layout it reads; oneDNN runs "
+                            "its products", n, k)
+                found = None
         setattr(weight, _ATTR, found)
         return found
 

@@ -58,6 +58,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, layer: int, module: str,
                  packed: bool = False, parts: tuple[tuple[str, int], ...] = ()):
         self.weight = gemm.pack(weight) if packed else weight  # [out, in] (dense, or packed: opaque)
+        if packed:
+            gemm.prepare(self.weight)
         self.bias = bias  # [out]
         self.layer, self.module = layer, module
         self.parts = parts or ((module, weight.shape[0]),)  # (module, out features) side by side
@@ -157,8 +159,6 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
         packed = gemm.packing_enabled(self.device, self.dtype)
-        if packed:
-            gemm.decode_kernel()  # built and checked now, not inside the first request's step
         self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
         windows = c.layer_windows or (0,) * c.num_layers
         self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed) for i in range(c.num_layers)]
