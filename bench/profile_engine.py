@@ -17,7 +17,8 @@ timers that charge each call's *exclusive* time (its time minus that of wrapped 
 category, so the categories add up to the measured step time:
 
 - attn q/k/v/o proj   the attention `Linear`s (q/k/v fused, o)
-- attn core           rope, KV write (index_copy), KV gather, GQA repeat, scaled_dot_product_attention
+- attn core           rope, KV write, attention over the row's slots: torch ops (`attention.attend_torch`: index_copy,
+                      index_select gathers, scaled_dot_product_attention) or the C decode kernel (`cpu_attention.py`)
 - mlp gate/up/down    the MLP `Linear`s (gate/up fused, down)
 - norms/residual/act  RMSNorms, residual adds, SiLU * up, last-position slice (rest of `LlamaModel.forward`)
 - lm_head             the output projection (+ fp32 cast)
@@ -92,6 +93,8 @@ MLP_PROJ = {"gate_up_proj", "down_proj"}
 def instrument(timers: Timers) -> None:
     from triton_vlm.engine import decoder as dec_mod  # noqa: PLC0415
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
+    from triton_vlm.engine import attention as attn_mod  # noqa: PLC0415
+    from triton_vlm.engine import cpu_attention as cpu_attn_mod  # noqa: PLC0415
     from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
     from triton_vlm.engine import model as model_mod  # noqa: PLC0415
     from triton_vlm.engine import output as out_mod  # noqa: PLC0415
@@ -106,7 +109,9 @@ def instrument(timers: Timers) -> None:
         return "lm_head"
 
     timers.wrap(model_mod.Linear, "__call__", linear_cat)
-    timers.wrap(model_mod.LlamaModel, "_attention", "attn core")
+    timers.wrap(attn_mod, "attend_torch", "attn core")
+    timers.wrap(cpu_attn_mod.Kernel, "step", "attn core")
+    timers.wrap(cpu_attn_mod.DecodeStep, "attend", "attn core")
     timers.wrap(model_mod.LlamaModel, "forward", "norms/residual/act")
     timers.wrap(model_mod.LlamaModel, "embed", "embed / image merge")
     timers.wrap(runner_mod, "merge_image_embeds", "embed / image merge")

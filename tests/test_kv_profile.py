@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine import profile
+from triton_vlm.engine import attention, cpu_attention, profile
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.engine.kv_cache import blocks_needed
 from triton_vlm.engine.profile import KVBudgetError, MemoryProbe
@@ -33,8 +33,9 @@ def engine_with_memory(monkeypatch, path, available: int, **kw) -> Engine:
 
 
 def test_budget_follows_the_memory_given(monkeypatch, ckpt):
-    small = engine_with_memory(monkeypatch, ckpt, 64 * MiB).memory
-    large = engine_with_memory(monkeypatch, ckpt, 96 * MiB).memory
+    # 512 rows: a cap (131072 tokens) above both budgets, also where decode attention gathers no keys
+    small = engine_with_memory(monkeypatch, ckpt, 64 * MiB, max_rows=512).memory
+    large = engine_with_memory(monkeypatch, ckpt, 96 * MiB, max_rows=512).memory
     for plan in (small, large):
         assert plan.rule == "cpu_memory_utilization" and plan.weights_bytes > 0
         left = plan.limit_bytes - plan.weights_bytes - plan.activation_bytes - plan.other_bytes
@@ -59,12 +60,27 @@ def test_the_cpu_budget_stops_at_what_max_rows_rows_can_hold(monkeypatch, ckpt):
 
 
 def test_activations_of_the_worst_case_are_measured(monkeypatch, ckpt):
-    """max_rows rows decoded at the full context gather their keys: 512 rows need far more than 8 rows."""
+    """max_rows rows decoded at the full context with torch's attention (a GPU's, or a CPU without the C decode
+    kernel) gather their keys: 512 rows need far more than 8 rows."""
+    monkeypatch.setattr(attention.Attention, "kernel_for", lambda self, q_len: None)
     few = engine_with_memory(monkeypatch, ckpt, 512 * MiB, max_rows=8).memory
     many = engine_with_memory(monkeypatch, ckpt, 512 * MiB, max_rows=512).memory
     assert few.worst.images == (CONTEXT - 2) // 16 and few.worst.image_tokens == 16  # 32x32 / patch 8, no CLS
     keys = 512 * CONTEXT * few.token_bytes // 4  # one layer's gathered keys of 512 rows (K, V x 2 layers)
     assert many.activation_bytes - few.activation_bytes > keys > few.activation_bytes
+
+
+def test_the_cpu_decode_kernel_needs_no_gathered_keys(monkeypatch, ckpt):
+    """The C decode attention reads the keys in place (`engine/cpu_attention.py`): the profile measures what it
+    actually needs, and the cache gets the difference."""
+    if cpu_attention.kernel(attention.decode_torch) is None:  # no C compiler here: torch gathers, as above
+        return
+    in_place = engine_with_memory(monkeypatch, ckpt, 512 * MiB, max_rows=512).memory
+    keys = 512 * CONTEXT * in_place.token_bytes // 4  # one layer's gathered keys of 512 rows
+    assert in_place.activation_bytes < keys
+    monkeypatch.setattr(attention.Attention, "kernel_for", lambda self, q_len: None)
+    torch_path = engine_with_memory(monkeypatch, ckpt, 512 * MiB, max_rows=512).memory
+    assert torch_path.activation_bytes - in_place.activation_bytes > keys // 2
 
 
 def test_too_small_a_budget_is_refused_at_start_naming_the_numbers(monkeypatch, ckpt):

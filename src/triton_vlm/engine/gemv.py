@@ -20,21 +20,17 @@ is added at the end. oneDNN blocks the sum differently, so results differ from i
 bits, as a different batch size already does (model.py "Batch invariance"); tests/engine checks generated
 tokens against transformers.
 
-Build: the C source below is compiled once per machine with the system C compiler (`cc -O3 -march=native`)
-into `<cache>/kernels/` (the file name holds a hash of the source, the compiler and the CPU's model and flags,
-so a cached build never runs on a CPU it was not built for), and loaded with ctypes (the call releases the
-GIL, as a torch op does). No compiler, a failed build or a failed check: logged once, oneDNN everywhere.
+Build: the C source below is compiled once per machine with the system C compiler (`cc -O3 -march=native`,
+`cbuild.py`: cached under a hash of the source, the compiler and the CPU, so a build never runs on a CPU it was
+not built for), and loaded with ctypes (the call releases the GIL, as a torch op does). No compiler, a failed build or a failed check: logged once, oneDNN everywhere.
 `TRITON_VLM_CPU_GEMV=0` turns the kernel off (for comparisons).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..paths import cache_dir
+from . import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -228,36 +224,6 @@ def _load(pack) -> Optional[Kernel]:
     return k
 
 
-def _machine_key() -> str:
-    """Compiler version and CPU model + flags: a build is only reused on the kind of machine it was made on."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    cpu = [next((x for x in lines if x.startswith(field)), "") for field in ("model name", "flags")]
-    return "\n".join([cc, version, *cpu])
-
-
 def _build() -> Path:
-    """Compile C_SOURCE (once per source, compiler and CPU) and return the shared library's path."""
-    key = _machine_key()
-    digest = hashlib.sha256((C_SOURCE + key).encode()).hexdigest()[:16]
-    out_dir = cache_dir() / "kernels"
-    lib = out_dir / f"gemv-{digest}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cc = key.split("\n", 1)[0]
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src, obj = Path(tmp) / "gemv.c", Path(tmp) / "gemv.so"
-        src.write_text(C_SOURCE)
-        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(obj), str(src)],
-                             capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
-        os.replace(obj, lib)  # atomic: a concurrent build of the same key writes the same bytes
-    return lib
+    """Compile C_SOURCE (once per source, compiler and CPU: `cbuild.build`) and return the shared library's path."""
+    return cbuild.build("gemv", C_SOURCE)

@@ -4,8 +4,9 @@ One forward call takes `rows` rows that each get `q_len` new tokens (a prefill c
 decode token for every running row) as embeddings `[rows, q_len, hidden]` plus an `AttentionBatch` from
 `KVCache.plan`, and returns fp32 logits. Pieces, as in transformers' Llama: RMSNorm computed in fp32, rotary
 embeddings looked up per row from each token's own position (rope_theta; "linear" and Llama-3 "llama3"
-scaling), grouped-query attention with `scaled_dot_product_attention` over each row's gathered keys, masked
-to its own causal length, a SiLU-gated MLP and the lm_head. Qwen2 is the same forward with q/k/v biases (a
+scaling), grouped-query attention over each row's own cache slots, masked to its own causal length (`attention.py`:
+torch's `scaled_dot_product_attention` over the gathered keys, or for a decode step on a CPU one C call per
+layer reading them in place), a SiLU-gated MLP and the lm_head. Qwen2 is the same forward with q/k/v biases (a
 `Linear` takes the checkpoint's bias when it has one). A layer with a sliding window (`TextSpec.layer_windows`:
 Mistral's `sliding_window`, Qwen2's "sliding_attention" layers) also masks the keys at or beyond `window`
 positions back, as transformers' sliding-window causal mask: a query at position q sees keys q - window < k <= q.
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm
+from . import attention
+from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
 from .weights import ModelConfig, load_config, load_weights
 
@@ -123,13 +126,6 @@ def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
     return inv
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin` (rotate_half(x) = [-x_2, x_1]) in 4 ops instead of 7, bit for
-    bit: rotate_half(x) is roll(x, half) with its first half negated, and that sign moves exactly onto sin
-    (`sin_rot` = [-sin_1, sin_2])."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_rot
-
-
 def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Tensor]:
     """Attention mask [rows, 1, q_len, T] per window: 0 -> the batch's causal mask; w -> also key k > q - w."""
     masks = {0: batch.mask}
@@ -168,6 +164,7 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, self.dtype)
         sin, half = emb.sin().to(self.device, self.dtype), c.head_dim // 2
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
+        self.attention = attention.Attention(self.cos, self.sin_rot, c.num_heads, c.num_kv_heads)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -199,12 +196,27 @@ class LlamaModel:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
         rows, q_len, _ = x.shape
-        cos = self.cos[batch.positions][:, :, None]  # [rows, q_len, 1, head_dim]
-        sin = self.sin_rot[batch.positions][:, :, None]
-        masks = window_masks(batch, {layer.window for layer in self.layers})
+        kernel = self.attention.kernel_for(q_len)  # the C decode attention, or None: torch ops
+        masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
+        if kernel is not None:  # the step's rows, checked once for every layer
+            step = kernel.step(batch.positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
+                               batch.read_slots.contiguous(),  # [rows], [rows], [rows, T]
+                               {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
+                               self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,
+                               cache.k.shape[1])
+        else:
+            tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, layer.eps)
-            x = x + self._attention(layer, i, h, cos, sin, batch, masks[layer.window], cache, adapters)
+            qkv = layer.qkv_proj(h, adapters)  # [rows, q_len, (heads + 2 kv_heads) * head_dim]
+            kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim] each
+            if kernel is not None:  # [rows, 1, heads * hd]
+                out = step.attend(qkv.reshape(rows, -1), layer.window, kc, vc).view(rows, 1, -1)
+            else:
+                out = attention.attend_torch(qkv, *tables, batch.write_slots, batch.read_slots, masks[layer.window],
+                                             kc, vc, self.config.num_heads, self.config.num_kv_heads)
+                # out [rows, q_len, heads * hd]
+            x = x + layer.o_proj(out, adapters)
             h = rms_norm(x, layer.post_norm, layer.eps)
             gate_up = layer.gate_up_proj(h, adapters)  # [rows, q_len, 2 * intermediate]
             inter = gate_up.shape[-1] // 2
@@ -214,27 +226,3 @@ class LlamaModel:
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(x, adapters).float()  # [rows, q_len or 1, vocab]
         return logits if all_logits else logits[:, 0]
-
-    def _attention(self, layer: Layer, i: int, h, cos, sin, batch: AttentionBatch, mask: torch.Tensor,
-                   cache: KVCache, adapters):
-        c = self.config
-        rows, q_len, _ = h.shape
-        heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = layer.qkv_proj(h, adapters).view(rows, q_len, heads + 2 * kv_heads, hd)
-        qk = qkv[:, :, :heads + kv_heads]  # [rows, q_len, heads + kv_heads, hd]: rotary on q and k at once
-        qk = apply_rotary(qk, cos, sin)
-        q = qk[:, :, :heads].transpose(1, 2)  # [rows, heads, q_len, hd]
-        k = qk[:, :, heads:]  # [rows, q_len, kv_heads, hd]
-        v = qkv[:, :, heads + kv_heads:]  # [rows, q_len, kv_heads, hd]
-        kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim]
-        kc.index_copy_(0, batch.write_slots, k.reshape(-1, kv_heads, hd))
-        vc.index_copy_(0, batch.write_slots, v.reshape(-1, kv_heads, hd))
-        flat = batch.read_slots.reshape(-1)  # index_select: ~1.5x faster than advanced indexing on CPU
-        T = batch.read_slots.shape[1]
-        keys = kc.index_select(0, flat).view(rows, T, kv_heads, hd).transpose(1, 2)
-        values = vc.index_select(0, flat).view(rows, T, kv_heads, hd).transpose(1, 2)
-        # keys / values: [rows, kv_heads, T, head_dim]
-        # grouped-query attention without materialising repeated K/V (the repeat was 40% of a beam step)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=c.kv_groups > 1)  # [rows, heads, q_len, hd]
-        return layer.o_proj(out.transpose(1, 2).reshape(rows, q_len, -1), adapters)
