@@ -18,7 +18,7 @@ category, so the categories add up to the measured step time:
 
 - attn q/k/v/o proj   the attention `Linear`s (q/k/v fused, o)
 - attn core           rope, KV write, attention over the row's slots: torch ops (`attention.attend_torch`: index_copy,
-                      index_select gathers, scaled_dot_product_attention) or the C decode kernel (`cpu_attention.py`)
+                      index_select gathers, scaled_dot_product_attention) or the C decode kernel (`cpu_decode.py`)
 - mlp gate/up/down    the MLP `Linear`s (gate/up fused, down)
 - norms/residual/act  RMSNorms, residual adds, SiLU * up, last-position slice (rest of `LlamaModel.forward`)
 - lm_head             the output projection (+ fp32 cast)
@@ -94,7 +94,7 @@ def instrument(timers: Timers) -> None:
     from triton_vlm.engine import decoder as dec_mod  # noqa: PLC0415
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
     from triton_vlm.engine import attention as attn_mod  # noqa: PLC0415
-    from triton_vlm.engine import cpu_attention as cpu_attn_mod  # noqa: PLC0415
+    from triton_vlm.engine import cpu_decode as cpu_attn_mod  # noqa: PLC0415
     from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
     from triton_vlm.engine import model as model_mod  # noqa: PLC0415
     from triton_vlm.engine import output as out_mod  # noqa: PLC0415

@@ -5,7 +5,7 @@ Two implementations of the same computation:
 - `attend_torch`: torch ops, any device, any q_len (prefill chunks and decode steps). The keys a row reads
   are gathered from its slots (`AttentionBatch.read_slots`; column j is position j) and attended with
   `scaled_dot_product_attention` under the batch's mask.
-- `cpu_attention.Kernel.decode`: one C call for a decode step (q_len 1) on a CPU in fp32, reading the keys in
+- `cpu_decode.Kernel.decode`: one C call for a decode step (q_len 1) on a CPU in fp32, reading the keys in
   place. `Attention.use_kernel` decides per forward; the kernel's results are checked against `attend_torch`
   at first use.
 """
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_decode
 from .kv_cache import AttentionBatch
 
 
@@ -56,7 +56,7 @@ def attend_torch(qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, wr
 def decode_torch(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor,
                  write_slots: torch.Tensor, read_slots: torch.Tensor, mask: torch.Tensor, kc: torch.Tensor,
                  vc: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """`attend_torch` for a decode step in the kernel's arguments (`cpu_attention.Kernel.decode`): qkv [rows,
+    """`attend_torch` for a decode step in the kernel's arguments (`cpu_decode.Kernel.decode`): qkv [rows,
     width], positions [rows], the full tables cos, sin_rot [max_pos, hd], mask [rows, T] -> [rows, heads * hd]."""
     rows = qkv.shape[0]
     out = attend_torch(qkv[:, None], cos[positions][:, None, None], sin_rot[positions][:, None, None],
@@ -71,12 +71,12 @@ class Attention:
         self.cos, self.sin_rot = cos, sin_rot  # [max_pos, head_dim] each
         self.heads, self.kv_heads = heads, kv_heads
 
-    def kernel_for(self, q_len: int) -> Optional[cpu_attention.Kernel]:
+    def kernel_for(self, q_len: int) -> Optional[cpu_decode.Kernel]:
         """The C decode kernel when it applies to a forward of `q_len` new tokens per row (a decode step, fp32
         on a CPU, this machine has it), else None."""
         if q_len != 1 or self.cos.device.type != "cpu" or self.cos.dtype != torch.float32:
             return None
-        return cpu_attention.kernel(decode_torch)
+        return cpu_decode.kernel(decode_torch)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_rot rows of each token [rows, q_len, 1, hd], for `attend_torch`."""

@@ -1,4 +1,4 @@
-"""Small C kernels compiled once per machine and loaded with ctypes (`gemv.py`, `cpu_attention.py`).
+"""Small C kernels compiled once per machine and loaded with ctypes (`gemv.py`, `cpu_decode.py`).
 
 `build(name, source, flags)` compiles `source` with the system C compiler (`cc`, or `$CC`) into
 `<cache>/kernels/<name>-<hash>.so` and returns the path. The hash covers the source, the flags, the compiler's

@@ -6,7 +6,8 @@ decode token for every running row) as embeddings `[rows, q_len, hidden]` plus a
 embeddings looked up per row from each token's own position (rope_theta; "linear" and Llama-3 "llama3"
 scaling), grouped-query attention over each row's own cache slots, masked to its own causal length (`attention.py`:
 torch's `scaled_dot_product_attention` over the gathered keys, or for a decode step on a CPU one C call per
-layer reading them in place), a SiLU-gated MLP and the lm_head. Qwen2 is the same forward with q/k/v biases (a
+layer reading them in place, `cpu_decode.py`, which also takes the decode step's residual adds + RMSNorms and
+SiLU gates), a SiLU-gated MLP and the lm_head. Qwen2 is the same forward with q/k/v biases (a
 `Linear` takes the checkpoint's bias when it has one). A layer with a sliding window (`TextSpec.layer_windows`:
 Mistral's `sliding_window`, Qwen2's "sliding_attention" layers) also masks the keys at or beyond `window`
 positions back, as transformers' sliding-window causal mask: a query at position q sees keys q - window < k <= q.
@@ -107,6 +108,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) with torch ops (delta None: 0); `cpu_decode.Kernel.add_rms_norm` in C."""
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 intermediate] (gate, then up) -> silu(gate) * up [..., intermediate]."""
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
 def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for rope_type default / linear / llama3 (as transformers)."""
     base = float(rope.get("rope_theta", 10000.0))
@@ -196,7 +211,7 @@ class LlamaModel:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
         rows, q_len, _ = x.shape
-        kernel = self.attention.kernel_for(q_len)  # the C decode attention, or None: torch ops
+        kernel = self.attention.kernel_for(q_len)  # the C decode step (`cpu_decode.py`), or None: torch ops
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         if kernel is not None:  # the step's rows, checked once for every layer
             step = kernel.step(batch.positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
@@ -204,10 +219,12 @@ class LlamaModel:
                                {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
                                self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,
                                cache.k.shape[1])
+            add_norm, act = kernel.add_rms_norm, kernel.silu_mul
         else:
             tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
+            add_norm, act = add_rms_norm, silu_mul
+        x, h = add_norm(x, None, self.layers[0].input_norm, self.layers[0].eps)  # x, h [rows, q_len, hidden]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, layer.eps)
             qkv = layer.qkv_proj(h, adapters)  # [rows, q_len, (heads + 2 kv_heads) * head_dim]
             kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim] each
             if kernel is not None:  # [rows, 1, heads * hd]
@@ -216,13 +233,14 @@ class LlamaModel:
                 out = attention.attend_torch(qkv, *tables, batch.write_slots, batch.read_slots, masks[layer.window],
                                              kc, vc, self.config.num_heads, self.config.num_kv_heads)
                 # out [rows, q_len, heads * hd]
-            x = x + layer.o_proj(out, adapters)
-            h = rms_norm(x, layer.post_norm, layer.eps)
-            gate_up = layer.gate_up_proj(h, adapters)  # [rows, q_len, 2 * intermediate]
-            inter = gate_up.shape[-1] // 2
-            x = x + layer.down_proj(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], adapters)
-        if not all_logits:
-            x = x[:, -1:]
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(x, adapters).float()  # [rows, q_len or 1, vocab]
+            x, h = add_norm(x, layer.o_proj(out, adapters), layer.post_norm, layer.eps)
+            down = layer.down_proj(act(layer.gate_up_proj(h, adapters)), adapters)  # [rows, q_len, hidden]
+            if i + 1 < len(self.layers):  # the residual add and the next layer's input norm
+                x, h = add_norm(x, down, self.layers[i + 1].input_norm, layer.eps)
+            elif all_logits or q_len > 1:  # the final norm over every position, or only the last one's
+                x = x + down
+                x, h = add_norm(x if all_logits else x[:, -1:], None, self.norm, self.config.rms_norm_eps)
+            else:
+                x, h = add_norm(x, down, self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head(h, adapters).float()  # [rows, q_len or 1, vocab]
         return logits if all_logits else logits[:, 0]

@@ -1,7 +1,8 @@
-"""Decode attention straight over the paged KV cache on a CPU: one C call per layer instead of ~15 torch ops.
+"""A decode step's work besides the matrix products, in C on a CPU: attention straight over the paged KV cache,
+the residual adds with RMSNorm, and the SiLU gate. One C call each instead of several torch ops.
 
-What one call does, for a decode step (every row gets one new token), exactly what `attention.attend_torch`
-does with torch ops:
+The attention, one call per layer, for a decode step (every row gets one new token), computes what
+`attention.attend_torch` computes with torch ops:
 1. rotary embeddings on the new token's q and k heads (`model.apply_rotary`'s formula, same rounding: the
    source is compiled with `-ffp-contract=off`, so `x * cos + roll(x) * sin` is two rounded products and a
    rounded sum, as torch computes it: the K written to the cache is bit for bit torch's);
@@ -9,21 +10,25 @@ does with torch ops:
 3. for each query head, softmax(q . k * scale) over the keys the row's mask allows, read through the row's
    slots (`AttentionBatch.read_slots`) from the pool, and the weighted sum of the values; grouped-query heads
    share their kv head (head h reads kv head h // (heads / kv_heads), as `enable_gqa`).
+`add_rms_norm` is the residual add and transformers' LlamaRMSNorm in one pass (the sum itself exact);
+`silu_mul` is the gated MLP's silu(gate) * up.
 
-Why: a one-stream decode step spent ~0.5 ms of its ~4 ms in these ops (`bench.profile_engine`, "attn core"):
-per layer a rotary lookup, two index_copy, two index_select gathers of the row's keys and values, the
-attention and the transposes, each a few microseconds of dispatch on tensors of a few kilobytes. The kernel
-also reads the keys where they are instead of gathering a copy first (the KV-gather-free attention of
-vLLM's paged attention, on a CPU).
+Why: per layer a decode step made ~15 torch calls of a few microseconds of dispatch each on tensors of a few
+kilobytes (a rotary lookup, index_copy x 2, the index_select gathers of the row's keys and values, the
+attention, transposes; `torch.rms_norm` x 2, itself ~8-17 us for 512 values; slices, silu, mul, adds). The
+kernel also reads the keys where they are instead of gathering a copy first (the KV-gather-free attention of
+vLLM's paged attention, on a CPU), so a decode step's activations no longer grow with rows x context
+(`profile.py` measures this). `python -m bench.profile_engine` shows the step.
 
-Numerics: the scores and the weighted sum are fp32 with another summation order than torch's
-`scaled_dot_product_attention` (ulp-level, as a different batch size already gives: model.py "Batch
-invariance"); the cache writes are exact. Every index (positions, write and read slots) is checked against
-its table before any memory is touched; a bad one raises instead of writing outside the pool.
+Numerics: scores, the weighted sum, the norm's sum of squares and the exponentials (a Cephes polynomial,
+relative error ~1e-7) are fp32 in another order than torch's (ulp-level, as a different batch size already
+gives: model.py "Batch invariance"); the cache writes and the residual stream are exact. Every index
+(positions, write and read slots) is checked against its table before any memory is touched; a bad one
+raises instead of writing outside the pool.
 
-Build and fallback as `gemv.py` (`cbuild.py`): compiled once per machine, checked against the torch path at
-first use; no compiler, a failed build or a failed check: logged once, torch runs the attention.
-`TRITON_VLM_CPU_ATTENTION=0` turns the kernel off (for comparisons).
+Build and fallback as `gemv.py` (`cbuild.py`): compiled once per machine, checked against torch at first use;
+no compiler, a failed build or a failed check: logged once, torch runs these steps.
+`TRITON_VLM_CPU_DECODE=0` turns the kernels off (for comparisons).
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from . import cbuild
 
 log = logging.getLogger(__name__)
 
-ENV = "TRITON_VLM_CPU_ATTENTION"  # "1" (default): the kernel for decode steps on a CPU; "0": torch ops
+ENV = "TRITON_VLM_CPU_DECODE"  # "1" (default): the C kernels for decode steps on a CPU; "0": torch ops
 
 C_SOURCE = r"""
 #include <math.h>
@@ -217,6 +222,61 @@ int triton_vlm_decode_attention(const Step *st, const uint8_t *mask, const float
     free(q); free(acc); free(p); free(mx);
     return 0;
 }
+
+/* exp for any x: above 88 clamped (1.6e38, no overflow to inf), below -87 exactly 0 */
+static v16 vexp_any(v16 x) {
+    v16i high = x > 88.0f;
+    return vexp(vselect(high, (v16){0} + 88.0f, x));
+}
+
+/* Per row of n: x_out = x + d (x alone when d is NULL); h = w * (x_out * (1 / sqrt(mean(x_out^2) + eps))):
+   the residual add and transformers' LlamaRMSNorm in fp32. */
+void triton_vlm_add_rms_norm(const float *x, const float *d, const float *w, float eps, int64_t rows, int64_t n,
+                             float *x_out, float *h) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *dr = d ? d + r * n : 0;
+        float *xo = x_out + r * n, *hr = h + r * n;
+        v16 acc = (v16){0};
+        float tail = 0.0f;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            v16 a, b = (v16){0};
+            memcpy(&a, xr + i, sizeof(a));
+            if (dr) memcpy(&b, dr + i, sizeof(b));
+            a = a + b;
+            memcpy(xo + i, &a, sizeof(a));
+            acc += a * a;
+        }
+        for (; i < n; i++) {
+            float a = xr[i] + (dr ? dr[i] : 0.0f);
+            xo[i] = a;
+            tail += a * a;
+        }
+        float l[16];
+        memcpy(l, &acc, sizeof(l));
+        for (int k = 8; k >= 1; k /= 2)
+            for (int j = 0; j < k; j++) l[j] += l[j + k];
+        float inv = 1.0f / sqrtf((l[0] + tail) / (float)n + eps);
+        for (i = 0; i < n; i++) hr[i] = w[i] * (xo[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, n + i], silu(g) = g / (1 + exp(-g)): the gated MLP's activation */
+void triton_vlm_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            v16 a, b;
+            memcpy(&a, g + i, sizeof(a));
+            memcpy(&b, u + i, sizeof(b));
+            v16 y = a / (vexp_any((v16){0} - a) + 1.0f) * b;
+            memcpy(o + i, &y, sizeof(y));
+        }
+        for (; i < n; i++) o[i] = g[i] / (expf(-g[i]) + 1.0f) * u[i];
+    }
+}
 """
 FLAGS = ("-ffp-contract=off",)  # rotary rounding as torch's (module doc)
 
@@ -272,8 +332,10 @@ class DecodeStep:
         self._out_shape = (rows, heads * hd)
 
     def attend(self, qkv: torch.Tensor, window: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        """qkv [rows, (heads + 2 kv_heads) * hd] fp32; kc, vc [slots, kv_heads, hd] fp32 (the new K/V are written)
-        -> [rows, heads * hd] fp32. A tensor of another dtype, shape or memory layout raises."""
+        """qkv [rows, (heads + 2 kv_heads) * hd] fp32 (copied if strided); kc, vc [slots, kv_heads, hd] fp32 (the
+        new K/V are written) -> [rows, heads * hd] fp32. A tensor of another dtype or shape raises, as do strided
+        kc / vc (they must be the cache itself)."""
+        qkv = qkv.contiguous()
         for name, t, shape in (("qkv", qkv, self._qkv_shape), ("kc", kc, self._kv_shape), ("vc", vc, self._kv_shape)):
             if t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
                 _expect(t, torch.float32, shape, name)
@@ -294,6 +356,40 @@ class Kernel:
         self._fn = lib.triton_vlm_decode_attention
         self._fn.argtypes = [p, p, p, p, p, p]
         self._fn.restype = ctypes.c_int
+        i64 = ctypes.c_int64
+        self._norm = lib.triton_vlm_add_rms_norm
+        self._norm.argtypes = [p, p, p, ctypes.c_float, i64, i64, p, p]
+        self._norm.restype = None
+        self._silu = lib.triton_vlm_silu_mul
+        self._silu.argtypes = [p, i64, i64, p]
+        self._silu.restype = None
+
+    def add_rms_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, delta [..., n] fp32 (delta None: 0); weight [n] -> (x + delta, rms_norm(x + delta) * weight), both
+        [..., n]: the residual add and the next RMSNorm in one pass."""
+        n = x.shape[-1]
+        x = x.contiguous()
+        delta = None if delta is None else delta.contiguous()
+        for name, t in (("x", x), ("delta", delta)):
+            if t is not None and (t.dtype != torch.float32 or t.shape != x.shape or t.device.type != "cpu"):
+                _expect(t, torch.float32, x.shape, name)
+        if weight.dtype != torch.float32 or weight.shape != (n,) or not weight.is_contiguous():
+            _expect(weight, torch.float32, (n,), "weight")
+        x_out, h = torch.empty_like(x), torch.empty_like(x)  # [..., n] each
+        self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
+                   x.numel() // n, n, x_out.data_ptr(), h.data_ptr())
+        return x_out, h
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2n] fp32 (gate, then up) -> silu(gate) * up [..., n]."""
+        two_n = gate_up.shape[-1]
+        gate_up = gate_up.contiguous()
+        if gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or two_n % 2:
+            _expect(gate_up, torch.float32, gate_up.shape[:-1] + (two_n + two_n % 2,), "gate_up")
+        out = gate_up.new_empty(gate_up.shape[:-1] + (two_n // 2,))  # [..., n]
+        self._silu(gate_up.data_ptr(), gate_up.numel() // two_n, two_n // 2, out.data_ptr())
+        return out
 
     def step(self, positions: torch.Tensor, write_slots: torch.Tensor, read_slots: torch.Tensor,
              masks: dict[int, torch.Tensor], cos: torch.Tensor, sin_rot: torch.Tensor, heads: int, kv_heads: int,
@@ -334,6 +430,21 @@ class Kernel:
                 return f"its cache writes differ from torch's (heads {heads}, kv {kv_heads}, hd {hd})"
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
                 return f"its attention differs from torch's (heads {heads}, kv {kv_heads}, hd {hd}, rows {rows})"
+        return self._check_elementwise(g)
+
+    def _check_elementwise(self, g: torch.Generator) -> Optional[str]:
+        """add_rms_norm and silu_mul against torch (transformers' formulas) on odd and even widths."""
+        for rows, n in ((1, 512), (3, 40), (2, 1000)):
+            x, d, w = torch.randn(rows, 1, n, generator=g), torch.randn(rows, 1, n, generator=g), torch.randn(n, generator=g)
+            s = x + d
+            want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+            got_x, got_h = self.add_rms_norm(x, d, w, 1e-6)
+            if not (torch.equal(got_x, s) and torch.allclose(got_h, want, rtol=1e-5, atol=1e-6)):
+                return f"its residual add + RMSNorm differs from torch's (width {n})"
+            gu = torch.randn(rows, 1, 2 * n, generator=g) * 30  # large gates: the exp's clamps
+            want = torch.nn.functional.silu(gu[..., :n]) * gu[..., n:]
+            if not torch.allclose(self.silu_mul(gu), want, rtol=1e-5, atol=1e-5):
+                return f"its SiLU gate differs from torch's (width {n})"
         return None
 
 
@@ -365,16 +476,16 @@ def _load(reference: Reference) -> Optional[Kernel]:
     try:
         k = Kernel(ctypes.CDLL(str(_build())))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.info("decode attention kernel unavailable (%s); torch runs the attention", e)
+        log.info("CPU decode kernels unavailable (%s); torch runs decode steps", e)
         return None
     try:
         reason = k.check(reference)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot even be checked stays off
         reason = f"{type(e).__name__}: {e}"
     if reason is not None:
-        log.warning("decode attention kernel not used: %s; torch runs the attention", reason)
+        log.warning("CPU decode kernels not used: %s; torch runs decode steps", reason)
         return None
-    log.info("decode attention kernel on: decode steps attend over the paged cache in one call per layer")
+    log.info("CPU decode kernels on: attention over the paged cache, RMSNorm and SiLU gate in C")
     return k
 
 

@@ -1,4 +1,4 @@
-"""The C decode attention (`engine/cpu_attention.py`): the same attention and the same cache writes as the torch
+"""The C decode attention (`engine/cpu_decode.py`): the same attention and the same cache writes as the torch
 ops (`attention.decode_torch`), every index checked before memory is touched, decode steps routed to it, and
 torch everywhere it cannot run."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triton_vlm.engine import attention, cpu_attention
+from triton_vlm.engine import attention, cpu_decode
 from triton_vlm.engine.model import LlamaModel
 
 
@@ -19,7 +19,7 @@ def _machine_can_build() -> bool:
 
 @pytest.fixture
 def kernel():
-    k = cpu_attention.kernel(attention.decode_torch)
+    k = cpu_decode.kernel(attention.decode_torch)
     assert (k is not None) == _machine_can_build()
     return k  # None only without a C compiler: each test then has nothing to compare (torch runs the attention)
 
@@ -27,10 +27,10 @@ def kernel():
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """The module as if nothing had been built in this process, with its own build folder."""
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    monkeypatch.setattr(cpu_attention, "_kernel", None)
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setattr(cpu_decode, "_kernel", None)
     monkeypatch.setenv("TRITON_VLM_CACHE", str(tmp_path))
-    monkeypatch.delenv(cpu_attention.ENV, raising=False)
+    monkeypatch.delenv(cpu_decode.ENV, raising=False)
     return tmp_path
 
 
@@ -138,7 +138,7 @@ def test_a_masked_out_bad_slot_is_never_read(kernel):
 
 
 @pytest.mark.parametrize("field,bad", [
-    ("qkv", lambda t: t.t().contiguous().t()), ("qkv", lambda t: t.double()), ("kc", lambda t: t[:, :1]),
+    ("qkv", lambda t: t.double()), ("kc", lambda t: t[:, :1]), ("vc", lambda t: t.transpose(1, 2)),
     ("read_slots", lambda t: t.int()), ("mask", lambda t: t.to(torch.uint8)), ("positions", lambda t: t[:1]),
 ])
 def test_a_tensor_of_another_layout_raises(kernel, field, bad):
@@ -148,6 +148,42 @@ def test_a_tensor_of_another_layout_raises(kernel, field, bad):
     b[field] = bad(b[field])
     with pytest.raises(ValueError, match=f"decode attention kernel: {field}"):
         kernel.decode(**b)
+
+
+def test_a_strided_qkv_is_copied_not_misread(kernel):
+    if kernel is None:
+        return
+    b = decode_batch(14, 4, 2, 16, 3, 8)
+    got, want, _, _ = run_both(kernel, dict(b, qkv=b["qkv"].t().contiguous().t()))  # same values, column-major
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 512), (4, 4096), (2, 40), (3, 1001)])
+def test_residual_add_and_rms_norm_match_transformers(kernel, rows, n):
+    if kernel is None:
+        return
+    g = torch.Generator().manual_seed(rows * n)
+    x, d, w = torch.randn(rows, 1, n, generator=g), torch.randn(rows, 1, n, generator=g), torch.randn(n, generator=g)
+    x_out, h = kernel.add_rms_norm(x, d, w, 1e-5)
+    s = x + d
+    assert torch.equal(x_out, s)  # the residual stream itself is exact
+    torch.testing.assert_close(h, w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)), rtol=1e-5,
+                               atol=1e-6)
+    x_alone, h_alone = kernel.add_rms_norm(x[:, :, :], None, w, 1e-5)
+    assert torch.equal(x_alone, x) and x_alone.data_ptr() != x.data_ptr()  # a copy: the caller's x is kept
+    torch.testing.assert_close(h_alone, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0, 200.0])
+@pytest.mark.parametrize("n", [1408, 37])
+def test_silu_gate_matches_torch_including_huge_gates(kernel, scale, n):
+    if kernel is None:
+        return
+    gu = torch.randn(2, 1, 2 * n, generator=torch.Generator().manual_seed(n)) * scale
+    out = kernel.silu_mul(gu)
+    assert out.shape == (2, 1, n) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.nn.functional.silu(gu[..., :n]) * gu[..., n:], rtol=1e-5, atol=1e-5)
 
 
 def _tiny_llama(tmp_path) -> tuple[LlamaForCausalLM, LlamaModel]:
@@ -164,8 +200,8 @@ def test_decode_steps_take_the_kernel_and_prefill_takes_torch(kernel, tmp_path, 
         return
     hf, m = _tiny_llama(tmp_path)
     calls = {"kernel": 0, "torch": 0}
-    attend, torch_path = cpu_attention.DecodeStep.attend, attention.attend_torch
-    monkeypatch.setattr(cpu_attention.DecodeStep, "attend",
+    attend, torch_path = cpu_decode.DecodeStep.attend, attention.attend_torch
+    monkeypatch.setattr(cpu_decode.DecodeStep, "attend",
                         lambda self, *a: calls.__setitem__("kernel", calls["kernel"] + 1) or attend(self, *a))
     monkeypatch.setattr(attention, "attend_torch",
                         lambda *a: calls.__setitem__("torch", calls["torch"] + 1) or torch_path(*a))
@@ -185,17 +221,17 @@ def test_decode_steps_take_the_kernel_and_prefill_takes_torch(kernel, tmp_path, 
 
 
 def test_switch_turns_the_kernel_off_and_rejects_other_values(fresh, monkeypatch):
-    monkeypatch.setenv(cpu_attention.ENV, "0")
-    assert cpu_attention.kernel(attention.decode_torch) is None
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    monkeypatch.setenv(cpu_attention.ENV, "on")
-    with pytest.raises(ValueError, match="TRITON_VLM_CPU_ATTENTION must be 0 or 1, got 'on'"):
-        cpu_attention.kernel(attention.decode_torch)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    assert cpu_decode.kernel(attention.decode_torch) is None
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    monkeypatch.setenv(cpu_decode.ENV, "on")
+    with pytest.raises(ValueError, match="TRITON_VLM_CPU_DECODE must be 0 or 1, got 'on'"):
+        cpu_decode.kernel(attention.decode_torch)
 
 
 def test_no_compiler_means_torch(fresh, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert cpu_attention.kernel(attention.decode_torch) is None
+    assert cpu_decode.kernel(attention.decode_torch) is None
     assert not list(fresh.glob("kernels/*.so"))
 
 
@@ -206,7 +242,7 @@ def test_a_kernel_that_disagrees_with_torch_stays_off(fresh, monkeypatch):
     def wrong(*a, **kw):
         return attention.decode_torch(*a, **kw) + 1e-2
 
-    assert cpu_attention.kernel(wrong) is None
-    monkeypatch.setattr(cpu_attention, "_tried", False)
-    assert cpu_attention.kernel(attention.decode_torch) is not None
+    assert cpu_decode.kernel(wrong) is None
+    monkeypatch.setattr(cpu_decode, "_tried", False)
+    assert cpu_decode.kernel(attention.decode_torch) is not None
     assert len(list(fresh.glob("kernels/decode_attention-*.so"))) == 1
