@@ -211,7 +211,8 @@ def test_decode_steps_take_the_kernel_and_prefill_takes_torch(kernel, tmp_path, 
     m.forward(m.embed(torch.tensor(ids)), cache.plan(rows, 5), cache)
     assert calls == {"kernel": 0, "torch": 3}
     for t in ([17, 3], [4, 90], [55, 8]):
-        out = m.forward(m.embed(torch.tensor([[x] for x in t])), cache.plan(rows, 1), cache)  # [2, vocab]
+        # [2, vocab], layer by layer (the whole forward in one call: test_cpu_forward.py)
+        out = m.forward(m.embed(torch.tensor([[x] for x in t])), cache.plan(rows, 1), cache, whole=False)
         for r in range(2):
             ids[r].append(t[r])
             with torch.no_grad():

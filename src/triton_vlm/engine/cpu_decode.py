@@ -331,6 +331,15 @@ class DecodeStep:
         self._kv_shape = torch.Size((slots, kv_heads, hd))
         self._out_shape = (rows, heads * hd)
 
+    @property
+    def ref(self):
+        """The checked step, by reference, for C callers (`cpu_forward.py`)."""
+        return self._ref
+
+    def mask_ptr(self, window: int) -> int:
+        """Address of the [rows, T] mask of layers with this window (0: full causal)."""
+        return self._masks[window]
+
     def attend(self, qkv: torch.Tensor, window: int, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         """qkv [rows, (heads + 2 kv_heads) * hd] fp32 (copied if strided); kc, vc [slots, kv_heads, hd] fp32 (the
         new K/V are written) -> [rows, heads * hd] fp32. A tensor of another dtype or shape raises, as do strided

@@ -26,6 +26,7 @@ adds each row's delta to the projection (`add(x, y, layer, module)`).
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Optional, Protocol
@@ -34,10 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from . import gemm
-from . import attention
+from . import attention, cpu_forward, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
 from .weights import ModelConfig, load_config, load_weights
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LM_HEAD = "lm_head"  # module name of the output projection (layer -1)
@@ -180,6 +183,9 @@ class LlamaModel:
         sin, half = emb.sin().to(self.device, self.dtype), c.head_dim // 2
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
         self.attention = attention.Attention(self.cos, self.sin_rot, c.num_heads, c.num_kv_heads)
+        self._c_forward: Optional[cpu_forward.Forward] | bool = False  # False: not built yet (`c_forward`)
+        if packed:  # built and checked at load, not inside the first request's step
+            self.c_forward()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -207,19 +213,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
-                adapters: Optional[AdapterBatch] = None, all_logits: bool = False) -> torch.Tensor:
+                adapters: Optional[AdapterBatch] = None, all_logits: bool = False, whole: bool = True) -> torch.Tensor:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
-        ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`."""
+        ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`. A small decode
+        step without adapters on a CPU runs as one C call (`cpu_forward.py`; `whole=False`: layer by layer)."""
         rows, q_len, _ = x.shape
         kernel = self.attention.kernel_for(q_len)  # the C decode step (`cpu_decode.py`), or None: torch ops
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         if kernel is not None:  # the step's rows, checked once for every layer
-            step = kernel.step(batch.positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
-                               batch.read_slots.contiguous(),  # [rows], [rows], [rows, T]
-                               {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
-                               self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,
-                               cache.k.shape[1])
+            step = self._decode_step(kernel, batch, masks, cache)
             add_norm, act = kernel.add_rms_norm, kernel.silu_mul
+            if whole and adapters is None and not all_logits and rows <= gemv.MAX_ROWS:
+                whole_step = self.c_forward()
+                if whole_step is not None:
+                    return whole_step.run(step, x, cache.k, cache.v)  # [rows, vocab]
         else:
             tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
             add_norm, act = add_rms_norm, silu_mul
@@ -244,3 +251,46 @@ class LlamaModel:
                 x, h = add_norm(x, down, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(h, adapters).float()  # [rows, q_len or 1, vocab]
         return logits if all_logits else logits[:, 0]
+
+    def c_forward(self) -> Optional[cpu_forward.Forward]:
+        """The C decode forward for this model, built and checked (bit for bit against the layer-by-layer path
+        on a scratch cache) at first use; None where it cannot run or the check fails."""
+        if self._c_forward is False:
+            self._c_forward = None
+            built = cpu_forward.Forward.for_model(self)
+            reason = None if built is None else self._check_c_forward(built)
+            if reason is not None:
+                log.warning("C decode forward not used: %s; decode steps run layer by layer", reason)
+            elif built is not None:
+                self._c_forward = built
+        return self._c_forward
+
+    def _check_c_forward(self, built: cpu_forward.Forward) -> Optional[str]:
+        """Why `built` must not be used (None: it may): two rows, one decode step at position 0 and one at
+        position 1, on two scratch caches, layer by layer and as one call."""
+        kernel = self.attention.kernel_for(1)
+        if kernel is None:
+            return "the C decode kernels are off"
+        caches = [self.new_cache(2, 4) for _ in range(2)]
+        rows = [caches[0].new_row() for _ in range(2)]
+        x = self.embed(torch.tensor([[1], [2]]))  # [2, 1, hidden]
+        self.forward(x, caches[0].plan(rows, 1), caches[0], whole=False)  # position 0: a key to attend to
+        caches[1].k.copy_(caches[0].k)
+        caches[1].v.copy_(caches[0].v)
+        batch = caches[0].plan(rows, 1)  # position 1: the same slots in both caches
+        want = self.forward(x, batch, caches[0], whole=False)  # [2, vocab]
+        masks = window_masks(batch, {layer.window for layer in self.layers})
+        got = built.run(self._decode_step(kernel, batch, masks, caches[1]), x, caches[1].k, caches[1].v)
+        if not (torch.equal(got, want) and torch.equal(caches[1].k, caches[0].k)
+                and torch.equal(caches[1].v, caches[0].v)):
+            return "its logits or cache writes differ from the layer-by-layer path"
+        return None
+
+    def _decode_step(self, kernel, batch: AttentionBatch, masks: dict[int, torch.Tensor], cache: KVCache):
+        """The C kernels' checked view of a decode batch (`cpu_decode.DecodeStep`)."""
+        rows = batch.positions.shape[0]
+        return kernel.step(batch.positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
+                           batch.read_slots.contiguous(),  # [rows], [rows], [rows, T]
+                           {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
+                           self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,
+                           cache.k.shape[1])

@@ -1,0 +1,218 @@
+"""A whole decode forward of 1 to 4 rows as one C call on a CPU: embeddings in, fp32 logits out.
+
+`LlamaModel.forward` on a CPU already runs a decode step's pieces in C: the products through `gemv.py`, the
+attention, residual adds + RMSNorms and SiLU gates through `cpu_decode.py`, each a ctypes call from the
+layer loop in Python. For the rows of a decode step without adapters this module runs that same sequence of
+the same C functions from C: per layer RMSNorm, q/k/v product (+ bias), rotary + KV write + attention over
+the paged cache, o product, residual add + RMSNorm, gate/up product, SiLU gate, down product, residual add
++ the next norm; then the final norm and the lm_head. The products call the gemv library's own function
+(its address is passed in), the other steps are `cpu_decode.C_SOURCE` compiled with the same flags, so the
+logits are bit for bit those of the per-call path (tests/engine/test_cpu_forward.py, and `Forward.verify` at
+first use on this machine's build).
+
+Why: the per-call path spends ~20 Python-level calls per layer around the C work (~0.4 ms of a ~4.3 ms
+one-stream step) and holds the GIL between them; as one call, the forward runs without the GIL, so the
+server's responder thread (building and sending the previous token's response) no longer waits for the
+engine thread's Python, nor the engine for the responder's.
+
+Where it applies (`LlamaModel.forward`): a CPU fp32 model whose every projection has the gemv layout, a
+decode step (q_len 1, last-position logits) of at most `gemv.MAX_ROWS` rows, no row with an adapter (LoRA
+deltas are added in Python per projection), and the C decode kernels on. Anything else takes the per-call
+path. `TRITON_VLM_CPU_FORWARD=0` turns it off (for comparisons).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import cbuild, cpu_decode, gemv
+
+log = logging.getLogger(__name__)
+
+ENV = "TRITON_VLM_CPU_FORWARD"  # "1" (default): one C call per small decode forward; "0": the per-call path
+
+FORWARD_SOURCE = r"""
+typedef int (*gemv_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const float *w, int64_t Kp,
+                       int64_t N, const float *bias, float *y, int64_t ldy);
+
+typedef struct { const float *w; int64_t n, k, kp; const float *bias; } Lin; /* a packed weight (gemv.Layout) */
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    Lin qkv, o, gate_up, down;
+} LayerW;
+
+typedef struct {
+    int64_t layers, hidden, inter;
+    float eps, final_eps;
+    const LayerW *layer;         /* [layers] */
+    const float *norm;           /* [hidden] */
+    Lin lm_head;
+    int64_t layer_stride;        /* floats from one layer's K (or V) pool to the next */
+    gemv_fn gemv;
+} ModelW;
+
+static int lin(const ModelW *m, const Lin *l, const float *x, int64_t rows, float *y) {
+    return m->gemv(x, rows, l->k, l->k, l->w, l->kp, l->n, l->bias, y, l->n);
+}
+
+/* x_in [rows, hidden] -> logits [rows, vocab]; masks [layers]: each layer's [rows, T] mask; kc, vc: layer 0's
+   pools [slots, kv_heads, hd], the next layer's layer_stride floats further. The caller checked `st` and every
+   mask (triton_vlm_decode_check). Returns 0, or the first failing step's code. */
+int triton_vlm_decode_forward(const ModelW *m, const Step *st, const uint8_t *const *masks, const float *x_in,
+                              float *kc, float *vc, float *logits) {
+    const int64_t rows = st->rows, hid = m->hidden, H = st->heads, hd = st->hd;
+    const int64_t qkv_n = m->layer[0].qkv.n, gu_n = m->layer[0].gate_up.n;
+    float *x = malloc(sizeof(float) * rows * hid), *h = malloc(sizeof(float) * rows * hid);
+    float *qkv = malloc(sizeof(float) * rows * qkv_n), *att = malloc(sizeof(float) * rows * H * hd);
+    float *o = malloc(sizeof(float) * rows * hid), *gu = malloc(sizeof(float) * rows * gu_n);
+    float *act = malloc(sizeof(float) * rows * m->inter);
+    int rc = (x && h && qkv && att && o && gu && act) ? 0 : -6;
+    if (rc == 0) triton_vlm_add_rms_norm(x_in, 0, m->layer[0].input_norm, m->eps, rows, hid, x, h);
+    for (int64_t l = 0; rc == 0 && l < m->layers; l++) {
+        const LayerW *L = m->layer + l;
+        if ((rc = lin(m, &L->qkv, h, rows, qkv))) break;
+        rc = triton_vlm_decode_attention(st, masks[l], qkv, kc + l * m->layer_stride, vc + l * m->layer_stride,
+                                         att);
+        if (rc || (rc = lin(m, &L->o, att, rows, o))) break;
+        triton_vlm_add_rms_norm(x, o, L->post_norm, m->eps, rows, hid, x, h);
+        if ((rc = lin(m, &L->gate_up, h, rows, gu))) break;
+        triton_vlm_silu_mul(gu, rows, m->inter, act);
+        if ((rc = lin(m, &L->down, act, rows, o))) break;
+        int last = l + 1 == m->layers;
+        triton_vlm_add_rms_norm(x, o, last ? m->norm : m->layer[l + 1].input_norm, last ? m->final_eps : m->eps,
+                                rows, hid, x, h);
+    }
+    if (rc == 0) rc = lin(m, &m->lm_head, h, rows, logits);
+    free(x); free(h); free(qkv); free(att); free(o); free(gu); free(act);
+    return rc;
+}
+"""
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kp", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
+
+
+class _LayerW(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Lin), ("o", _Lin),
+                ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _ModelW(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("final_eps", ctypes.c_float), ("layer", ctypes.POINTER(_LayerW)),
+                ("norm", ctypes.c_void_p), ("lm_head", _Lin), ("layer_stride", ctypes.c_int64),
+                ("gemv", ctypes.c_void_p)]
+
+
+def _lin(linear, kernel: gemv.Kernel) -> Optional[_Lin]:
+    """A `model.Linear` as the C side reads it, or None when its weight is not in the gemv layout."""
+    lay = kernel.layout(linear.weight) if linear.weight.is_mkldnn else None
+    bias = linear.bias
+    if lay is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+        return None
+    return _Lin(lay.ptr, lay.n, lay.k, lay.kp, None if bias is None else bias.data_ptr())
+
+
+class Forward:
+    """One model's decode forward in C: `run(step, masks, x, cache)`; built by `for_model` (None where it cannot
+    run). Holds the pointer tables; the model holds the tensors they point into."""
+
+    def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int):
+        c = model.config
+        self._fn = fn
+        self._layers = (_LayerW * len(layers))(*layers)
+        self._w = _ModelW(len(layers), c.hidden_size, layers[0].gate_up.n // 2, model.layers[0].eps,
+                          c.rms_norm_eps, ctypes.cast(self._layers, ctypes.POINTER(_LayerW)),
+                          model.norm.data_ptr(), lm_head, 0, gemv_addr)
+        self._model_layers = model.layers  # each layer's window is read at every call
+        self.vocab = lm_head.n
+
+    @classmethod
+    def for_model(cls, model) -> Optional["Forward"]:
+        lib, gk = _library(), gemv.kernel(_pack)
+        if lib is None or gk is None:
+            return None
+        lins = [[_lin(lin, gk) for lin in layer.linears()] for layer in model.layers]  # qkv, o, gate_up, down
+        head = _lin(model.lm_head, gk)
+        if head is None or any(x is None for row in lins for x in row):
+            return None
+        layers = [_LayerW(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *row)
+                  for layer, row in zip(model.layers, lins)]
+        return cls(lib, model, layers, head, ctypes.cast(gk._fn, ctypes.c_void_p).value)
+
+    def run(self, step: cpu_decode.DecodeStep, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+            ) -> torch.Tensor:
+        """x [rows <= 4, 1, hidden] fp32 embeddings; `step` checked for this batch (`cpu_decode.Kernel.step`);
+        k_pool, v_pool [layers, slots, kv_heads, hd] (the cache's, written) -> logits [rows, vocab] fp32."""
+        rows = x.shape[0]
+        if not 0 < rows <= gemv.MAX_ROWS:
+            raise ValueError(f"C decode forward: {rows} rows, 1 to {gemv.MAX_ROWS}")
+        x = x.reshape(rows, -1).contiguous()
+        for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if not t.is_contiguous() or t.dtype != torch.float32 or t.shape[0] != len(self._model_layers):
+                raise ValueError(f"C decode forward: {name} must be a contiguous fp32 [layers, ...] pool")
+        self._w.layer_stride = k_pool.stride(0)
+        layers = self._model_layers
+        masks = (ctypes.c_void_p * len(layers))(*(step.mask_ptr(layer.window) for layer in layers))
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32)  # [rows, vocab]
+        rc = self._fn(ctypes.byref(self._w), step.ref, masks, x.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                      logits.data_ptr())
+        if rc != 0:
+            raise ValueError(f"C decode forward failed: {cpu_decode.ERRORS.get(rc, rc)}")
+        return logits
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    from .gemm import pack  # noqa: PLC0415 - gemm imports gemv; the kernel is already built by then
+    return pack(weight)
+
+
+_lock = threading.Lock()
+_fn = None
+_tried = False
+
+
+def enabled() -> bool:
+    choice = os.environ.get(ENV, "1").strip()
+    if choice not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
+    return choice == "1"
+
+
+def _library():
+    """The compiled forward (None where it cannot be built or is switched off), once per process."""
+    global _fn, _tried
+    if _tried:
+        return _fn
+    with _lock:
+        if not _tried:
+            _fn = _load() if enabled() else None
+            _tried = True
+    return _fn
+
+
+def _load():
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.info("C decode forward unavailable (%s); decode steps run layer by layer", e)
+        return None
+    fn = lib.triton_vlm_decode_forward
+    p = ctypes.c_void_p
+    fn.argtypes = [p, p, p, p, p, p, p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _build() -> Path:
+    return cbuild.build("decode_forward", cpu_decode.C_SOURCE + FORWARD_SOURCE, cpu_decode.FLAGS)

@@ -1,0 +1,145 @@
+"""The whole decode forward as one C call (`engine/cpu_forward.py`): bit for bit the layer-by-layer path (logits
+and cache writes) for Llama, Qwen2 (q/k/v biases) and Mistral (a sliding window), taken only by small decode
+steps without adapters, and layer by layer wherever it cannot run."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+from triton_vlm.engine import cpu_forward, gemv
+from triton_vlm.engine.model import LlamaModel
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 3}),
+}
+
+
+def _model(tmp_path, family: str) -> LlamaModel:
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(1)
+    hf = model_cls(cfg_cls(**SMALL, **extra)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # Qwen2's q/k/v biases: nonzero, so a dropped bias would show
+    hf.save_pretrained(tmp_path)
+    return LlamaModel.from_pretrained(tmp_path)
+
+
+def _available(m: LlamaModel) -> bool:
+    """The C forward exists wherever the kernels it is made of do (a C compiler, the AVX-512 packed layout)."""
+    return (m.c_forward() is not None) == (gemv.kernel(_pack) is not None)
+
+
+def _pack(w):
+    from triton_vlm.engine.gemm import pack
+    return pack(w)
+
+
+def _decode_both(m: LlamaModel, rows: int, steps: int) -> None:
+    """Prefill `rows` prompts of different lengths on two caches, then decode `steps` steps both ways."""
+    caches = [m.new_cache(32, 4) for _ in range(2)]
+    row_kv = [[c.new_row() for _ in range(rows)] for c in caches]
+    g = torch.Generator().manual_seed(rows)
+    for r in range(rows):  # prompts of 3, 6, 9, ... tokens: rows of different lengths (padding in the masks)
+        ids = torch.randint(3, 90, (1, 3 * (r + 1)), generator=g)
+        for c, kv in zip(caches, row_kv):
+            m.forward(m.embed(ids), c.plan([kv[r]], ids.shape[1]), c)
+    for _ in range(steps):
+        x = m.embed(torch.randint(3, 90, (rows, 1), generator=g))  # [rows, 1, hidden]
+        whole = m.forward(x, caches[0].plan(row_kv[0], 1), caches[0])
+        per_layer = m.forward(x, caches[1].plan(row_kv[1], 1), caches[1], whole=False)
+        assert torch.equal(whole, per_layer)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_one_call_equals_layer_by_layer_bit_for_bit(tmp_path, family, rows):
+    m = _model(tmp_path, family)
+    assert _available(m)
+    if m.c_forward() is None:
+        return
+    calls = []
+    run = cpu_forward.Forward.run
+    m.c_forward().run = lambda *a: calls.append(a[1].shape[0]) or run(m.c_forward(), *a)
+    _decode_both(m, rows, steps=5)  # crosses a block boundary (block size 4)
+    assert calls == [rows] * 5
+
+
+def test_what_it_does_not_take_runs_layer_by_layer(tmp_path):
+    """5 rows (above the gemv's 4), every position's logits, a prefill, an adapter batch: not the C forward."""
+    m = _model(tmp_path, "llama")
+    if m.c_forward() is None:
+        assert gemv.kernel(_pack) is None
+        return
+    taken = []
+    run = cpu_forward.Forward.run
+    m.c_forward().run = lambda *a: taken.append(1) or run(m.c_forward(), *a)
+    cache = m.new_cache(32, 4)
+    rows = [cache.new_row() for _ in range(5)]
+    m.forward(m.embed(torch.tensor([[5, 6]] * 5)), cache.plan(rows, 2), cache)  # prefill
+    m.forward(m.embed(torch.tensor([[7]] * 5)), cache.plan(rows, 1), cache)  # 5 rows
+    m.forward(m.embed(torch.tensor([[7]] * 4)), cache.plan(rows[:4], 1), cache, all_logits=True)
+
+    class NoDelta:
+        def add(self, x, y, layer, module):
+            return y
+
+    m.forward(m.embed(torch.tensor([[7]] * 4)), cache.plan(rows[:4], 1), cache, adapters=NoDelta())
+    assert taken == []
+    m.forward(m.embed(torch.tensor([[8]] * 4)), cache.plan(rows[:4], 1), cache)
+    assert taken == [1]
+
+
+def test_a_weight_outside_the_gemv_layout_keeps_the_model_layer_by_layer(tmp_path, monkeypatch):
+    m = _model(tmp_path, "llama")
+    kernel = gemv.kernel(_pack)
+    if kernel is None:
+        assert m.c_forward() is None
+        return
+    layout = gemv.Kernel.layout
+    odd = m.layers[1].o_proj.weight
+    monkeypatch.setattr(gemv.Kernel, "layout", lambda self, w, ref=None: None if w is odd else layout(self, w, ref))
+    assert cpu_forward.Forward.for_model(m) is None
+
+
+def test_a_forward_that_disagrees_is_not_used(tmp_path, monkeypatch, caplog):
+    m = _model(tmp_path, "llama")
+    if cpu_forward.Forward.for_model(m) is None:
+        assert m.c_forward() is None
+        return
+    run = cpu_forward.Forward.run
+    monkeypatch.setattr(cpu_forward.Forward, "run", lambda self, *a: run(self, *a) + 1e-6)
+    m._c_forward = False  # built at load: build and check it again, now disagreeing
+    with caplog.at_level(logging.WARNING):
+        assert m.c_forward() is None
+    assert "C decode forward not used: its logits or cache writes differ" in caplog.text
+
+
+def test_more_rows_than_the_gemv_takes_are_refused(tmp_path):
+    m = _model(tmp_path, "llama")
+    whole = m.c_forward()
+    if whole is None:
+        return
+    with pytest.raises(ValueError, match="C decode forward: 5 rows, 1 to 4"):
+        whole.run(None, torch.zeros(5, 1, 64), m.new_cache(2, 4).k, m.new_cache(2, 4).v)
+
+
+def test_switch_turns_it_off_and_rejects_other_values(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_forward, "_tried", False)
+    monkeypatch.setattr(cpu_forward, "_fn", None)
+    monkeypatch.setenv(cpu_forward.ENV, "0")
+    assert cpu_forward.Forward.for_model(_model(tmp_path, "llama")) is None
+    monkeypatch.setattr(cpu_forward, "_tried", False)
+    monkeypatch.setenv(cpu_forward.ENV, "2")
+    with pytest.raises(ValueError, match="TRITON_VLM_CPU_FORWARD must be 0 or 1, got '2'"):
+        cpu_forward.Forward.for_model(_model(tmp_path, "llama"))
