@@ -16,6 +16,8 @@ Time attribution: the engine's own functions are wrapped (at run time, nothing i
 timers that charge each call's *exclusive* time (its time minus that of wrapped calls inside it) to a
 category, so the categories add up to the measured step time:
 
+- whole forward in C  a decode forward of 1-4 rows without adapters as one C call (`cpu_forward.py`): the
+                      projections, attention, norms and activations below all happen inside it
 - attn q/k/v/o proj   the attention `Linear`s (q/k/v fused, o)
 - attn core           rope, KV write, attention over the row's slots: torch ops (`attention.attend_torch`: index_copy,
                       index_select gathers, scaled_dot_product_attention) or the C decode kernel (`cpu_decode.py`)
@@ -95,6 +97,7 @@ def instrument(timers: Timers) -> None:
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
     from triton_vlm.engine import attention as attn_mod  # noqa: PLC0415
     from triton_vlm.engine import cpu_decode as cpu_attn_mod  # noqa: PLC0415
+    from triton_vlm.engine import cpu_forward as cpu_fwd_mod  # noqa: PLC0415
     from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
     from triton_vlm.engine import model as model_mod  # noqa: PLC0415
     from triton_vlm.engine import output as out_mod  # noqa: PLC0415
@@ -110,6 +113,7 @@ def instrument(timers: Timers) -> None:
 
     timers.wrap(model_mod.Linear, "__call__", linear_cat)
     timers.wrap(attn_mod, "attend_torch", "attn core")
+    timers.wrap(cpu_fwd_mod.Forward, "run", "whole forward in C")
     timers.wrap(cpu_attn_mod.Kernel, "step", "attn core")
     timers.wrap(cpu_attn_mod.DecodeStep, "attend", "attn core")
     timers.wrap(model_mod.LlamaModel, "forward", "norms/residual/act")
@@ -129,7 +133,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(eng_mod.Engine, "_decode_text", "finalize+detok")
 
 
-ORDER = ["attn q/k/v/o proj", "attn core", "mlp gate/up/down", "norms/residual/act", "lm_head",
+ORDER = ["whole forward in C", "attn q/k/v/o proj", "attn core", "mlp gate/up/down", "norms/residual/act", "lm_head",
          "embed / image merge", "kv plan", "kv fork/free", "decoder", "finalize+detok", "scheduler python",
          "engine loop"]
 
@@ -281,7 +285,7 @@ def report(s: RunStats) -> str:
         if cat in s.excl:
             ms = 1000 * s.excl[cat] / max(1, s.steps)
             lines.append(f"  {cat:<22}{ms:>9.2f}{100 * s.excl[cat] / total:>7.1f}%")
-    model = sum(s.excl.get(c, 0.0) for c in ORDER[:6])
+    model = sum(s.excl.get(c, 0.0) for c in ORDER[:7])
     lines.append(f"  -> model forward {100 * model / total:.1f}%, bookkeeping (kv/decoder/scheduler/loop) "
                  f"{100 * (total - model) / total:.1f}%")
     return "\n".join(lines)
