@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triton_vlm.engine import attention, cpu_decode
+from triton_vlm.engine import cbuild, attention, cpu_decode
 from triton_vlm.engine.model import LlamaModel
 
 
@@ -27,8 +27,7 @@ def kernel():
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """The module as if nothing had been built in this process, with its own build folder."""
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_kernel", None)
+    monkeypatch.setattr(cpu_decode, "_once", cbuild.Once(cpu_decode.ENV, cpu_decode._load))
     monkeypatch.setenv("TRITON_VLM_CACHE", str(tmp_path))
     monkeypatch.delenv(cpu_decode.ENV, raising=False)
     return tmp_path
@@ -224,7 +223,7 @@ def test_decode_steps_take_the_kernel_and_prefill_takes_torch(kernel, tmp_path, 
 def test_switch_turns_the_kernel_off_and_rejects_other_values(fresh, monkeypatch):
     monkeypatch.setenv(cpu_decode.ENV, "0")
     assert cpu_decode.kernel(attention.decode_torch) is None
-    monkeypatch.setattr(cpu_decode, "_tried", False)
+    cpu_decode._once.reset()
     monkeypatch.setenv(cpu_decode.ENV, "on")
     with pytest.raises(ValueError, match="TRITON_VLM_CPU_DECODE must be 0 or 1, got 'on'"):
         cpu_decode.kernel(attention.decode_torch)
@@ -244,6 +243,6 @@ def test_a_kernel_that_disagrees_with_torch_stays_off(fresh, monkeypatch):
         return attention.decode_torch(*a, **kw) + 1e-2
 
     assert cpu_decode.kernel(wrong) is None
-    monkeypatch.setattr(cpu_decode, "_tried", False)
+    cpu_decode._once.reset()
     assert cpu_decode.kernel(attention.decode_torch) is not None
     assert len(list(fresh.glob("kernels/decode_attention-*.so"))) == 1

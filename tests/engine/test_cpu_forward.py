@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
-from triton_vlm.engine import cpu_forward, gemv
+from triton_vlm.engine import cbuild, cpu_forward, gemv
 from triton_vlm.engine.model import LlamaModel
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -135,11 +135,10 @@ def test_more_rows_than_the_gemv_takes_are_refused(tmp_path):
 
 
 def test_switch_turns_it_off_and_rejects_other_values(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_forward, "_tried", False)
-    monkeypatch.setattr(cpu_forward, "_fn", None)
+    monkeypatch.setattr(cpu_forward, "_once", cbuild.Once(cpu_forward.ENV, cpu_forward._load))
     monkeypatch.setenv(cpu_forward.ENV, "0")
     assert cpu_forward.Forward.for_model(_model(tmp_path, "llama")) is None
-    monkeypatch.setattr(cpu_forward, "_tried", False)
+    cpu_forward._once.reset()
     monkeypatch.setenv(cpu_forward.ENV, "2")
     with pytest.raises(ValueError, match="TRITON_VLM_CPU_FORWARD must be 0 or 1, got '2'"):
         cpu_forward.Forward.for_model(_model(tmp_path, "llama"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.engine import gemm, gemv
+from triton_vlm.engine import cbuild, gemm, gemv
 
 
 def _machine_can_build() -> bool:
@@ -21,8 +21,7 @@ def _machine_can_build() -> bool:
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """The module as if nothing had been built in this process, with its own build folder."""
-    monkeypatch.setattr(gemv, "_tried", False)
-    monkeypatch.setattr(gemv, "_kernel", None)
+    monkeypatch.setattr(gemv, "_once", cbuild.Once(gemv.ENV, gemv._load))
     monkeypatch.setenv("TRITON_VLM_CACHE", str(tmp_path))
     monkeypatch.delenv(gemv.ENV, raising=False)
     return tmp_path
@@ -93,7 +92,7 @@ def test_no_compiler_means_onednn_everywhere(fresh, monkeypatch):
 def test_switch_turns_the_kernel_off_and_rejects_other_values(fresh, monkeypatch):
     monkeypatch.setenv(gemv.ENV, "0")
     assert gemv.kernel(gemm.pack) is None
-    monkeypatch.setattr(gemv, "_tried", False)
+    gemv._once.reset()
     monkeypatch.setenv(gemv.ENV, "yes")
     with pytest.raises(ValueError, match="TRITON_VLM_CPU_GEMV must be 0 or 1, got 'yes'"):
         gemv.kernel(gemm.pack)

@@ -33,11 +33,7 @@ no compiler, a failed build or a failed check: logged once, torch runs these ste
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
-import os
-import subprocess
-import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -45,7 +41,6 @@ import torch
 
 from . import cbuild
 
-log = logging.getLogger(__name__)
 
 ENV = "TRITON_VLM_CPU_DECODE"  # "1" (default): the C kernels for decode steps on a CPU; "0": torch ops
 
@@ -457,45 +452,21 @@ class Kernel:
         return None
 
 
-_lock = threading.Lock()
-_kernel: Optional[Kernel] = None
-_tried = False
-
-
 def enabled() -> bool:
-    choice = os.environ.get(ENV, "1").strip()
-    if choice not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
-    return choice == "1"
+    return _once.enabled()
 
 
 def kernel(reference: Reference) -> Optional[Kernel]:
-    """The checked kernel, built on first use (None where torch runs the attention: module doc)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            _kernel = _load(reference) if enabled() else None
-            _tried = True
-    return _kernel
+    """The checked kernels, built on first use (None where torch runs decode steps: module doc)."""
+    return _once.get(reference)
 
 
 def _load(reference: Reference) -> Optional[Kernel]:
-    try:
-        k = Kernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.info("CPU decode kernels unavailable (%s); torch runs decode steps", e)
-        return None
-    try:
-        reason = k.check(reference)
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot even be checked stays off
-        reason = f"{type(e).__name__}: {e}"
-    if reason is not None:
-        log.warning("CPU decode kernels not used: %s; torch runs decode steps", reason)
-        return None
-    log.info("CPU decode kernels on: attention over the paged cache, RMSNorm and SiLU gate in C")
-    return k
+    return cbuild.load_checked(_build, Kernel, lambda k: k.check(reference), "CPU decode kernels",
+                               "torch runs decode steps", "attention over the paged cache, RMSNorm and SiLU gate in C")
+
+
+_once: cbuild.Once[Kernel] = cbuild.Once(ENV, _load)
 
 
 def _build() -> Path:

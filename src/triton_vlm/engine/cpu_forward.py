@@ -23,10 +23,6 @@ path. `TRITON_VLM_CPU_FORWARD=0` turns it off (for comparisons).
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +30,6 @@ import torch
 
 from . import cbuild, cpu_decode, gemv
 
-log = logging.getLogger(__name__)
 
 ENV = "TRITON_VLM_CPU_FORWARD"  # "1" (default): one C call per small decode forward; "0": the per-call path
 
@@ -177,41 +172,29 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return pack(weight)
 
 
-_lock = threading.Lock()
-_fn = None
-_tried = False
-
-
 def enabled() -> bool:
-    choice = os.environ.get(ENV, "1").strip()
-    if choice not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
-    return choice == "1"
+    return _once.enabled()
 
 
 def _library():
     """The compiled forward (None where it cannot be built or is switched off), once per process."""
-    global _fn, _tried
-    if _tried:
-        return _fn
-    with _lock:
-        if not _tried:
-            _fn = _load() if enabled() else None
-            _tried = True
-    return _fn
+    return _once.get()
 
 
-def _load():
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.info("C decode forward unavailable (%s); decode steps run layer by layer", e)
-        return None
+def _bind(lib: ctypes.CDLL):
     fn = lib.triton_vlm_decode_forward
     p = ctypes.c_void_p
     fn.argtypes = [p, p, p, p, p, p, p]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _load():
+    return cbuild.load_checked(_build, _bind, lambda fn: None, "C decode forward", "decode steps run layer by layer",
+                               "decode steps of 1-4 rows without adapters run as one call (checked per model)")
+
+
+_once = cbuild.Once(ENV, _load)
 
 
 def _build() -> Path:

@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -183,45 +180,23 @@ class Kernel:
         return None
 
 
-_lock = threading.Lock()
-_kernel: Optional[Kernel] = None
-_tried = False
-
-
 def enabled() -> bool:
-    choice = os.environ.get(ENV, "1").strip()
-    if choice not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {choice!r}")
-    return choice == "1"
+    return _once.enabled()
 
 
 def kernel(pack) -> Optional[Kernel]:
     """The checked kernel, built on first use (None where it cannot run: module doc)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            _kernel = _load(pack) if enabled() else None
-            _tried = True
-    return _kernel
+    return _once.get(pack)
 
 
 def _load(pack) -> Optional[Kernel]:
-    try:
-        k = Kernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.info("decode gemv kernel unavailable (%s); oneDNN runs every product", e)
-        return None
-    try:
-        reason = k.check(pack)
-    except Exception as e:  # noqa: BLE001 - e.g. a torch without mkldnn.data_ptr: the kernel stays off
-        reason = f"{type(e).__name__}: {e}"
-    if reason is not None:
-        log.warning("decode gemv kernel not used: %s; oneDNN runs every product", reason)
-        return None
-    log.info("decode gemv kernel on: products of 1-%d rows read oneDNN's packed weights directly", MAX_ROWS)
-    return k
+    # e.g. a torch without mkldnn.data_ptr makes the check raise: the kernel stays off
+    return cbuild.load_checked(_build, Kernel, lambda k: k.check(pack), "decode gemv kernel",
+                               "oneDNN runs every product",
+                               f"products of 1-{MAX_ROWS} rows read oneDNN's packed weights directly")
+
+
+_once: cbuild.Once[Kernel] = cbuild.Once(ENV, _load)
 
 
 def _build() -> Path:
