@@ -134,6 +134,30 @@ def test_more_rows_than_the_gemv_takes_are_refused(tmp_path):
         whole.run(None, torch.zeros(5, 1, 64), m.new_cache(2, 4).k, m.new_cache(2, 4).v)
 
 
+def test_inputs_that_do_not_fit_the_checked_step_are_refused(tmp_path):
+    """The step's slots were checked against one pool shape and row count: anything else would read or write
+    outside the buffers, so it raises instead."""
+    m = _model(tmp_path, "llama")
+    whole = m.c_forward()
+    if whole is None:
+        return
+    cache = m.new_cache(8, 4)
+    rows = [cache.new_row() for _ in range(2)]
+    batch = cache.plan(rows, 1)
+    kernel = m.attention.kernel_for(1)
+    from triton_vlm.engine.model import window_masks
+    step = m._decode_step(kernel, batch, window_masks(batch, {0}), cache)
+    x = m.embed(torch.tensor([[3], [4]]))  # [2, 1, 64]
+    small = m.new_cache(4, 4)
+    with pytest.raises(ValueError, match=r"k_pool must be a contiguous fp32 \[3, 33, 2, 16\] pool"):
+        whole.run(step, x, small.k, small.v)
+    with pytest.raises(ValueError, match=r"x must be \[2, 1, 64\] fp32"):
+        whole.run(step, x[:1], cache.k, cache.v)
+    with pytest.raises(ValueError, match=r"x must be \[2, 1, 64\] fp32"):
+        whole.run(step, x[..., :32], cache.k, cache.v)
+    assert whole.run(step, x, cache.k, cache.v).shape == (2, 96)
+
+
 def test_switch_turns_it_off_and_rejects_other_values(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_forward, "_once", cbuild.Once(cpu_forward.ENV, cpu_forward._load))
     monkeypatch.setenv(cpu_forward.ENV, "0")

@@ -327,6 +327,15 @@ class DecodeStep:
         self._out_shape = (rows, heads * hd)
 
     @property
+    def rows(self) -> int:
+        return self._qkv_shape[0]
+
+    @property
+    def kv_shape(self) -> torch.Size:
+        """[slots, kv_heads, head_dim]: one layer's K (or V) pool, as this step's indices were checked against."""
+        return self._kv_shape
+
+    @property
     def ref(self):
         """The checked step, by reference, for C callers (`cpu_forward.py`)."""
         return self._ref

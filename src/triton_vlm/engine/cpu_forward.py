@@ -152,10 +152,15 @@ class Forward:
         rows = x.shape[0]
         if not 0 < rows <= gemv.MAX_ROWS:
             raise ValueError(f"C decode forward: {rows} rows, 1 to {gemv.MAX_ROWS}")
+        if rows != step.rows or x.numel() != rows * self._w.hidden or x.dtype != torch.float32:
+            raise ValueError(f"C decode forward: x must be [{step.rows}, 1, {self._w.hidden}] fp32 (the step's rows), "
+                             f"got {x.dtype} {tuple(x.shape)}")
         x = x.reshape(rows, -1).contiguous()
-        for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-            if not t.is_contiguous() or t.dtype != torch.float32 or t.shape[0] != len(self._model_layers):
-                raise ValueError(f"C decode forward: {name} must be a contiguous fp32 [layers, ...] pool")
+        for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):  # the pools the step's slots were checked for
+            if (not t.is_contiguous() or t.dtype != torch.float32 or t.shape[0] != len(self._model_layers)
+                    or t.shape[1:] != step.kv_shape):
+                raise ValueError(f"C decode forward: {name} must be a contiguous fp32 [{len(self._model_layers)}, "
+                                 f"{', '.join(map(str, step.kv_shape))}] pool, got {t.dtype} {tuple(t.shape)}")
         self._w.layer_stride = k_pool.stride(0)
         layers = self._model_layers
         masks = (ctypes.c_void_p * len(layers))(*(step.mask_ptr(layer.window) for layer in layers))
