@@ -17,8 +17,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     TRITON_VLM_CACHE=/cache HF_HOME=/cache/huggingface
 
-# tritonserver links the system's zlib and libstdc++; torch and onnxruntime use libgomp; the llm's decode kernel
-# (src/triton_vlm/engine/gemv.py) is compiled by gcc at the first start, for the CPU the container runs on
+# tritonserver links the system's zlib and libstdc++; torch and onnxruntime use libgomp; the llm's decode kernels
+# (src/triton_vlm/engine/gemv.py, cpu_decode.py, cpu_forward.py) are compiled by gcc at the first start, for the
+# CPU the container runs on
 RUN apt-get update \
  && apt-get install -y --no-install-recommends zlib1g libstdc++6 libgomp1 gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
