@@ -139,7 +139,10 @@ class Forward:
             return None
         lins = [[_lin(lin, gk) for lin in layer.linears()] for layer in model.layers]  # qkv, o, gate_up, down
         head = _lin(model.lm_head, gk)
-        if head is None or any(x is None for row in lins for x in row):
+        norms = [model.norm] + [t for layer in model.layers for t in (layer.input_norm, layer.post_norm)]
+        if head is None or any(x is None for row in lins for x in row) or not all(
+                t.dtype == torch.float32 and t.is_contiguous() and t.shape == (model.config.hidden_size,)
+                for t in norms):
             return None
         layers = [_LayerW(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *row)
                   for layer, row in zip(model.layers, lins)]

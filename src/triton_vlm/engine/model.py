@@ -34,8 +34,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import gemm
-from . import attention, cpu_forward, gemv
+from . import attention, cpu_forward, gemm, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
 from .weights import ModelConfig, load_config, load_weights
