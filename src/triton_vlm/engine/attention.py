@@ -5,9 +5,10 @@ Two implementations of the same computation:
 - `attend_torch`: torch ops, any device, any q_len (prefill chunks and decode steps). The keys a row reads
   are gathered from its slots (`AttentionBatch.read_slots`; column j is position j) and attended with
   `scaled_dot_product_attention` under the batch's mask.
-- `cpu_decode.Kernel.decode`: one C call for a decode step (q_len 1) on a CPU in fp32, reading the keys in
-  place. `Attention.use_kernel` decides per forward; the kernel's results are checked against `attend_torch`
-  at first use.
+- `cpu_decode.DecodeStep.attend`: one C call per layer for a decode step (q_len 1) on a CPU in fp32, reading
+  the keys in place (`cpu_decode.Kernel.decode` is the same for one layer, in `decode_torch`'s arguments).
+  `Attention.kernel_for` decides per forward; the kernel's results are checked against `decode_torch` at
+  first use.
 """
 from __future__ import annotations
 
