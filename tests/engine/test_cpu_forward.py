@@ -11,7 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from triton_vlm.engine import cbuild, cpu_forward, gemv
+from triton_vlm.engine.lora import LoraBatch, StackCache
 from triton_vlm.engine.model import LlamaModel
+from triton_vlm.lora.format import Adapter, LoraModule
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2)
@@ -166,3 +168,87 @@ def test_switch_turns_it_off_and_rejects_other_values(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_forward.ENV, "2")
     with pytest.raises(ValueError, match="TRITON_VLM_CPU_FORWARD must be 0 or 1, got '2'"):
         cpu_forward.Forward.for_model(_model(tmp_path, "llama"))
+
+
+# --- LoRA rows in the one call --------------------------------------------------------------------------------
+MODULE_DIMS = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+               "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}  # (in, out) of SMALL
+
+
+def _adapter(name: str, rank: int, seed: int, modules=tuple(MODULE_DIMS)) -> Adapter:
+    g = torch.Generator().manual_seed(seed)
+    mods = {(layer, m): LoraModule(torch.randn(rank, MODULE_DIMS[m][0], generator=g) * 0.3,
+                                   torch.randn(MODULE_DIMS[m][1], rank, generator=g) * 0.3, 1.5)
+            for layer in range(3) for m in modules}
+    return Adapter(name, mods)
+
+
+TOKENS = torch.randint(3, 90, (4, 3), generator=torch.Generator().manual_seed(7))  # [steps, rows]
+
+
+def _lora_decode_both(m: LlamaModel, row_adapters: list, steps: int = 4, tokens=None) -> list[torch.Tensor]:
+    """Decode `steps` steps with these rows' adapters (row i fed tokens[:, i], default TOKENS), one call and
+    layer by layer, on two caches; -> the one call's logits per step (checked close to the layer-by-layer
+    path's, caches too)."""
+    rows = len(row_adapters)
+    tokens = TOKENS[:, :rows] if tokens is None else tokens  # [steps, rows]
+    caches = [m.new_cache(32, 4) for _ in range(2)]
+    row_kv = [[c.new_row() for _ in range(rows)] for c in caches]
+    stacks = StackCache()
+    out = []
+    for step in range(steps):
+        x = m.embed(tokens[step][:, None])  # [rows, 1, hidden]
+        batch = LoraBatch.build(row_adapters, stacks, "cpu")
+        whole = m.forward(x, caches[0].plan(row_kv[0], 1), caches[0], batch)
+        per_layer = m.forward(x, caches[1].plan(row_kv[1], 1), caches[1], batch, whole=False)
+        torch.testing.assert_close(whole, per_layer, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-4, atol=1e-4)  # fp32 sums in other orders
+        out.append(whole)
+    return out
+
+
+def test_lora_rows_run_in_the_one_call_as_layer_by_layer(tmp_path):
+    m = _model(tmp_path, "qwen2")  # q/k/v biases: the delta lands after the bias, as in Python
+    if m.c_forward() is None:
+        return
+    taken = []
+    run = cpu_forward.Forward.run
+    m.c_forward().run = lambda *a: taken.append(a[-1] is not None) or run(m.c_forward(), *a)
+    french, other = _adapter("french", 8, 1), _adapter("other", 16, 2, ("q_proj", "v_proj", "down_proj"))
+    _lora_decode_both(m, [french, None, other, french], tokens=torch.cat([TOKENS, TOKENS[:, :1]], dim=1))
+    assert taken == [True] * 4  # every step in one call, adapters included
+
+
+def test_a_tenants_rows_do_not_depend_on_their_batch_mates(tmp_path):
+    """A row's logits in a batch mixing adapters equal that row decoded alone with its own adapter; a row without
+    an adapter in such a batch equals the base model's, bit for bit (its mask is 0: its delta is exactly 0)."""
+    m = _model(tmp_path, "llama")
+    if m.c_forward() is None:
+        return
+    french, other = _adapter("french", 8, 1), _adapter("other", 16, 2)
+    mixed = _lora_decode_both(m, [french, None, other])
+    alone_french = _lora_decode_both(m, [french], tokens=TOKENS[:, 0:1])
+    alone_other = _lora_decode_both(m, [other], tokens=TOKENS[:, 2:3])
+    base = []  # row 1's tokens decoded with no adapter at all
+    caches = m.new_cache(32, 4)
+    row = caches.new_row()
+    for step in range(4):
+        base.append(m.forward(m.embed(TOKENS[step, 1:2][:, None]), caches.plan([row], 1), caches))
+    for step in range(4):
+        torch.testing.assert_close(mixed[step][0], alone_french[step][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed[step][2], alone_other[step][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(mixed[step][1], base[step][0])
+        assert not torch.allclose(mixed[step][0], base[step][0], atol=1e-3)  # the adapter does change the row
+
+
+def test_adapter_tensors_the_c_side_cannot_read_run_layer_by_layer(tmp_path):
+    m = _model(tmp_path, "llama")
+    whole = m.c_forward()
+    if whole is None:
+        return
+    odd = _adapter("odd", 8, 3)
+    mod = odd.modules[(1, "o_proj")]
+    odd.modules[(1, "o_proj")] = LoraModule(mod.a, mod.b.t().contiguous().t(), mod.scale)  # B column-major
+    batch = LoraBatch.build([odd], StackCache(), "cpu")
+    assert whole.lora_table(batch, 1)[0] is None
+    _lora_decode_both(m, [odd], steps=2)  # still right: those steps ran layer by layer

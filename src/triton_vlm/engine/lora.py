@@ -14,6 +14,7 @@ where the grouped form pays per-group overheads on many small GEMMs (one A GEMM 
 too: no measurable gain, so not kept). A GPU deployment should use the punica
 SGMV (prefill) / BGMV (decode) kernels instead, which skip the masked-out columns.
 
+On a CPU a decode step of 1-4 rows adds the same deltas in C from these stacks and masks (`cpu_forward.py`).
 `Linear` adds the delta to the base output in fp32 and casts back, as PEFT does (`base(x) + lora_B(lora_A(x)) *
 scaling` with fp32 adapter weights). The scale is applied between the two GEMMs here, after B in PEFT: the
 same value up to float rounding (tests compare generated tokens and scores with PEFT). Rows without an adapter
@@ -48,6 +49,7 @@ class StackSet:
     adapters: tuple[Adapter, ...]
     stacks: dict = field(default_factory=dict)
     nbytes: int = 0  # bytes of the tensors built for this set (copies only)
+    views: dict = field(default_factory=dict)  # derived per-row-map views of the stacks (`cpu_forward`'s tables)
 
 
 class StackCache:
@@ -127,8 +129,9 @@ class LoraBatch:
         uniq = sorted({id(a): a for a in row_adapters if a is not None}.items())  # one order for one set
         self.adapters = tuple(a for _, a in uniq)
         index = {k: i for i, (k, _) in enumerate(uniq)}
+        self.row_key = tuple(-1 if a is None else index[id(a)] for a in row_adapters)  # the row -> adapter map
         # [rows] index of each row's adapter in self.adapters, -1 for none
-        self.row_adapter = torch.tensor([-1 if a is None else index[id(a)] for a in row_adapters], device=device)
+        self.row_adapter = torch.tensor(self.row_key, device=device)
         self.device = device
         self._cache = stacks
         self._set = stacks.set_for(self.adapters)
@@ -141,7 +144,20 @@ class LoraBatch:
             return None
         return cls(row_adapters, stacks, device)
 
-    def _mask(self, layout: tuple) -> torch.Tensor:
+    @property
+    def views(self) -> dict:
+        """A cache for views derived from this set's stacks and a row map (keyed by the caller, with `row_key`);
+        it lives and dies with the set's stacks."""
+        return self._set.views
+
+    def stack(self, layer: int, module: str) -> Optional[Stack]:
+        """(layer, module)'s stack of this batch's adapters, built on first use (None: none adapts it)."""
+        stack = self._set.stacks.get((layer, module), _MISSING)
+        if stack is _MISSING:
+            stack = self._cache.build(self._set, layer, module, self.device)
+        return stack
+
+    def mask(self, layout: tuple) -> torch.Tensor:
         """[rows, 1, R]: row i keeps the columns of its own adapter, times that adapter's scale."""
         mask = self._masks.get(layout)
         if mask is None:
@@ -154,13 +170,10 @@ class LoraBatch:
     def add(self, x: torch.Tensor, y: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """y [rows, q_len, out] (the base projection of x [rows, q_len, in]) plus every row's adapter delta,
         computed in fp32 (as PEFT) and added in place when y is fp32 (`addmm_`: B's GEMM and the sum in one)."""
-        key = (layer, module)
-        stack = self._set.stacks.get(key, _MISSING)
-        if stack is _MISSING:
-            stack = self._cache.build(self._set, layer, module, self.device)
+        stack = self.stack(layer, module)
         if stack is None:  # no adapter of the batch adapts this module
             return y
-        h = F.linear(x.to(torch.float32), stack.a).mul_(self._mask(stack.layout))  # [rows, q_len, R]
+        h = F.linear(x.to(torch.float32), stack.a).mul_(self.mask(stack.layout))  # [rows, q_len, R]
         if y.dtype == torch.float32:
             y2 = y.view(-1, y.shape[-1])  # [rows * q_len, out]
             y2.addmm_(h.view(-1, h.shape[-1]), stack.b.t())

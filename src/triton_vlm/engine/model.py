@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from . import attention, cpu_forward, gemm, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
+from .lora import LoraBatch
 from .weights import ModelConfig, load_config, load_weights
 
 log = logging.getLogger(__name__)
@@ -214,18 +215,20 @@ class LlamaModel:
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
                 adapters: Optional[AdapterBatch] = None, all_logits: bool = False, whole: bool = True) -> torch.Tensor:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
-        ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`. A small decode
-        step without adapters on a CPU runs as one C call (`cpu_forward.py`; `whole=False`: layer by layer)."""
+        ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`. A decode step of
+        1-4 rows on a CPU runs as one C call, LoRA rows included (`cpu_forward.py`; `whole=False`: layer by
+        layer)."""
         rows, q_len, _ = x.shape
         kernel = self.attention.kernel_for(q_len)  # the C decode step (`cpu_decode.py`), or None: torch ops
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         if kernel is not None:  # the step's rows, checked once for every layer
             step = self._decode_step(kernel, batch, masks, cache)
             add_norm, act = kernel.add_rms_norm, kernel.silu_mul
-            if whole and adapters is None and not all_logits and rows <= gemv.MAX_ROWS:
-                whole_step = self.c_forward()
-                if whole_step is not None:
-                    return whole_step.run(step, x, cache.k, cache.v)  # [rows, vocab]
+            if (whole and not all_logits and rows <= gemv.MAX_ROWS
+                    and (adapters is None or isinstance(adapters, LoraBatch)) and self.c_forward() is not None):
+                logits = self.c_forward().run(step, x, cache.k, cache.v, adapters)  # [rows, vocab], or None
+                if logits is not None:
+                    return logits
         else:
             tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
             add_norm, act = add_rms_norm, silu_mul
