@@ -165,14 +165,15 @@ def _lin(linear, kernel: gemv.Kernel) -> Optional[_Lin]:
     """A `model.Linear` as the C side reads it, or None when its weight is not in the gemv layout."""
     lay = kernel.layout(linear.weight) if linear.weight.is_mkldnn else None
     bias = linear.bias
-    if lay is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+    if lay is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                             or bias.shape != (lay.n,))):
         return None
     return _Lin(lay.ptr, lay.n, lay.k, lay.kp, None if bias is None else bias.data_ptr())
 
 
 class Forward:
-    """One model's decode forward in C: `run(step, masks, x, cache)`; built by `for_model` (None where it cannot
-    run). Holds the pointer tables; the model holds the tensors they point into."""
+    """One model's decode forward in C: `run(step, x, k_pool, v_pool, adapters)`; built by `for_model` (None
+    where it cannot run). Holds the pointer tables; the model holds the tensors they point into."""
 
     def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int):
         c = model.config
