@@ -150,3 +150,11 @@ def hf_server(tmp_path_factory, demo_model, demo_adapters):
                            {"*": {"lora_dir": str(demo_adapters)}, "llm": {"backend": "hf"}}, "hf-server")
     yield server
     _stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def demo_model_hub(demo_model) -> Path:
+    """The demo model in the hub's layout (llava-hf's transformers-4 keys, two shards and an index), cached."""
+    from triton_vlm.demo.hub_layout import ensure_demo_hub_model
+
+    return ensure_demo_hub_model()

@@ -12,8 +12,7 @@ it fills the defaults llava-1.5's sparse `text_config` relies on and normalises 
 - `context_length`: `max_position_embeddings` (a `sliding_window` does not shorten it: attention is masked to
   the window instead, `TextSpec.layer_windows`, as transformers' Mistral and Qwen2 do);
 - `image_token_id`.
-`TensorSource` is the one weight loader: `model.safetensors`, shards listed in `model.safetensors.index.json`,
-or (older checkpoints) `pytorch_model.bin` / its index.
+The weights are read by the one loader, `weight_source.TensorSource` (files, shards and key layouts).
 A checkpoint that cannot be served raises `CheckpointError` (a deployment error, not a request error).
 """
 from __future__ import annotations
@@ -22,8 +21,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
-
-import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # Qwen2: Llama with q/k/v biases
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -218,52 +215,3 @@ def _vision_spec(top: Any) -> VisionSpec:
     return VisionSpec(model_type=vision.model_type, image_size=int(vision.image_size),
                       patch_size=int(vision.patch_size), feature_layer=getattr(top, "vision_feature_layer", -2),
                       select_strategy=strategy, extra_tokens=extra)
-
-
-class TensorSource:
-    """Lazy access to a checkpoint's tensors by key, whatever the file layout."""
-
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        self.model_dir = model_dir
-        self.files: dict[str, Path] = {}  # key -> file
-        self._open: dict[Path, Any] = {}
-        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            index = model_dir / index_name
-            if index.is_file():
-                for key, fname in json.loads(index.read_text())["weight_map"].items():
-                    self.files[key] = model_dir / fname
-                return
-        for single in ("model.safetensors", "pytorch_model.bin"):
-            path = model_dir / single
-            if path.is_file():
-                for key in self._handle(path).keys():
-                    self.files[key] = path
-                return
-        raise CheckpointError(f"{model_dir} holds no model.safetensors, safetensors index or pytorch_model.bin")
-
-    def _handle(self, path: Path):
-        if path not in self._open:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open  # noqa: PLC0415
-
-                self._open[path] = safe_open(str(path), framework="pt")
-            else:
-                self._open[path] = torch.load(str(path), map_location="cpu", weights_only=True)
-        return self._open[path]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.files
-
-    def get(self, key: str) -> torch.Tensor:
-        h = self._handle(self.files[key])
-        return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
-
-    def with_prefixes(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Every tensor under one of `prefixes`, keyed without it."""
-        out = {}
-        for key in self.files:
-            for p in prefixes:
-                if key.startswith(p):
-                    out[key[len(p):]] = self.get(key)
-        return out

@@ -2,18 +2,20 @@
 
 Accepted directories:
 
-- a LLaVA checkpoint (`model_type: llava`): only the language model's tensors are read (the vision tower and
-  projector belong to the vision step). Two key layouts exist:
-  transformers 5.x in memory / newer saves: `model.language_model.layers.N...` + `lm_head.weight`;
-  older saves (and what transformers 5.x `save_pretrained` still writes): `language_model.model.layers.N...`
-  + `language_model.lm_head.weight`.
+- a LLaVA checkpoint (`model_type: llava` / `llava_next`): only the language model's tensors are read (the
+  vision tower and projector belong to the vision step), by their transformers-5 names
+  (`model.language_model.layers.N...` + `lm_head.weight`) whatever layout the checkpoint was saved in (the hub's
+  and transformers 5's `language_model.model.*` + `language_model.lm_head.*`: `weight_source.TensorSource`
+  renames them as transformers does);
 - a plain Llama / Mistral / Qwen2 checkpoint: `model.layers.N...` + `lm_head.weight`.
 
 Biases: every projection whose checkpoint holds a `.bias` gets it (Qwen2: q/k/v; Llama with attention_bias).
 
-Weights come through `spec.TensorSource` (safetensors, sharded or not, or `pytorch_model.bin`); the config is
-`spec.CheckpointSpec.load(model_dir).text`. Tied embeddings (`tie_word_embeddings` or no lm_head tensor)
-reuse `embed_tokens` as the lm_head.
+Weights come through `weight_source.TensorSource` (safetensors, sharded or not, or `pytorch_model.bin`); the
+config is `spec.CheckpointSpec.load(model_dir).text`. The lm_head, as transformers 5 ties it: the checkpoint's
+`lm_head.weight` when it holds one (transformers unties a tied config whose lm_head differs from the
+embedding; an equal one is the embedding tensor itself), else `embed_tokens` when `tie_word_embeddings`; a
+checkpoint with neither is refused (transformers would start that lm_head from random values).
 
 Tensors are returned under canonical names: `embed`, `norm`, `lm_head`, `layers.{i}.{module}` with module in
 `MODULES` (+ `.bias` when the checkpoint has biases) and `layers.{i}.input_norm` / `layers.{i}.post_norm`.
@@ -24,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from ..spec import CheckpointError, CheckpointSpec, TensorSource, TextSpec
+from ..spec import CheckpointError, CheckpointSpec, TextSpec
+from ..weight_source import TensorSource
 
 # every linear module of a decoder layer, by its Hugging Face name (the LoRA issue maps these to module ids)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 MODULES = ATTN_MODULES + MLP_MODULES
 
-# (layers prefix, embed key, final norm key, lm_head key) per layout; the first whose embed key exists wins
+# (layers prefix, embed key, final norm key, lm_head key) by transformers-5 names (`TensorSource`'s): a LLaVA's
+# language model, a plain Llama; the first whose embed key exists wins
 LAYOUTS = (
     ("model.language_model.", "model.language_model.embed_tokens.weight", "model.language_model.norm.weight",
      "lm_head.weight"),
-    ("language_model.model.", "language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
-     "language_model.lm_head.weight"),
     ("model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
 )
 
@@ -64,7 +66,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
         return src.get(key).to(device=device, dtype=dtype)
 
     out = {"embed": take(embed_key), "norm": take(norm_key)}
-    out["lm_head"] = out["embed"] if config.tie_word_embeddings or head_key not in src else take(head_key)
+    out["lm_head"] = _lm_head(src, head_key, out["embed"], config, take)
     for i in range(config.num_layers):
         p = f"{layers}layers.{i}."
         out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
@@ -76,6 +78,16 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
     _check_shapes(out, config)
     return out
+
+
+def _lm_head(src: TensorSource, key: str, embed: torch.Tensor, config: ModelConfig, take) -> torch.Tensor:
+    if key in src:
+        head = take(key)
+        return embed if config.tie_word_embeddings and torch.equal(head, embed) else head
+    if config.tie_word_embeddings:
+        return embed
+    raise CheckpointError(f"checkpoint {src.model_dir} has no {key} and tie_word_embeddings is false (transformers "
+                          "would start the lm_head from random values); set tie_word_embeddings or add the lm_head")
 
 
 def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:

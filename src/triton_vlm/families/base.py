@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..spec import CheckpointError, CheckpointSpec, TensorSource, image_token_count
+from ..spec import CheckpointError, CheckpointSpec, image_token_count
+from ..weight_source import TensorSource
 
 Size = tuple[int, int]  # (height, width) in pixels
 
@@ -82,10 +83,11 @@ class Family:
     model_type: str = ""  # config.json model_type
     architectures: tuple[str, ...] = ()  # config.json architectures served
     model_class: str = ""  # the transformers class holding the weights (the `hf` baseline loads it)
-    # where the vision tensors live: transformers >= 4.52 saves "model.<part>.", older saves "<part>."
+    # where the vision tensors live, by their transformers-5 names (`weight_source.TensorSource` maps every saved
+    # layout, the hub's `vision_tower.vision_model.` and `multi_modal_projector.` included, to these)
     weight_prefixes: dict[str, tuple[str, ...]] = {
-        "tower": ("model.vision_tower.", "vision_tower."),
-        "projector": ("model.multi_modal_projector.", "multi_modal_projector."),
+        "tower": ("model.vision_tower.",),
+        "projector": ("model.multi_modal_projector.",),
     }
 
     def matches(self, config: dict) -> bool:

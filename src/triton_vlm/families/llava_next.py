@@ -29,7 +29,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..spec import CheckpointError, CheckpointSpec, TensorSource
+from ..spec import CheckpointError, CheckpointSpec
+from ..weight_source import TensorSource
 from .base import Family, ImageLayout, Packer, Size, _vision, check_tile, probe
 
 log = logging.getLogger("triton_vlm")
@@ -131,7 +132,7 @@ class LlavaNext(Family):
     model_type = "llava_next"
     architectures = ("LlavaNextForConditionalGeneration",)
     model_class = "LlavaNextForConditionalGeneration"
-    weight_prefixes = {**Family.weight_prefixes, "newline": ("model.image_newline", "image_newline")}
+    weight_prefixes = {**Family.weight_prefixes, "newline": ("model.image_newline",)}
 
     def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> AnyResLayout:
         v = _vision(spec)

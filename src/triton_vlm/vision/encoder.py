@@ -22,7 +22,8 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..families import Family, family_of
-from ..spec import CheckpointError, CheckpointSpec, TensorSource
+from ..spec import CheckpointError, CheckpointSpec
+from ..weight_source import TensorSource
 
 _DTYPES = {32: torch.float32, 16: torch.float16, "bf16": torch.bfloat16}
 
@@ -78,7 +79,8 @@ class EncoderGraph(nn.Module):
             missing, _ = module.load_state_dict(weights.with_prefixes(names), strict=False)
             missing = [m for m in missing if "position_ids" not in m]
             if missing:
-                raise ValueError(f"{model_dir}: weights missing for {names[-1]}: {missing[:5]}")
+                raise CheckpointError(f"{model_dir}: weights missing for {names[0]}: {missing[:5]} (the checkpoint's "
+                                      f"keys, as transformers 5 names them, hold no such tensors)")
         layers = spec.vision.feature_layer
         self.layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
         self.select_strategy = spec.vision.select_strategy

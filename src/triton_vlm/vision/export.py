@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..spec import CheckpointSpec, TensorSource
+from ..spec import CheckpointSpec
+from ..weight_source import TensorSource
 from .encoder import EncoderGraph
 
 log = logging.getLogger("triton_vlm")

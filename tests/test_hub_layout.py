@@ -1,0 +1,231 @@
+"""Checkpoints in the hub's layout (llava-hf's transformers-4 saves: `language_model.model.*`,
+`language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`, `image_newline`, in shards
+with `model.safetensors.index.json`) load as transformers loads them: for both families (llava-1.5, LLaVA-NeXT),
+both towers (CLIP, SigLIP) and the text models (Llama, Mistral, Qwen2 with tied embeddings).
+
+In process: `demo.hub_layout.to_hub_layout` writes a copy that transformers loads bit for bit equal; the loader
+names every tensor as transformers does in memory; the engine's and the vision tower's weights from the copy equal
+those from the transformers-5 save; broken shards and ambiguous keys are refused clearly. Live: a server on a
+hub-layout copy (the demo model's, and a LLaVA-NeXT with SigLIP) answers with transformers' `generate()` tokens.
+"""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llava_next_cases import pil, png
+from triton_vlm_client import VLMClient
+
+# name -> how the transformers-5 checkpoint is built
+CASES = {
+    "llava-mistral-clip": ("variant", dict(text="mistral", vision="clip", seed=3, vision_feature_layer=-2,
+                                           vision_feature_select_strategy="default")),
+    "llava-qwen2-siglip": ("variant", dict(text="qwen2", vision="siglip", seed=4)),  # tied, no lm_head saved
+    "next-llama-clip": ("next", "llama"),
+    "next-llama-siglip": ("next", "siglip"),
+}
+
+
+def _build(root: Path, name: str) -> Path:
+    kind, arg = CASES[name]
+    torch.set_num_threads(1)
+    if kind == "variant":
+        from triton_vlm.demo.variants import build_variant_llava
+
+        return build_variant_llava(root / name, **arg)
+    from llava_next_cases import build
+
+    return build(root, arg)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (transformers-5 save, its hub-layout copy in 2 shards)."""
+    from triton_vlm.demo.hub_layout import to_hub_layout
+
+    root = tmp_path_factory.mktemp("hub-layout")
+    out = {}
+    for name in CASES:
+        t5 = _build(root / "t5", name)
+        out[name] = (t5, to_hub_layout(t5, root / "hub" / name, shards=2))
+    return out
+
+
+def _model_class(path: Path):
+    import transformers
+
+    return getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    return list(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_transformers_loads_the_hub_copy_bit_for_bit(pairs, name):
+    t5, hub = pairs[name]
+    keys = _safetensors_keys(hub)
+    assert not (hub / "model.safetensors").exists() and len(list(hub.glob("model-*-of-00002.safetensors"))) == 2
+    assert any(k.startswith("vision_tower.vision_model.embeddings.") for k in keys)
+    assert any(k.startswith("language_model.model.layers.") for k in keys)
+    assert all(k.split(".")[0] in ("language_model", "vision_tower", "multi_modal_projector", "image_newline")
+               for k in keys)
+    cls = _model_class(t5)
+    want = cls.from_pretrained(str(t5)).state_dict()
+    model, info = cls.from_pretrained(str(hub), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("layout", ["t5", "hub"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_loader_names_every_tensor_as_transformers(pairs, name, layout):
+    from triton_vlm.weight_source import TensorSource
+
+    path = pairs[name][0 if layout == "t5" else 1]
+    state = _model_class(path).from_pretrained(str(path)).state_dict()
+    src = TensorSource(path)
+    assert set(src.keys()) <= set(state), set(src.keys()) - set(state)
+    tied = {"lm_head.weight"} if "lm_head.weight" not in src else set()
+    assert set(state) - set(src.keys()) == tied
+    assert all(torch.equal(src.get(k), state[k]) for k in src.keys())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
+    from triton_vlm.engine.weights import load_config, load_weights
+    from triton_vlm.families import family_of
+    from triton_vlm.spec import CheckpointSpec
+    from triton_vlm.vision.encoder import VisionEncoder
+    from triton_vlm.vision.export import checkpoint_key
+
+    t5, hub = pairs[name]
+    cfg = load_config(hub)
+    a, b = load_weights(t5, cfg), load_weights(hub, cfg)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    enc_t5, enc_hub = VisionEncoder(t5), VisionEncoder(hub)
+    pv = torch.randn(3, 3, enc_t5.image_size, enc_t5.image_size, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(enc_t5(pv), enc_hub(pv))
+    family = family_of(CheckpointSpec.load(hub))
+    if family.name == "llava_next":  # the row separator, `image_newline` in the hub's layout
+        t5_packer, hub_packer = (family.packer(CheckpointSpec.load(p)) for p in (t5, hub))
+        assert torch.equal(t5_packer.newline, hub_packer.newline)
+    assert checkpoint_key(t5, "float32") == checkpoint_key(hub, "float32")  # one ONNX export serves both
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_missing_shard_is_refused_by_name(pairs, tmp_path):
+    from triton_vlm.spec import CheckpointError
+    from triton_vlm.weight_source import TensorSource
+
+    d = _copy(pairs["llava-mistral-clip"][1], tmp_path / "m")
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"shard 'model-00002-of-00002.safetensors' named by "
+                                              r"model.safetensors.index.json is missing"):
+        TensorSource(d)
+
+
+def test_an_index_key_its_shard_lacks_is_refused(pairs, tmp_path):
+    from triton_vlm.spec import CheckpointError
+    from triton_vlm.weight_source import TensorSource
+
+    d = _copy(pairs["llava-mistral-clip"][1], tmp_path / "m")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    key = next(k for k, f in index["weight_map"].items() if f.startswith("model-00001"))
+    index["weight_map"][key] = "model-00002-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"puts tensor '{key}' in 'model-00002-of-00002.safetensors', "
+                                              "which does not hold it"):
+        TensorSource(d)
+
+
+def test_two_keys_for_one_tensor_are_refused(pairs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from triton_vlm.spec import CheckpointError
+    from triton_vlm.weight_source import TensorSource
+
+    d = _copy(pairs["llava-mistral-clip"][0], tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["language_model.lm_head.weight"].clone()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'language_model.lm_head.weight' and 'lm_head.weight' both load as "
+                                              "'lm_head.weight'"):
+        TensorSource(d)
+
+
+def test_no_lm_head_without_tied_embeddings_is_refused(pairs, tmp_path):
+    """transformers would start such an lm_head from random values; the engine refuses instead of guessing."""
+    from safetensors.torch import load_file, save_file
+
+    from triton_vlm.engine.weights import load_config, load_weights
+    from triton_vlm.spec import CheckpointError
+
+    d = _copy(pairs["llava-mistral-clip"][0], tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["language_model.lm_head.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no lm_head.weight and tie_word_embeddings is false"):
+        load_weights(d, load_config(d))
+
+
+# --- live: a server on hub-layout copies ---------------------------------------------------------------------
+PROMPT = "USER: <image>\nDescribe the image. ASSISTANT:"
+TWO = "USER: <image>\nWhat is this? <image>\nAnd this? ASSISTANT:"
+LIVE = ["demo", "next-llama-siglip"]  # llava-1.5 with CLIP (the trained demo), LLaVA-NeXT with SigLIP
+
+
+@pytest.fixture(scope="module", params=LIVE)
+def hub_server(request, tmp_path_factory):
+    from conftest import _start_server, _stop_server
+
+    if request.param == "demo":
+        path = request.getfixturevalue("demo_model_hub")
+    else:
+        path = request.getfixturevalue("pairs")[request.param][1]
+    server = _start_server(tmp_path_factory, path, {}, f"hub-{request.param}")
+    yield request.param, path, server
+    _stop_server(server)
+
+
+@torch.no_grad()
+def _generate(model, processor, prompt: str, images: list[bytes], beams: int) -> list[list[int]]:
+    """transformers' new tokens of each returned sequence, cut after the first eos (as the server returns them)."""
+    x = processor(text=prompt, images=[pil(b) for b in images], return_tensors="pt")
+    out = model.generate(**x, max_new_tokens=8, do_sample=False, num_beams=beams, num_return_sequences=beams)
+    eos = model.generation_config.eos_token_id
+    rows = out[:, x["input_ids"].shape[1]:].tolist()
+    return [r[:r.index(eos) + 1] if eos in r else r for r in rows]
+
+
+@pytest.mark.server
+def test_server_on_a_hub_checkpoint_equals_generate(hub_server):
+    from transformers import AutoProcessor
+
+    from triton_vlm.demo.shapes import draw
+
+    name, path, server = hub_server
+    assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = _model_class(path).from_pretrained(str(path)).eval()
+    cases = [(PROMPT, [png((48, 40), 1)], 1), (PROMPT, [png((30, 70), 2)], 3),
+             (TWO, [png((64, 64), 3), png((90, 20), 4)], 2)]
+    with VLMClient(server.grpc_url, protocol="grpc", timeout=120) as c:
+        for prompt, images, beams in cases:
+            res = c.generate(prompt, images, max_tokens=8, beam_width=beams, num_return_sequences=beams)
+            assert res.output_ids == _generate(model, processor, prompt, images, beams), (name, prompt[:20], beams)
+        if name == "demo":  # the trained model still sees through its hub-layout weights
+            buf = io.BytesIO()
+            draw("circle", "red", rng=1).save(buf, "PNG")
+            assert c.generate(PROMPT, [buf.getvalue()], max_tokens=6).text.strip() == "a red circle"
