@@ -98,6 +98,43 @@ def test_loader_names_every_tensor_as_transformers(pairs, name, layout):
     assert all(torch.equal(src.get(k), state[k]) for k in src.keys())
 
 
+# keys of every layout a LLaVA checkpoint has been saved in: the hub's (transformers 4), transformers 5's save,
+# the in-memory names, LlavaModel's, the duplicate `.model.model` of some 5.x saves, a stray key
+LAYOUT_KEYS = [
+    "language_model.model.layers.0.mlp.up_proj.weight", "language_model.lm_head.weight",
+    "language_model.model.embed_tokens.weight", "language_model.model.model.norm.weight",
+    "vision_tower.vision_model.embeddings.patch_embedding.weight", "vision_tower.vision_model.post_layernorm.bias",
+    "vision_tower.embeddings.patch_embedding.weight", "model.vision_tower.vision_model.encoder.layers.1.mlp.fc1.weight",
+    "model.vision_tower.embeddings.position_embedding.weight", "multi_modal_projector.linear_1.weight",
+    "model.multi_modal_projector.linear_2.bias", "language_model.layers.1.self_attn.q_proj.bias",
+    "model.language_model.model.layers.0.input_layernorm.weight", "model.language_model.norm.weight",
+    "lm_head.weight", "image_newline", "model.image_newline", "vision_tower.vision_model.head.probe",
+    "something.else",
+]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_renames_are_transformers_own(pairs, name):
+    """Every key layout is renamed exactly as transformers' own conversion mapping renames it for this model."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    from triton_vlm.weight_source import canonical_key, renames_for
+
+    path = pairs[name][0]
+    cls = _model_class(path)
+    with torch.device("meta"):
+        model = cls(cls.config_class.from_pretrained(str(path)))
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    rules = renames_for(json.loads((path / "config.json").read_text()))
+    meta = model.state_dict()
+    for key in LAYOUT_KEYS:
+        want, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        assert canonical_key(key, rules) == want, key
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
     from triton_vlm.engine.weights import load_config, load_weights

@@ -4,6 +4,8 @@
 - `shapes`: the synthetic task (`draw`, `SHAPES`, `COLORS`, `QUESTIONS`, `prompt`)
 - `ensure_demo_model()`: path of the trained demo model, built and cached on first use
 - `ensure_demo_adapters()`: the registry folder of its LoRA adapters (`french`, `sentence`), trained on first use
+- `ensure_demo_hub_model()`: the demo model rewritten into the layout of the llava-hf checkpoints on the hub
+  (`hub_layout`: transformers-4 keys, two shards and an index), built from it on first use
 """
 from __future__ import annotations
 
@@ -27,4 +29,11 @@ def ensure_demo_adapters(progress: bool = True) -> Path:
         return _ensure(model, cache_dir(), progress=progress)
 
 
-__all__ = ["ensure_demo_model", "ensure_demo_adapters"]
+def ensure_demo_hub_model(progress: bool = True) -> Path:
+    """The cached demo model in the hub's key layout, in two shards (`hub_layout.to_hub_layout`)."""
+    from triton_vlm.demo.hub_layout import ensure_demo_hub_model as _ensure
+
+    return _ensure(progress=progress)
+
+
+__all__ = ["ensure_demo_model", "ensure_demo_adapters", "ensure_demo_hub_model"]

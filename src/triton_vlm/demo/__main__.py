@@ -1,4 +1,5 @@
-"""`python -m triton_vlm.demo [--out DIR] [--force]`: build (or show) the trained demo model."""
+"""`python -m triton_vlm.demo [--out DIR] [--force]`: build (or show) the trained demo model; without --out, also
+its LoRA adapters and its copy in the hub's layout (llava-hf's transformers-4 keys, two shards and an index)."""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     info = read_info(out)
     print(json.dumps({k: v for k, v in info.items() if k != "recipe"}, indent=2))
     print(out)
-    if args.out is None:  # the LoRA adapters of the cached demo model
-        from triton_vlm.demo import ensure_demo_adapters  # noqa: PLC0415
+    if args.out is None:  # the LoRA adapters of the cached demo model, and its copy in the hub's layout
+        from triton_vlm.demo import ensure_demo_adapters, ensure_demo_hub_model  # noqa: PLC0415
 
         print(ensure_demo_adapters(progress=not args.quiet))
+        print(ensure_demo_hub_model(progress=not args.quiet))
     return 0
 
 
