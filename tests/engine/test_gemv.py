@@ -2,6 +2,7 @@
 takes exactly the 1-4 row products, and steps aside (oneDNN runs everything) wherever it cannot be used."""
 from __future__ import annotations
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -13,14 +14,19 @@ from triton_vlm.engine import cbuild, gemm, gemv
 
 
 def _machine_can_build() -> bool:
-    """A C compiler and the AVX-512 layout (`[N/64][Kp][64]`) the kernel reads: the machines this project runs on."""
+    """A C compiler, and oneDNN packing in the layout (`[N/64][Kp][64]`) the kernel reads: on x86-64 with AVX2 or
+    AVX-512 it does (any other packing keeps the kernel off, tested below)."""
+    return shutil.which("cc") is not None and platform.machine() in ("x86_64", "AMD64") and _has_avx2()
+
+
+def _has_avx2() -> bool:
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return shutil.which("cc") is not None and " avx512f" in flags
+    return " avx2" in flags
 
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """The module as if nothing had been built in this process, with its own build folder."""
+    """The module as if nothing had been built in this process, with its own build folder, switch "auto"."""
     monkeypatch.setattr(gemv, "_once", cbuild.Once(gemv.ENV, gemv._load))
     monkeypatch.setenv("TRITON_VLM_CACHE", str(tmp_path))
     monkeypatch.delenv(gemv.ENV, raising=False)
@@ -89,32 +95,28 @@ def test_no_compiler_means_onednn_everywhere(fresh, monkeypatch):
     torch.testing.assert_close(gemm.linear(x, gemm.pack(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_switch_turns_the_kernel_off_and_rejects_other_values(fresh, monkeypatch):
+def test_switch_turns_the_kernel_off_and_another_value_keeps_it_off(fresh, monkeypatch, caplog):
     monkeypatch.setenv(gemv.ENV, "0")
     assert gemv.kernel(gemm.pack) is None
     gemv._once.reset()
-    monkeypatch.setenv(gemv.ENV, "yes")
-    with pytest.raises(ValueError, match="TRITON_VLM_CPU_GEMV must be 0 or 1, got 'yes'"):
-        gemv.kernel(gemm.pack)
+    monkeypatch.setenv(gemv.ENV, "yes")  # a typo never stops a model from loading: logged, and off
+    assert gemv.kernel(gemm.pack) is None
+    assert "TRITON_VLM_CPU_GEMV must be auto, 1 or 0, got 'yes'" in caplog.text
 
 
 def test_a_build_is_cached_per_machine(fresh):
-    if not _machine_can_build():
+    if shutil.which("cc") is None:
         assert gemv.kernel(gemm.pack) is None
         return
-    assert gemv.kernel(gemm.pack) is not None
-    built = list(fresh.glob("kernels/gemv-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
-    assert gemv._build() == built[0] and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    built = gemv._build()  # any machine with a C compiler builds it, whatever oneDNN's layout
+    assert list(fresh.glob("kernels/gemv-*.so")) == [built]
+    stamp = built.stat().st_mtime_ns
+    assert gemv._build() == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert not [p for p in (fresh / "kernels").iterdir() if p.suffix != ".so"]  # no temporary left behind
 
 
 def test_a_check_that_raises_keeps_the_kernel_off(fresh, monkeypatch):
     """e.g. a torch build without `torch.ops.mkldnn.data_ptr`: the engine still loads, oneDNN runs every product."""
-    if not _machine_can_build():
-        assert gemv.kernel(gemm.pack) is None
-        return
 
     def no_data_ptr(self, pack):
         raise AttributeError("'_OpNamespace' 'mkldnn' object has no attribute 'data_ptr'")

@@ -26,9 +26,12 @@ gives: model.py "Batch invariance"); the cache writes and the residual stream ar
 (positions, write and read slots) is checked against its table before any memory is touched; a bad one
 raises instead of writing outside the pool.
 
-Build and fallback as `gemv.py` (`cbuild.py`): compiled once per machine, checked against torch at first use;
-no compiler, a failed build or a failed check: logged once, torch runs these steps.
-`TRITON_VLM_CPU_DECODE=0` turns the kernels off (for comparisons).
+Build and fallback as `gemv.py` (`cbuild.py`): `csrc/decode.c`, compiled once per machine, checked against torch
+at first use; no compiler, a failed build, a failed check or any other exception: logged once, torch runs these
+steps. Chosen by measurement (`race`: a decode step's attention, norm and gate of a mid-sized layer against the
+torch ops): the layer-by-layer path uses the kernels only where they won; the whole-forward call
+(`cpu_forward.py`) is built on them and races the layer-by-layer path itself.
+`TRITON_VLM_CPU_DECODE`: "auto" (default, measured), "1" (wherever they check), "0" (torch ops).
 """
 from __future__ import annotations
 
@@ -42,237 +45,8 @@ import torch
 from . import cbuild
 
 
-ENV = "TRITON_VLM_CPU_DECODE"  # "1" (default): the C kernels for decode steps on a CPU; "0": torch ops
+ENV = "TRITON_VLM_CPU_DECODE"  # "auto" (default): the C kernels where faster; "1": always; "0": torch ops
 
-C_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* What a decode step's rows share across layers (built once per forward). */
-typedef struct {
-    int64_t rows, heads, kv_heads, hd, max_pos, T, slots;
-    const int64_t *positions;   /* [rows] */
-    const int64_t *write_slots; /* [rows] */
-    const int64_t *read_slots;  /* [rows, T] */
-    const float *cos, *sin_rot; /* [max_pos, hd] */
-    float scale;
-} Step;
-
-/* out[d] = x[d] * c[d] + x[(d + hd/2) % hd] * s[d]: apply_rotary (x * cos + roll(x, hd/2) * sin_rot) */
-static void rope(const float *x, const float *c, const float *s, int64_t hd, float *out) {
-    int64_t half = hd / 2;
-    for (int64_t d = 0; d < hd; d++) {
-        float a = x[d] * c[d];
-        float b = x[(d + half) % hd] * s[d];
-        out[d] = a + b;
-    }
-}
-
-static float dot(const float *a, const float *b, int64_t n) {
-    v16 acc = (v16){0};
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16) {
-        v16 x, y;
-        memcpy(&x, a + d, sizeof(v16));
-        memcpy(&y, b + d, sizeof(v16));
-        acc += x * y;
-    }
-    float l[16];
-    memcpy(l, &acc, sizeof(l));
-    for (int w = 8; w >= 1; w /= 2) /* a tree over the lanes: 4 dependent adds, not 16 */
-        for (int i = 0; i < w; i++) l[i] += l[i + w];
-    float sum = l[0];
-    for (; d < n; d++) sum += a[d] * b[d];
-    return sum;
-}
-
-/* exp(x) for 16 lanes of x <= 0 (scores less their maximum): x = n ln2 + r, exp(r) by Cephes' expf polynomial
-   (relative error ~1e-7), times 2^n built in the exponent bits. Below -87 (and -inf: a masked key) the result
-   is exactly 0, where expf would return subnormals below 1e-37 (slow, and nothing next to the maximum's 1). */
-static v16 vselect(v16i m, v16 a, v16 b) { /* a where m is all ones, else b */
-    v16i ai, bi;
-    memcpy(&ai, &a, sizeof(ai));
-    memcpy(&bi, &b, sizeof(bi));
-    ai = (ai & m) | (bi & ~m);
-    memcpy(&a, &ai, sizeof(a));
-    return a;
-}
-
-static v16 vexp(v16 x) {
-    v16i live = x >= -87.0f;
-    x = vselect(live, x, (v16){0} - 87.0f);
-    v16 t = x * 1.44269504088896341f + 0.5f;
-    v16i n = __builtin_convertvector(t, v16i);          /* truncates toward 0 */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16i above = nf > t;                                /* floor for negative t */
-    n += above;                                         /* true lanes are -1 */
-    nf = __builtin_convertvector(n, v16);
-    x = x - nf * 0.693359375f;
-    x = x - nf * -2.12194440e-4f;
-    v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * (x * x) + x + 1.0f;
-    v16i bits = (n + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return vselect(live, y * scale, (v16){0});
-}
-
-/* 0 when every index is inside its table and every row has a key to attend to, else a negative code. */
-int triton_vlm_decode_check(const Step *st, const uint8_t *mask) {
-    if (st->rows < 0 || st->heads < 1 || st->kv_heads < 1 || st->heads % st->kv_heads || st->hd < 2 ||
-        st->hd % 2 || st->T < 0)
-        return -1;
-    for (int64_t r = 0; r < st->rows; r++) {
-        if (st->positions[r] < 0 || st->positions[r] >= st->max_pos) return -2;
-        if (st->write_slots[r] < 0 || st->write_slots[r] >= st->slots) return -3;
-        int any = 0;
-        for (int64_t j = 0; j < st->T; j++) {
-            if (!mask[r * st->T + j]) continue;
-            if (st->read_slots[r * st->T + j] < 0 || st->read_slots[r * st->T + j] >= st->slots) return -4;
-            any = 1;
-        }
-        if (!any) return -5;
-    }
-    return 0;
-}
-
-/* qkv [rows, (heads + 2 kv_heads) * hd]; mask [rows, T]; kc, vc [slots, kv_heads, hd] (the new K/V written);
-   out [rows, heads * hd]. The caller ran triton_vlm_decode_check on this step and mask. */
-int triton_vlm_decode_attention(const Step *st, const uint8_t *mask, const float *qkv, float *kc, float *vc,
-                                float *out) {
-    const int64_t H = st->heads, KV = st->kv_heads, hd = st->hd, T = st->T;
-    const int64_t width = (H + 2 * KV) * hd, kvw = KV * hd, groups = H / KV;
-    for (int64_t r = 0; r < st->rows; r++) { /* every row's new K and V first: a row reads its own new token */
-        const float *src = qkv + r * width;
-        const float *c = st->cos + st->positions[r] * hd, *s = st->sin_rot + st->positions[r] * hd;
-        float *kdst = kc + st->write_slots[r] * kvw;
-        for (int64_t g = 0; g < KV; g++) rope(src + (H + g) * hd, c, s, hd, kdst + g * hd);
-        memcpy(vc + st->write_slots[r] * kvw, src + (H + KV) * hd, kvw * sizeof(float));
-    }
-    const int64_t Tp = (T + 15) / 16 * 16; /* scores padded to whole vectors of 16 */
-    float *q = malloc(sizeof(float) * H * hd), *acc = malloc(sizeof(float) * H * hd);
-    float *p = malloc(sizeof(float) * H * (Tp ? Tp : 16)), *mx = malloc(sizeof(float) * H * 2);
-    if (!q || !acc || !p || !mx) { free(q); free(acc); free(p); free(mx); return -6; }
-    float *sum = mx + H;
-    for (int64_t r = 0; r < st->rows; r++) {
-        const float *c = st->cos + st->positions[r] * hd, *s = st->sin_rot + st->positions[r] * hd;
-        const int64_t *rs = st->read_slots + r * T;
-        const uint8_t *mk = mask + r * T;
-        for (int64_t h = 0; h < H; h++) {
-            rope(qkv + r * width + h * hd, c, s, hd, q + h * hd);
-            mx[h] = -INFINITY;
-            for (int64_t j = T; j < Tp; j++) p[h * Tp + j] = -INFINITY;
-        }
-        for (int64_t j = 0; j < T; j++) { /* one slot's keys (all kv heads, contiguous) for every query head */
-            if (!mk[j]) {
-                for (int64_t h = 0; h < H; h++) p[h * Tp + j] = -INFINITY;
-                continue;
-            }
-            const float *krow = kc + rs[j] * kvw;
-            for (int64_t h = 0; h < H; h++) {
-                float x = dot(q + h * hd, krow + (h / groups) * hd, hd) * st->scale;
-                p[h * Tp + j] = x;
-                if (x > mx[h]) mx[h] = x;
-            }
-        }
-        for (int64_t h = 0; h < H; h++) { /* softmax numerators; masked keys get exactly 0 */
-            v16 total = (v16){0};
-            for (int64_t j = 0; j < Tp; j += 16) {
-                v16 x;
-                memcpy(&x, p + h * Tp + j, sizeof(x));
-                x = vexp(x - mx[h]);
-                memcpy(p + h * Tp + j, &x, sizeof(x));
-                total += x;
-            }
-            float l[16];
-            memcpy(l, &total, sizeof(l));
-            for (int w = 8; w >= 1; w /= 2)
-                for (int i = 0; i < w; i++) l[i] += l[i + w];
-            sum[h] = l[0];
-        }
-        memset(acc, 0, sizeof(float) * H * hd);
-        for (int64_t j = 0; j < T; j++) {
-            if (!mk[j]) continue;
-            const float *vrow = vc + rs[j] * kvw;
-            for (int64_t h = 0; h < H; h++) {
-                float w = p[h * Tp + j], *a = acc + h * hd;
-                const float *v = vrow + (h / groups) * hd;
-                for (int64_t d = 0; d < hd; d++) a[d] += w * v[d];
-            }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float inv = 1.0f / sum[h], *o = out + r * H * hd + h * hd;
-            for (int64_t d = 0; d < hd; d++) o[d] = acc[h * hd + d] * inv;
-        }
-    }
-    free(q); free(acc); free(p); free(mx);
-    return 0;
-}
-
-/* exp for any x: above 88 clamped (1.6e38, no overflow to inf), below -87 exactly 0 */
-static v16 vexp_any(v16 x) {
-    v16i high = x > 88.0f;
-    return vexp(vselect(high, (v16){0} + 88.0f, x));
-}
-
-/* Per row of n: x_out = x + d (x alone when d is NULL); h = w * (x_out * (1 / sqrt(mean(x_out^2) + eps))):
-   the residual add and transformers' LlamaRMSNorm in fp32. */
-void triton_vlm_add_rms_norm(const float *x, const float *d, const float *w, float eps, int64_t rows, int64_t n,
-                             float *x_out, float *h) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n, *dr = d ? d + r * n : 0;
-        float *xo = x_out + r * n, *hr = h + r * n;
-        v16 acc = (v16){0};
-        float tail = 0.0f;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            v16 a, b = (v16){0};
-            memcpy(&a, xr + i, sizeof(a));
-            if (dr) memcpy(&b, dr + i, sizeof(b));
-            a = a + b;
-            memcpy(xo + i, &a, sizeof(a));
-            acc += a * a;
-        }
-        for (; i < n; i++) {
-            float a = xr[i] + (dr ? dr[i] : 0.0f);
-            xo[i] = a;
-            tail += a * a;
-        }
-        float l[16];
-        memcpy(l, &acc, sizeof(l));
-        for (int k = 8; k >= 1; k /= 2)
-            for (int j = 0; j < k; j++) l[j] += l[j + k];
-        float inv = 1.0f / sqrtf((l[0] + tail) / (float)n + eps);
-        for (i = 0; i < n; i++) hr[i] = w[i] * (xo[i] * inv);
-    }
-}
-
-/* out[r, i] = silu(gu[r, i]) * gu[r, n + i], silu(g) = g / (1 + exp(-g)): the gated MLP's activation */
-void triton_vlm_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * n, *u = g + n;
-        float *o = out + r * n;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            v16 a, b;
-            memcpy(&a, g + i, sizeof(a));
-            memcpy(&b, u + i, sizeof(b));
-            v16 y = a / (vexp_any((v16){0} - a) + 1.0f) * b;
-            memcpy(o + i, &y, sizeof(y));
-        }
-        for (; i < n; i++) o[i] = g[i] / (expf(-g[i]) + 1.0f) * u[i];
-    }
-}
-"""
 FLAGS = ("-ffp-contract=off",)  # rotary rounding as torch's (module doc)
 
 ERRORS = {-1: "bad shape", -2: "a position outside the rotary table", -3: "a write slot outside the pool",
@@ -357,10 +131,9 @@ class DecodeStep:
         return out
 
 
-class Kernel:
+class Kernel(cbuild.Chosen):
     """The compiled decode attention, checked on this machine: `step(...)` once per forward, then
-    `DecodeStep.attend` per layer."""
-
+    `DecodeStep.attend` per layer. `chosen`: whether the layer-by-layer path uses it (module doc: measured)."""
     def __init__(self, lib: ctypes.CDLL):
         p = ctypes.c_void_p
         self._check = lib.triton_vlm_decode_check
@@ -470,13 +243,50 @@ def kernel(reference: Reference) -> Optional[Kernel]:
     return _once.get(reference)
 
 
+SPEC = cbuild.Spec(ENV, "CPU decode kernels", "torch runs decode steps",
+                   "attention over the paged cache, RMSNorm and SiLU gate in C", "torch ops")
+
+
 def _load(reference: Reference) -> Optional[Kernel]:
-    return cbuild.load_checked(_build, Kernel, lambda k: k.check(reference), "CPU decode kernels",
-                               "torch runs decode steps", "attention over the paged cache, RMSNorm and SiLU gate in C")
+    return cbuild.load_checked(_build, Kernel, lambda k: k.check(reference), SPEC,
+                               lambda k: race(k, reference))
+
+
+def race(kernel: Kernel, reference: Reference, heads: int = 16, kv_heads: int = 4, hd: int = 64, T: int = 256,
+         hidden: int = 1024, inter: int = 2816) -> cbuild.Race:
+    """One decode row's attention over T keys, two residual add + RMSNorms and a SiLU gate: the kernels against
+    `reference` and the torch formulas (`model.add_rms_norm`, `model.silu_mul`), alternating."""
+    g = torch.Generator().manual_seed(5)
+    slots, max_pos = T + 8, T + 8
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * hd, generator=g)
+    ang = torch.randn(max_pos, hd // 2, generator=g)
+    cos, sin_rot = torch.cat([ang.cos()] * 2, -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    positions = torch.tensor([T - 1])
+    read = torch.arange(T)[None]  # [1, T]
+    write, mask = read[:, T - 1].contiguous(), torch.ones(1, T, dtype=torch.bool)
+    kc, vc = torch.randn(slots, kv_heads, hd, generator=g), torch.randn(slots, kv_heads, hd, generator=g)
+    x, d, w = (torch.randn(1, 1, hidden, generator=g) for _ in range(3))
+    w = w.reshape(hidden)
+    gu = torch.randn(1, 1, 2 * inter, generator=g)
+
+    def by_kernel():
+        kernel.decode(qkv, positions, cos, sin_rot, write, read, mask, kc, vc, heads, kv_heads)
+        for _ in range(2):
+            kernel.add_rms_norm(x, d, w, 1e-6)
+        kernel.silu_mul(gu)
+
+    def by_torch():
+        reference(qkv, positions, cos, sin_rot, write, read, mask, kc, vc, heads, kv_heads)
+        for _ in range(2):
+            s = x + d
+            torch.rms_norm(s, (hidden,), w, 1e-6)
+        torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+
+    return cbuild.race(by_kernel, by_torch, rounds=20)
 
 
 _once: cbuild.Once[Kernel] = cbuild.Once(ENV, _load)
 
 
 def _build() -> Path:
-    return cbuild.build("decode_attention", C_SOURCE, FLAGS)
+    return cbuild.build("decode_attention", "decode.c", FLAGS)

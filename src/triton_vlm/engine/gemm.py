@@ -105,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     rows = x.numel() // x.shape[-1]
     if 0 < rows <= gemv.MAX_ROWS and x.dtype == torch.float32 and (bias is None or bias.is_contiguous()):
         kernel = decode_kernel()
-        lay = None if kernel is None else kernel.layout(weight)
+        lay = None if kernel is None or not kernel.chosen else kernel.layout(weight)
         if lay is not None:
             x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
             y = kernel.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), lay, bias)  # [rows, out]

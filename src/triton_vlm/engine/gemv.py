@@ -20,10 +20,13 @@ is added at the end. oneDNN blocks the sum differently, so results differ from i
 bits, as a different batch size already does (model.py "Batch invariance"); tests/engine checks generated
 tokens against transformers.
 
-Build: the C source below is compiled once per machine with the system C compiler (`cc -O3 -march=native`,
-`cbuild.py`: cached under a hash of the source, the compiler and the CPU, so a build never runs on a CPU it was
-not built for), and loaded with ctypes (the call releases the GIL, as a torch op does). No compiler, a failed build or a failed check: logged once, oneDNN everywhere.
-`TRITON_VLM_CPU_GEMV=0` turns the kernel off (for comparisons).
+Build: `csrc/gemv.c` is compiled once per machine with the system C compiler (`cc -O3 -march=native`,
+`cbuild.py`: cached under a hash of the sources, the compiler and the CPU, so a build never runs on a CPU it was
+not built for), and loaded with ctypes (the call releases the GIL, as a torch op does). No compiler, a failed
+build, a failed check or any other exception: logged once, oneDNN everywhere. Chosen by measurement: at first
+load on a machine the kernel races oneDNN on products of one row over weights that do not fit the caches
+(`race`); it runs products only where it won, and the log line gives both figures.
+`TRITON_VLM_CPU_GEMV`: "auto" (default, measured), "1" (wherever it checks), "0" (oneDNN for every product).
 """
 from __future__ import annotations
 
@@ -39,66 +42,11 @@ from . import cbuild
 
 log = logging.getLogger(__name__)
 
-ENV = "TRITON_VLM_CPU_GEMV"  # "1" (default): the kernel for 1-4 rows; "0": oneDNN for every product
+ENV = "TRITON_VLM_CPU_GEMV"  # "auto" (default): the kernel for 1-4 rows where it is faster; "1": always; "0": never
 MAX_ROWS = 4  # products of up to this many rows run here
 BLOCK = 64  # outputs per block of the packed layout the kernel reads
 _ATTR = "_triton_vlm_gemv_layout"  # a packed weight's Layout (or None), set on first use
 _UNSET = object()
-
-C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-#define BLOCK 64
-#define NV 4  /* vectors of 16 floats per block */
-typedef float v16 __attribute__((vector_size(64)));
-
-/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for MR rows; W packed as [ceil(N / 64)][Kp][64]. */
-#define DEFINE_GEMV(MR)                                                                                    \
-static void gemv_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t Kp, int64_t N,        \
-                      const float *bias, float *y, int64_t ldy) {                                          \
-    int64_t nblocks = (N + BLOCK - 1) / BLOCK;                                                             \
-    for (int64_t nb = 0; nb < nblocks; nb++) {                                                             \
-        v16 acc[MR][NV];                                                                                   \
-        for (int m = 0; m < MR; m++)                                                                       \
-            for (int j = 0; j < NV; j++) acc[m][j] = (v16){0};                                             \
-        const float *wb = w + nb * Kp * BLOCK;                                                             \
-        for (int64_t k = 0; k < K; k++) {                                                                  \
-            v16 wv[NV];                                                                                    \
-            for (int j = 0; j < NV; j++) memcpy(&wv[j], wb + k * BLOCK + 16 * j, sizeof(v16));             \
-            for (int m = 0; m < MR; m++) {                                                                 \
-                v16 xv = (v16){0} + x[m * ldx + k];                                                        \
-                for (int j = 0; j < NV; j++) acc[m][j] += xv * wv[j];                                      \
-            }                                                                                              \
-        }                                                                                                  \
-        int64_t n0 = nb * BLOCK, count = N - n0 < BLOCK ? N - n0 : BLOCK;                                  \
-        for (int m = 0; m < MR; m++) {                                                                     \
-            float out[BLOCK];                                                                              \
-            memcpy(out, acc[m], sizeof(out));                                                              \
-            if (bias)                                                                                      \
-                for (int64_t i = 0; i < count; i++) out[i] += bias[n0 + i];                                \
-            memcpy(y + m * ldy + n0, out, count * sizeof(float));                                          \
-        }                                                                                                  \
-    }                                                                                                      \
-}
-
-DEFINE_GEMV(1)
-DEFINE_GEMV(2)
-DEFINE_GEMV(3)
-DEFINE_GEMV(4)
-
-int triton_vlm_gemv(const float *x, int64_t rows, int64_t ldx, int64_t K, const float *w, int64_t Kp,
-                    int64_t N, const float *bias, float *y, int64_t ldy) {
-    switch (rows) {
-    case 1: gemv_1(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
-    case 2: gemv_2(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
-    case 3: gemv_3(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
-    case 4: gemv_4(x, ldx, K, w, Kp, N, bias, y, ldy); return 0;
-    default: return -1;
-    }
-}
-"""
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -109,9 +57,9 @@ class Layout:
     kp: int
 
 
-class Kernel:
-    """The compiled kernel, once checked on this machine; `layout(w)` / `run(x, w, bias)`."""
-
+class Kernel(cbuild.Chosen):
+    """The compiled kernel, once checked on this machine; `layout(w)` / `run(x, w, bias)`. `chosen`: whether
+    products take it (module doc: measured); the C decode forward calls it either way."""
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.triton_vlm_gemv
         i64, p = ctypes.c_int64, ctypes.c_void_p
@@ -189,16 +137,40 @@ def kernel(pack) -> Optional[Kernel]:
     return _once.get(pack)
 
 
+SPEC = cbuild.Spec(ENV, "decode gemv kernel", "oneDNN runs every product",
+                   f"products of 1-{MAX_ROWS} rows read oneDNN's packed weights directly", "oneDNN")
+
+
 def _load(pack) -> Optional[Kernel]:
     # e.g. a torch without mkldnn.data_ptr makes the check raise: the kernel stays off
-    return cbuild.load_checked(_build, Kernel, lambda k: k.check(pack), "decode gemv kernel",
-                               "oneDNN runs every product",
-                               f"products of 1-{MAX_ROWS} rows read oneDNN's packed weights directly")
+    return cbuild.load_checked(_build, Kernel, lambda k: k.check(pack), SPEC,
+                               lambda k: race(k, pack))
+
+
+def race(kernel: Kernel, pack, n: int = 1536, k: int = 1024, count: int = 8) -> cbuild.Race:
+    """One-row products over `count` [n, k] weights (48 MB: past the caches, as a model's weights are read),
+    by the kernel and by oneDNN, alternating."""
+    g = torch.Generator().manual_seed(11)
+    packed = [pack(torch.randn(n, k, generator=g)) for _ in range(count)]
+    lays = [kernel.layout(w) for w in packed]
+    if any(lay is None for lay in lays):
+        raise RuntimeError("a timing weight is not in the layout the kernel reads")
+    x = torch.randn(1, k, generator=g)  # [1, K]
+
+    def by_kernel():
+        for lay in lays:
+            kernel.run(x, lay, None)
+
+    def by_onednn():
+        for w in packed:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    return cbuild.race(by_kernel, by_onednn)
 
 
 _once: cbuild.Once[Kernel] = cbuild.Once(ENV, _load)
 
 
 def _build() -> Path:
-    """Compile C_SOURCE (once per source, compiler and CPU: `cbuild.build`) and return the shared library's path."""
-    return cbuild.build("gemv", C_SOURCE)
+    """Compile csrc/gemv.c (once per sources, compiler and CPU: `cbuild.build`) -> the shared library's path."""
+    return cbuild.build("gemv", "gemv.c")

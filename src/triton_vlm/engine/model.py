@@ -34,7 +34,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import attention, cpu_forward, gemm, gemv
+from . import attention, cbuild, cpu_forward, gemm, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
 from .lora import LoraBatch
@@ -184,6 +184,7 @@ class LlamaModel:
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
         self.attention = attention.Attention(self.cos, self.sin_rot, c.num_heads, c.num_kv_heads)
         self._c_forward: Optional[cpu_forward.Forward] | bool = False  # False: not built yet (`c_forward`)
+        self._c_forward_race: Optional[cbuild.Race] = None  # its race on this model, once run (`c_forward`)
         if packed:  # built and checked at load, not inside the first request's step
             self.c_forward()
 
@@ -219,16 +220,22 @@ class LlamaModel:
         1-4 rows on a CPU runs as one C call, LoRA rows included (`cpu_forward.py`; `whole=False`: layer by
         layer)."""
         rows, q_len, _ = x.shape
-        kernel = self.attention.kernel_for(q_len)  # the C decode step (`cpu_decode.py`), or None: torch ops
+        kernel = self.attention.kernel_for(q_len)  # the checked C decode step (`cpu_decode.py`), or None
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
+        one_call = (kernel is not None and whole and not all_logits and rows <= gemv.MAX_ROWS
+                    and (adapters is None or isinstance(adapters, LoraBatch)) and self.c_forward() is not None)
+        if kernel is not None and not (one_call or kernel.chosen):
+            kernel = None  # checked, but slower than torch ops here (cbuild: chosen by measurement)
         if kernel is not None:  # the step's rows, checked once for every layer
             step = self._decode_step(kernel, batch, masks, cache)
-            add_norm, act = kernel.add_rms_norm, kernel.silu_mul
-            if (whole and not all_logits and rows <= gemv.MAX_ROWS
-                    and (adapters is None or isinstance(adapters, LoraBatch)) and self.c_forward() is not None):
+            if one_call:
                 logits = self.c_forward().run(step, x, cache.k, cache.v, adapters)  # [rows, vocab], or None
                 if logits is not None:
                     return logits
+        if kernel is not None and not kernel.chosen:
+            kernel = None  # the step fell back from the one call (adapters it cannot read): torch ops
+        if kernel is not None:
+            add_norm, act = kernel.add_rms_norm, kernel.silu_mul
         else:
             tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
             add_norm, act = add_rms_norm, silu_mul
@@ -255,17 +262,53 @@ class LlamaModel:
         return logits if all_logits else logits[:, 0]
 
     def c_forward(self) -> Optional[cpu_forward.Forward]:
-        """The C decode forward for this model, built and checked (bit for bit against the layer-by-layer path
-        on a scratch cache) at first use; None where it cannot run or the check fails."""
+        """The C decode forward for this model where it is to be used, else None: built and checked (bit for bit
+        against the layer-by-layer path on a scratch cache) at first use, then used where its switch is "1" or
+        it won its race against the layer-by-layer path on this model (`_race_c_forward`)."""
         if self._c_forward is False:
             self._c_forward = None
-            built = cpu_forward.Forward.for_model(self)
-            reason = None if built is None else self._check_c_forward(built)
+            try:  # an optional speed path: any failure leaves the layer-by-layer path (cbuild)
+                built = cpu_forward.Forward.for_model(self)
+                reason = None if built is None else self._check_c_forward(built)
+            except Exception as e:  # noqa: BLE001
+                built, reason = None, f"{type(e).__name__}: {e}"
             if reason is not None:
                 log.warning("C decode forward not used: %s; decode steps run layer by layer", reason)
             elif built is not None:
                 self._c_forward = built
-        return self._c_forward
+        built = self._c_forward
+        if built is None or cpu_forward.mode() == "1":
+            return built
+        if self._c_forward_race is None:
+            self._c_forward_race = self._race_c_forward(built)
+        return built if self._c_forward_race.faster and cpu_forward.mode() == "auto" else None
+
+    def _race_c_forward(self, built: cpu_forward.Forward) -> cbuild.Race:
+        """The one call against the layer-by-layer path on this model (one row at position 1), timed at the
+        first load on a machine and cached beside the build per model shape; a failure counts as lost."""
+        c = self.config
+        key = f"{c.num_layers}x{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{tuple(self.lm_head.weight.shape)}"
+        try:
+            kernel = self.attention.kernel_for(1)
+            cache = self.new_cache(1, 4)
+            row = cache.new_row()
+            x = self.embed(torch.tensor([[1]]))  # [1, 1, hidden]
+            self.forward(x, cache.plan([row], 1), cache, whole=False)  # position 0
+            batch = cache.plan([row], 1)  # position 1, written again by every timed call
+            masks = window_masks(batch, {layer.window for layer in self.layers})
+            race = cbuild.cached_race(cpu_forward.library_path(), key, lambda: cbuild.race(
+                lambda: built.run(self._decode_step(kernel, batch, masks, cache), x, cache.k, cache.v),
+                lambda: self.forward(x, batch, cache, whole=False), rounds=5))
+        except Exception as e:  # noqa: BLE001 - cbuild: a timing that fails leaves the layer-by-layer path
+            log.warning("C decode forward not used: timing failed: %s: %s; decode steps run layer by layer",
+                        type(e).__name__, e)
+            return cbuild.Race(float("inf"), 0.0)
+        if race.faster:
+            log.info("C decode forward on (%s)", race.describe("the layer-by-layer path"))
+        else:
+            log.warning("C decode forward not used: slower than the layer-by-layer path here (%s)",
+                        race.describe("layer by layer"))
+        return race
 
     def _check_c_forward(self, built: cpu_forward.Forward) -> Optional[str]:
         """Why `built` must not be used (None: it may): two rows, one decode step at position 0 and one at
