@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import FrontendConfig
 from .errors import install_handlers
+from .guard import RequestGuard
 from .media import MediaPolicy
 from .metrics import FrontendMetrics
 from .served import ServedModel
@@ -39,7 +40,7 @@ async def _server_parameters(client: TritonClient, timeout_s: float) -> dict[str
 
 async def start_frontend(config: FrontendConfig) -> Frontend:
     client = TritonClient(config.triton, route=config.route, channels=config.grpc_channels,
-                          timeout_s=config.request_timeout_s)
+                          timeout_s=config.request_timeout_s, api_key=config.api_key)
     params = await _server_parameters(client, config.startup_timeout_s)
     model_dir = config.model_dir or (Path(params["model_path"]) if params.get("model_path") else None)
     if model_dir is None or not Path(model_dir).is_dir():
@@ -75,6 +76,7 @@ def build_app(config: FrontendConfig):
 
     app = FastAPI(title="triton-vlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_handlers(app)
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_bytes=config.max_request_bytes)
     for module in (models, chat, completions, health):
         app.include_router(module.router)
     return app

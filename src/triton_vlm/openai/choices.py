@@ -14,30 +14,50 @@ from typing import Optional
 
 
 class StopMatcher:
+    """Every stop string's KMP failure table, built once per request; `scan` advances a choice's match state over
+    new text only, so matching costs O(new characters x stop strings) per token, whatever the text's and the stop
+    strings' lengths (a re-search of the text's tail for every stop prefix cost O(len(stop) x len(text)))."""
+
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.longest = max((len(s) for s in self.stops), default=0)
+        self._fail = [_failure(s) for s in self.stops]
 
-    def find(self, text: str, start: int) -> Optional[int]:
-        """Where `text` is cut: the start of the earliest-ending stop string that ends after `start`, or None."""
-        best = None
-        for s in self.stops:
-            i = text.find(s, max(0, start - len(s) + 1))
-            if i >= 0:
-                key = (i + len(s), i)
-                if best is None or key < best:
-                    best = key
-        return None if best is None else best[1]
+    def start(self) -> list[int]:
+        """A fresh match state: per stop string, how many of its first characters end the text so far."""
+        return [0] * len(self.stops)
 
-    def holdback(self, text: str) -> int:
-        """Characters at the end of `text` that begin some stop string (they may still complete it)."""
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
+    def scan(self, state: list[int], text: str, start: int) -> tuple[Optional[int], int]:
+        """Advance `state` over `text[start:]`. Returns (cut, hold): where the text is cut (the start of the
+        earliest-ending stop string; of two ending together, the longer), or None, and the characters at the end
+        that begin some stop string (held back: they may still complete it)."""
+        for pos in range(start, len(text)):
+            ch, done = text[pos], 0
+            for k, s in enumerate(self.stops):
+                j, fail = state[k], self._fail[k]
+                while j and s[j] != ch:
+                    j = fail[j - 1]
+                if s[j] == ch:
+                    j += 1
+                if j == len(s):
+                    done = max(done, j)
+                    j = fail[j - 1]
+                state[k] = j
+            if done:
+                return pos + 1 - done, 0
+        return None, max(state, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP: fail[i] = the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail, j = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while j and s[i] != s[j]:
+            j = fail[j - 1]
+        if s[i] == s[j]:
+            j += 1
+        fail[i] = j
+    return fail
 
 
 @dataclass
@@ -55,6 +75,7 @@ class Choice:
     _taken: int = 0  # tokens handed out by take_tokens
     _taken_chars: int = 0
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    _stop_state: Optional[list[int]] = None  # StopMatcher.scan's state over `text`
 
     def feed(self, piece: bytes, ids: list[int], log_probs: list[float],
              top: Optional[list[list[tuple[int, float]]]] = None) -> str:
@@ -68,11 +89,13 @@ class Choice:
         before = len(self.text)
         self.text += self._utf8.decode(piece)
         if self.matcher.stops:
-            cut = self.matcher.find(self.text, before)
+            if self._stop_state is None:
+                self._stop_state = self.matcher.start()
+            cut, hold = self.matcher.scan(self._stop_state, self.text, before)
             if cut is not None:
                 self.text, self.stopped = self.text[:cut], True
                 return self._release(len(self.text))
-            return self._release(len(self.text) - self.matcher.holdback(self.text))
+            return self._release(len(self.text) - hold)
         return self._release(len(self.text))
 
     def finish(self) -> str:
@@ -131,23 +154,24 @@ class Choice:
 
 
 class _TokenTexts:
-    """Each generated token's text, computed once per sequence (shared by its greedy copies)."""
+    """Each generated token's text, computed once per sequence (shared by its greedy copies), incrementally: each
+    token decodes a short window (`engine.detok.IncrementalDetokenizer`), not every id so far (which made a
+    sequence's log probs quadratic in its length)."""
 
     def __init__(self):
         self.raw: list[tuple[int, str, int]] = []  # (id, text, index into the sequence's ids)
-        self.k, self.prev, self.ids = 0, "", []
+        self.k = 0
+        self.detok = None
 
     def extend(self, choice: "Choice", tokenizer, eos_ids: frozenset) -> list[tuple[int, str, int]]:
+        if self.detok is None:
+            from ..engine.detok import IncrementalDetokenizer
+
+            self.detok = IncrementalDetokenizer(tokenizer)
         while self.k < len(choice.ids):
             k, t = self.k, choice.ids[self.k]
             self.k += 1
             if t in eos_ids:
                 continue
-            self.ids.append(t)
-            cur = tokenizer.decode(self.ids, skip_special_tokens=True)
-            if cur.endswith("\ufffd") or not cur.startswith(self.prev):
-                piece = ""
-            else:
-                piece, self.prev = cur[len(self.prev):], cur
-            self.raw.append((t, piece, k))
+            self.raw.append((t, self.detok.push([t]), k))
         return self.raw

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .config import FrontendConfig
+from .guard import DEFAULT_MAX_REQUEST_BYTES
 from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 from .triton import ROUTES
 
@@ -33,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
     p.add_argument("--api-key", default=os.environ.get("TRITON_VLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (also $TRITON_VLM_API_KEY, as the launcher)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (also $TRITON_VLM_API_KEY, as the launcher); "
+                        "sent to Triton too, which the launcher starts with the same key")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template file (or JSON with 'chat_template')")
     p.add_argument("--allowed-image-domains", default="",
                    help="comma-separated hosts whose http(s) image URLs are fetched ('*.example.org' for "
@@ -48,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-concurrent-requests", type=_count, default=1024,
                    help="requests served at once, streams included; more are refused with 429 (0: no limit)")
+    p.add_argument("--max-request-bytes", type=_count, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body; a larger one gets 413 before it is read (0: no limit)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for Triton at start")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -61,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_image_bytes=args.max_image_bytes, image_fetch_timeout_s=args.image_fetch_timeout,
         triton_metrics_url=args.triton_metrics_url, route=args.route, grpc_channels=args.grpc_channels,
         request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout,
-        max_concurrent_requests=args.max_concurrent_requests)
+        max_concurrent_requests=args.max_concurrent_requests, max_request_bytes=args.max_request_bytes)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .guard import DEFAULT_MAX_REQUEST_BYTES
 from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 
 
@@ -26,6 +27,7 @@ class FrontendConfig:
     # requests being served at once (streams until their last event); beyond it 429 at once (0: no limit). It
     # bounds what waits for preprocess and the vision encoder, whose Triton queues have no bound (README)
     max_concurrent_requests: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read whole
     startup_timeout_s: float = 120.0  # how long to wait for Triton at start
 
     def metrics_url(self) -> str:

@@ -119,7 +119,7 @@ def install_handlers(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, exc: StarletteHTTPException):
         status = exc.status_code
-        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
         return reply(APIError(status, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)

@@ -4,7 +4,6 @@ when the client disconnects; closing our generators closes the gRPC stream, and 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from typing import Awaitable, Callable
@@ -13,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import APIError, internal
+from ..guard import key_error
 from ..service import Frontend
 
 
@@ -21,14 +21,13 @@ def frontend(request: Request) -> Frontend:
 
 
 async def authorize(request: Request) -> None:
-    """With --api-key, /v1/* needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI answers)."""
+    """With --api-key, /v1/* needs `Authorization: Bearer <key>` (401 otherwise, as OpenAI answers). The
+    `guard.RequestGuard` middleware checks it first, from the headers alone; this check stays for an app
+    mounted without it."""
     key = frontend(request).api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "Incorrect API key provided" if token else "Missing bearer token: send "
-                       "'Authorization: Bearer <api key>'", code="invalid_api_key")
+    err = key_error(request.headers.get("authorization", ""), key) if key else None
+    if err is not None:
+        raise err
 
 
 def request_id(prefix: str, given: str | None) -> str:
