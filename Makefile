@@ -43,3 +43,11 @@ soak: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# the GPU check (issue 25): gpu tests, fp32 exactness, the 7B-shaped model ours vs transformers, one results file
+# ($(OUT)/gpu_check.md where OUT is set); needs only torch + transformers: runs with the venv's python when there is
+# one, else python3 with the sources on PYTHONPATH. ARGS="--device cpu --tiny" rehearses it on a CPU.
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+.PHONY: gpu-check
+gpu-check:
+	PYTHONUNBUFFERED=1 PYTHONPATH=src $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)

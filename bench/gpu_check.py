@@ -1,0 +1,256 @@
+"""The GPU check: one command, one results file, for the first GPU machine available (issue 25, item 6).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 -m bench.gpu_check --out $OUT/gpu_check.md   # on a GPU
+    python -m bench.gpu_check --device cpu --tiny --out /tmp/gpu_check.md                  # rehearsal (the suite)
+
+Needs only torch, transformers (and what the project imports with them); no network, no server. Steps, each
+guarded (a failing step records its error and the check goes on) and each with a time budget inside a global
+one (`--budget-s`); the results are rewritten after every step, and a watchdog writes them and ends the process
+if a step hangs past the global budget:
+1. `env`: GPU, versions, nvcc / TensorRT / attention libraries present, measured memory bandwidth (a large
+   device-to-device copy, bytes read + written, median of several passes timed with CUDA events).
+2. `gpu_tests`: pytest `-m gpu` on every test file with `gpu` marks, in a subprocess with a timeout
+   (`--continue-on-collection-errors`: a file that cannot import does not hide the others); counts and the
+   failures' short text. Skipped on a CPU (nothing to run: those tests need CUDA).
+3. `fp32_exact`: a small random LLaVA in fp32, our vision encoder + engine vs transformers `generate()` with
+   the pixels, greedy and beam 4, prompts with and without an image: tokens identical.
+4. `big`: the llava-1.5-7b-shaped random model in fp16 (`gpu_big.py`): ours vs transformers in-process.
+5. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
+Writes `<out>` (markdown: a table per step and the targets) and `<out>.json` (raw numbers); prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # the project need not be installed on the GPU machine
+    sys.path.insert(0, str(ROOT / "src"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from bench.gpu_report import Check, StepResult, Targets  # noqa: E402
+
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_kv_profile.py", "tests/test_llm_service.py",
+                  "tests/engine/test_beam_batch.py", "tests/engine/test_cuda_graph.py", "tests/engine/test_faults.py",
+                  "tests/engine/test_sampling_batch.py", "tests/engine/test_prefix_cache.py")
+ATTENTION_LIBRARIES = ("flash_attn", "flashinfer", "xformers")
+
+
+# --- 1. environment ----------------------------------------------------------------------------------------
+def copy_bandwidth(device: torch.device, mib: int, reps: int) -> dict:
+    """GB/s of `dst.copy_(src)` over `mib` MiB, counting bytes read + written; median of `reps` passes."""
+    n = mib * 2**20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # untimed first pass
+    passes = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        passes.append(2 * n / seconds / 1e9)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"bandwidth_gb_s": round(statistics.median(passes), 1), "bandwidth_max_gb_s": round(max(passes), 1),
+            "bandwidth_method": f"copy_ of {mib} MiB on {device.type}, read + written, median of {reps}"}
+
+
+def step_env(check: Check) -> dict:
+    import transformers  # noqa: PLC0415
+
+    dev = check.device
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "machine": platform.machine(), "cuda_available": torch.cuda.is_available(),
+           "nvcc": shutil.which("nvcc") or "absent",
+           "tensorrt": "present" if importlib.util.find_spec("tensorrt") else "absent",
+           "attention_libraries": [m for m in ATTENTION_LIBRARIES if importlib.util.find_spec(m)] or "none",
+           "engine_attention": "torch scaled_dot_product_attention (the engine has no attention-library switch)"}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        out |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
+                "sdpa_flash": torch.backends.cuda.flash_sdp_enabled()}
+    else:
+        out |= {"gpu": "none (CPU)", "cpu_threads": torch.get_num_threads()}
+    mib, reps = (4096, 10) if dev.type == "cuda" and not check.tiny else (64, 5)
+    out |= copy_bandwidth(dev, mib, reps)
+    check.bandwidth_gb_s = out["bandwidth_gb_s"]
+    return out
+
+
+# --- 2. the gpu tests --------------------------------------------------------------------------------------
+def _junit_counts(xml_path: Path) -> dict:
+    import xml.etree.ElementTree as ET  # noqa: PLC0415
+
+    root = ET.parse(xml_path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = []
+    for case in root.iter("testcase"):
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            msg = (bad.get("message") or bad.text or "").strip().splitlines()
+            failed.append(f"{case.get('classname', '')}::{case.get('name', '')}: {(msg or [''])[0][:300]}")
+    counts["failed_tests"] = failed
+    return counts
+
+
+def step_gpu_tests(check: Check) -> dict:
+    import subprocess  # noqa: PLC0415
+
+    if check.device.type != "cuda":
+        check.skip("no GPU: the gpu-marked tests need CUDA (skipped by design with --device cpu)")
+        return {}
+    budget = max(30, int(check.left() - 5))
+    xml = check.artifact("gpu_tests.xml")
+    log_path = check.artifact("gpu_tests.log")
+    files = [f for f in GPU_TEST_FILES if (ROOT / f).exists()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu", "--continue-on-collection-errors",
+           "-p", "no:cacheprovider", f"--junitxml={xml}", "--timeout", str(min(60, budget)), *files]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = "timeout"
+    out = {"files": len(files), "exit_code": rc, "seconds": round(time.monotonic() - t0, 1), "log": log_path.name}
+    if xml.exists():
+        out |= _junit_counts(xml)
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+    out["summary_line"] = tail[0][:300] if tail else ""
+    if rc != 0:
+        check.fail(f"pytest -m gpu exit {rc}: {out['summary_line']}")
+    return out
+
+
+# --- 3. fp32 exactness -------------------------------------------------------------------------------------
+def step_fp32_exact(check: Check) -> dict:
+    from transformers import LlavaForConditionalGeneration  # noqa: PLC0415
+
+    from triton_vlm.demo.checkpoint import build_random_llava, num_image_tokens  # noqa: PLC0415
+    from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+    from triton_vlm.params import GenerationParams, GenerationRequest  # noqa: PLC0415
+    from triton_vlm.vision import VisionEncoder, VisionSettings  # noqa: PLC0415
+
+    dev = str(check.device)
+    model_dir = build_random_llava(Path(check.tmp) / "fp32-llava", seed=7, vocab_size=600)
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+    enc = VisionEncoder(model_dir, VisionSettings(vision_device=dev, projector_device=dev))
+    engine = Engine(model_dir, EngineConfig(device=dev, dtype="float32", max_rows=16, kv_cache_tokens=4096))
+    image_id, n_img = hf.config.image_token_id, num_image_tokens(hf.config)
+    gen = torch.Generator().manual_seed(0)
+    cases, mismatches, new = [], [], 12
+    for i in range(6):
+        text = torch.randint(10, hf.config.text_config.vocab_size, (3 + i,), generator=gen).tolist()
+        with_image = i % 3 != 2
+        ids = [1] + ([image_id] * n_img if with_image else []) + text
+        pixels = torch.randn(1, 3, enc.image_size, enc.image_size, generator=gen) if with_image else None
+        cases.append((ids, pixels))
+    for beams in (1, 4):
+        for i, (ids, pixels) in enumerate(cases):
+            kw = {} if pixels is None else {"pixel_values": pixels.to(dev)}
+            with torch.inference_mode():
+                ref = hf.generate(input_ids=torch.tensor([ids], device=dev), max_new_tokens=new, min_new_tokens=new,
+                                  num_beams=beams, do_sample=False, **kw)[0, len(ids):].tolist()
+            req = GenerationRequest(f"b{beams}-{i}", ids, GenerationParams(max_tokens=new, min_tokens=new,
+                                                                          beam_width=beams),
+                                    image_embeds=None if pixels is None else enc(pixels))
+            got = [r for r in engine.generate([req])[req.request_id] if r.final][0]
+            if got.error is not None or got.sequences[0].token_ids != ref:
+                mismatches.append({"case": req.request_id, "ours": None if got.error else got.sequences[0].token_ids,
+                                   "transformers": ref, "error": repr(got.error) if got.error else None})
+    total = 2 * len(cases)
+    if mismatches:
+        check.fail(f"{len(mismatches)} of {total} fp32 generations differ from transformers")
+    return {"prompts": len(cases), "with_image": sum(p is not None for _, p in cases), "new_tokens": new,
+            "generations": total, "identical": total - len(mismatches), "exact": not mismatches,
+            "mismatches": mismatches[:4]}
+
+
+# --- 5. TensorRT -------------------------------------------------------------------------------------------
+def step_tensorrt(check: Check) -> dict:
+    if check.device.type != "cuda":
+        check.skip("no GPU: a TensorRT plan needs CUDA")
+        return {"tensorrt": "present" if importlib.util.find_spec("tensorrt") else "absent"}
+    if importlib.util.find_spec("tensorrt") is None:
+        check.skip("TensorRT absent (import tensorrt fails): no plan to compare")
+        return {"tensorrt": "absent"}
+    from bench.gpu_big import tensorrt_vs_torch  # noqa: PLC0415
+
+    return tensorrt_vs_torch(check)
+
+
+def step_big(check: Check) -> dict:
+    from bench.gpu_big import run_big  # noqa: PLC0415
+
+    return run_big(check)
+
+
+STEPS = (("env", step_env, 30), ("gpu_tests", step_gpu_tests, 110), ("fp32_exact", step_fp32_exact, 45),
+         ("big", step_big, 200), ("tensorrt", step_tensorrt, 60))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="The GPU check (issue 25 item 6): one results file.")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="small shapes for the big-model step (the CPU rehearsal)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results markdown (default $OUT/gpu_check.md, else bench/results/gpu_check.md)")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="global time budget (the watchdog ends at +45 s)")
+    ap.add_argument("--steps", default=",".join(s[0] for s in STEPS), help="comma-separated subset of the steps")
+    ap.add_argument("--big-dtype", default=None, help="dtype of the big step (default float16 on cuda, float32 on cpu)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.out is None:
+        a.out = Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT") else \
+            ROOT / "bench" / "results" / "gpu_check.md"
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda but torch.cuda.is_available() is False; use --device cpu --tiny", file=sys.stderr)
+        return 2
+    wanted = set(a.steps.split(","))
+    unknown = wanted - {s[0] for s in STEPS}
+    if unknown:
+        print(f"unknown steps {sorted(unknown)}; known: {[s[0] for s in STEPS]}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        check = Check(device=torch.device(a.device), tiny=a.tiny, out=a.out, budget_s=a.budget_s, tmp=tmp,
+                      big_dtype=a.big_dtype or ("float16" if a.device.startswith("cuda") else "float32"),
+                      command=" ".join([Path(sys.executable).name, "-m", "bench.gpu_check", *(argv or sys.argv[1:])]))
+        check.start_watchdog(grace_s=45.0)
+        for name, fn, budget in STEPS:
+            if name in wanted:
+                check.run(name, fn, budget)
+        check.finish()
+    print(check.table(), flush=True)
+    return 0 if all(s.status != "failed" for s in check.steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
