@@ -238,7 +238,7 @@ def test_endpoint_picker_config_is_one_epp_accepts():
     assert all(set(e) <= ENGINE_KEYS for e in extractor["parameters"]["engineConfigs"])
     assert engine["queuedRequestsSpec"].startswith("triton_vlm_engine_waiting_requests")
     assert engine["runningRequestsSpec"].startswith("triton_vlm_engine_running_requests")
-    assert engine["kvUsageSpec"].startswith("triton_vlm_engine_kv_cache_usage_perc")
+    assert engine["kvUsageSpec"].startswith("triton_vlm_engine_kv_cache_reserved_perc")  # what admission sees
     assert engine["loraSpec"] == "triton_vlm_lora_requests_info"
     [profile] = config["schedulingProfiles"]
     scorers = {r["pluginRef"] for r in profile["plugins"] if r["pluginRef"].endswith("-scorer")}

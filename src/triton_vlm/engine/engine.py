@@ -104,8 +104,9 @@ class EngineStats:
     waiting_requests: int  # submitted, not admitted yet (queue)
     running_requests: int
     running_rows: int  # beams / samples decoded per step
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by rows now
     kv_blocks_total: int
+    kv_blocks_reserved: int  # promised to admitted requests, their worst case: what admission is limited by
     steps: int  # scheduler iterations since start
     decoded_rows: int  # sum of running rows over all steps (tokens computed)
     lora_running_adapters: int  # distinct LoRA adapters of running requests
@@ -179,7 +180,7 @@ class Engine:
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
-            kv_blocks_total=self.cache.num_blocks, steps=self._steps, decoded_rows=self._decoded_rows,
+            kv_blocks_total=self.cache.num_blocks, kv_blocks_reserved=self.cache.reserved, steps=self._steps, decoded_rows=self._decoded_rows,
             lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
             lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes)
 

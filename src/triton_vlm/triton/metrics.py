@@ -1,8 +1,11 @@
 """What operators watch, as Prometheus metrics on Triton's metrics port (beside Triton's own `nv_*` metrics).
 
-Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field, and
-`triton_vlm_engine_kv_cache_usage_perc`, the KV-cache blocks in use as a 0-1 fraction (vLLM's
-`vllm:kv_cache_usage_perc`: what an endpoint picker's KV-cache scorer reads; 0 while the engine has no blocks).
+Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field,
+`triton_vlm_engine_kv_cache_reserved_perc`, the KV-cache blocks reserved by admitted requests as a 0-1 fraction
+(what admission sees: each request reserves its worst case, as TensorRT-LLM's GUARANTEED_NO_EVICT, so at 1.0 the
+replica admits nothing more; the endpoint picker's KV-cache scorer reads it), and beside it
+`triton_vlm_engine_kv_cache_usage_perc`, the blocks rows hold now (vLLM's `vllm:kv_cache_usage_perc`; below the
+reserved fraction while requests have not grown to their worst case). Both 0 while the engine has no blocks.
 The memory plan made at start (`engine/profile.py`), set once: `triton_vlm_engine_memory_bytes{part}` with part
 `limit` (this instance's share; 0 when the budget was given), `weights`, `activations` (the worst-case forwards'
 peak), `other` (LoRA device level, memory outside torch's allocator) and `kv_cache`, and
@@ -54,12 +57,19 @@ HISTOGRAMS = {  # name -> (description, buckets, RequestStats attribute)
     "triton_vlm_request_seconds": ("time from arrival in llm to the last token", LATENCY_BUCKETS, "e2e_s"),
 }
 KV_USAGE = "triton_vlm_engine_kv_cache_usage_perc"
+KV_RESERVED = "triton_vlm_engine_kv_cache_reserved_perc"
 
 
 def kv_cache_usage(stats) -> float:
     """KV-cache blocks in use as a 0-1 fraction (vLLM's `kv_cache_usage_perc`); 0 for an engine without blocks."""
     total = stats.kv_blocks_total
     return float(stats.kv_blocks_used) / total if total else 0.0
+
+
+def kv_cache_reserved(stats) -> float:
+    """KV-cache blocks reserved by admitted requests as a 0-1 fraction (what admission sees); 0 without blocks."""
+    total = stats.kv_blocks_total
+    return float(stats.kv_blocks_reserved) / total if total else 0.0
 
 
 class MetricsBase:
@@ -110,7 +120,7 @@ class LLMMetrics(MetricsBase):
         self._lora_gauges: dict = {}  # (field, level) -> gauge
         self._info_family, self._info_metric, self._info_labels = None, None, None
         self._gauges: dict = {}
-        self._kv_usage = None
+        self._kv_usage = self._kv_reserved = None
         self._outcomes: dict = {}
         self._hist: dict = {}
         self._tokens: dict = {}
@@ -129,6 +139,9 @@ class LLMMetrics(MetricsBase):
             if "kv_blocks_total" in fields:
                 fam = self._family(KV_USAGE, "generation engine: KV-cache blocks in use, a 0-1 fraction", F.GAUGE)
                 self._kv_usage = fam.Metric(labels=labels)
+                fam = self._family(KV_RESERVED, "generation engine: KV-cache blocks reserved by admitted requests "
+                                   "(their worst case, what admission sees), a 0-1 fraction", F.GAUGE)
+                self._kv_reserved = fam.Metric(labels=labels)
         fam = self._family("triton_vlm_requests_total", "llm requests by outcome", F.COUNTER)
         self._outcomes = {o: fam.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         for kind in ("prompt", "generated"):
@@ -181,6 +194,7 @@ class LLMMetrics(MetricsBase):
                 gauge.set(float(getattr(snap, name)))
             if self._kv_usage is not None:
                 self._kv_usage.set(kv_cache_usage(snap))
+                self._kv_reserved.set(kv_cache_reserved(snap))
         if self._lora_levels and self._lora_counters:
             self._update_lora()
         if self._prefix:
@@ -236,7 +250,7 @@ class LLMMetrics(MetricsBase):
 
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
-        self._kv_usage = None
+        self._kv_usage = self._kv_reserved = None
         self._memory = {}
         self._prefix = {}
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
