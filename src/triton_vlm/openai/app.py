@@ -11,6 +11,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from ..images import DEFAULT_MAX_IMAGES
 from .config import FrontendConfig
 from .errors import install_handlers
 from .guard import RequestGuard
@@ -18,7 +19,7 @@ from .media import MediaPolicy
 from .metrics import FrontendMetrics
 from .served import ServedModel
 from .service import Frontend
-from .triton import LLM, TritonClient
+from .triton import LLM, PREPROCESS, TritonClient
 
 log = logging.getLogger("triton_vlm.openai")
 
@@ -38,6 +39,15 @@ async def _server_parameters(client: TritonClient, timeout_s: float) -> dict[str
         await asyncio.sleep(0.5)
 
 
+async def _max_images(client: TritonClient) -> int:
+    """The preprocess model's `max_images` (images per request), or its default when the server does not say."""
+    try:
+        return int((await client.model_parameters(PREPROCESS)).get("max_images") or DEFAULT_MAX_IMAGES)
+    except Exception as e:  # noqa: BLE001
+        log.warning("cannot read the preprocess model's max_images: %s", e)
+        return DEFAULT_MAX_IMAGES
+
+
 async def start_frontend(config: FrontendConfig) -> Frontend:
     client = TritonClient(config.triton, route=config.route, channels=config.grpc_channels,
                           timeout_s=config.request_timeout_s, api_key=config.api_key)
@@ -52,7 +62,9 @@ async def start_frontend(config: FrontendConfig) -> Frontend:
     served = await asyncio.to_thread(ServedModel, Path(model_dir), served_name=config.served_model_name,
                                      lora_dir=lora_dir, chat_template=config.chat_template, context_length=context)
     client.context_length = served.context_length
-    media = MediaPolicy(tuple(config.allowed_image_domains), config.max_image_bytes, config.image_fetch_timeout_s)
+    media = MediaPolicy(tuple(config.allowed_image_domains), config.max_image_bytes, config.image_fetch_timeout_s,
+                        max_images=await _max_images(client), ports=tuple(config.image_ports),
+                        allow_private=config.allow_private_image_hosts)
     log.info("serving %s (%s) from Triton at %s, route %s, adapters %s, chat template %s", served.base_id,
              served.model_dir, config.triton, config.route, served.adapters.names() or "none",
              served.chat.origin if served.chat else "none")

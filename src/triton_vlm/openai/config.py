@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from .guard import DEFAULT_MAX_REQUEST_BYTES
+from .fetch import DEFAULT_PORTS
 from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 
 
@@ -20,6 +21,8 @@ class FrontendConfig:
     allowed_image_domains: tuple[str, ...] = ()
     max_image_bytes: int = DEFAULT_MAX_BYTES
     image_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
+    image_ports: tuple[int, ...] = DEFAULT_PORTS  # ports of http(s) image URLs
+    allow_private_image_hosts: bool = False  # fetch images from loopback / private / link-local addresses too
     triton_metrics_url: Optional[str] = None  # default: http://<triton host>:<gRPC port + 1>/metrics
     route: str = "pipeline"  # "pipeline" (cancellable, default) or "ensemble" (see triton.py)
     grpc_channels: int = 2

@@ -2,23 +2,24 @@
 
 - `data:` URLs (base64): PNG, JPEG, WebP and GIF, recognised by their bytes;
 - `http(s)` URLs only for hosts the operator allows (`--allowed-image-domains example.com,*.example.org`),
-  fetched with a size limit (the body is read up to `max_bytes`; a larger `Content-Length` is refused before
-  reading) and a time limit for the whole fetch; redirects are followed only to allowed hosts;
+  and only at public addresses and allowed ports (fetch.py: the SSRF checks, redirects re-checked, one error
+  text for every network failure), fetched with a size limit (the body is read up to `max_bytes`; a larger
+  `Content-Length` is refused before reading) and a time limit for the whole fetch;
+- at most `max_images` per request, counted before anything is fetched;
 - anything else (`file:`, local paths, other schemes) is refused. Every refusal is a 400 naming the URL's kind
   and what is allowed.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
+from ..images import DEFAULT_MAX_IMAGES
+from .aio import gather_all
 from .errors import bad_request
+from .fetch import DEFAULT_PORTS, FetchFailed, TooLarge, fetch
 
 FORMATS = ("PNG", "JPEG", "WebP", "GIF")
 DEFAULT_MAX_BYTES = 20 << 20
@@ -69,6 +70,9 @@ class MediaPolicy:
     allowed_domains: tuple[str, ...] = ()  # host names; "*.example.org" allows its subdomains
     max_bytes: int = DEFAULT_MAX_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    max_images: int = DEFAULT_MAX_IMAGES  # per request (the preprocess model's max_images)
+    ports: tuple[int, ...] = DEFAULT_PORTS  # of http(s) image URLs
+    allow_private: bool = False  # fetch from loopback / private / link-local addresses too (fetch.py)
 
     def host_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
@@ -77,6 +81,14 @@ class MediaPolicy:
             if host == d or (d.startswith("*.") and host.endswith(d[1:])):
                 return True
         return False
+
+    async def load_all(self, urls: list[str]) -> list[bytes]:
+        """Every image of a request, fetched concurrently once their count is known to be within `max_images`;
+        the first failure cancels the other fetches."""
+        if len(urls) > self.max_images:
+            raise bad_request(f"the request has {len(urls)} images; at most {self.max_images} are accepted",
+                              param="messages")
+        return await gather_all(self.load(u) for u in urls)
 
     async def load(self, url: str) -> bytes:
         """The bytes of the image an `image_url` names; APIError(400) when it may not or cannot be loaded."""
@@ -93,42 +105,14 @@ class MediaPolicy:
         if not self.host_allowed(host):
             raise bad_request(f"image host {host!r} is not allowed; allowed: {', '.join(self.allowed_domains)}",
                               param="messages")
-        return await asyncio.to_thread(self._fetch, url)
-
-    def _fetch(self, url: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
-        opener = urllib.request.build_opener(_AllowedRedirects(self))
         try:
-            with opener.open(urllib.request.Request(url, headers={"User-Agent": "triton-vlm"}),
-                             timeout=self.timeout_s) as resp:
-                length = resp.headers.get("Content-Length")
-                if length is not None and length.isdigit() and int(length) > self.max_bytes:
-                    raise bad_request(f"image at {url} is {length} bytes; at most {self.max_bytes} are accepted",
-                                      param="messages")
-                chunks, size = [], 0
-                while size <= self.max_bytes:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    chunk = resp.read(min(1 << 16, self.max_bytes + 1 - size))
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
-        except (TimeoutError, OSError, urllib.error.URLError) as e:
-            if isinstance(e, urllib.error.HTTPError):
-                raise bad_request(f"fetching image {url} failed: HTTP {e.code}", param="messages") from None
-            reason = "timed out" if isinstance(e, TimeoutError) or "timed out" in str(e) else str(e)
-            raise bad_request(f"fetching image {url} failed ({reason}; limit {self.timeout_s:g} s)",
-                              param="messages") from None
-        return _checked(b"".join(chunks), f"the image at {url}", self.max_bytes)
-
-
-class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
-    def __init__(self, policy: MediaPolicy):
-        self.policy = policy
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        parts = urllib.parse.urlsplit(newurl)
-        if parts.scheme not in ("http", "https") or not self.policy.host_allowed(parts.hostname or ""):
-            raise bad_request(f"image URL redirects to {newurl}, which is not allowed", param="messages")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+            data = await fetch(url, host_allowed=self.host_allowed, max_bytes=self.max_bytes,
+                               timeout_s=self.timeout_s, ports=self.ports, allow_private=self.allow_private)
+        except TooLarge as e:
+            raise bad_request(f"the image at {url} is over {self.max_bytes} bytes ({e.size} or more); at most "
+                              f"{self.max_bytes} are accepted", param="messages") from None
+        except FetchFailed:
+            raise bad_request(f"the image at {url} could not be fetched (images are fetched from public addresses "
+                              f"of allowed hosts, ports {', '.join(map(str, self.ports))}, within "
+                              f"{self.timeout_s:g} s)", param="messages") from None
+        return _checked(data, f"the image at {url}", self.max_bytes)

@@ -3,7 +3,7 @@ the checkpoint's facts the API needs (end ids, context length, default sampling)
 
 Model ids follow vLLM: the base model's id is `--served-model-name`, default the checkpoint folder's name; each
 adapter of the LoRA registry (`--lora-dir`, else the folder the server's llm model was given) is a model of its
-own, `parent` = the base id; a request naming an adapter runs with `lora_name` = that adapter. The registry is
+own, `parent` = the base id; `root` is the base id too (no card shows a filesystem path); a request naming an adapter runs with `lora_name` = that adapter. The registry is
 listed again when its folder changes, so adapters added to a running server appear without a restart.
 """
 from __future__ import annotations
@@ -78,16 +78,15 @@ class ServedModel:
             return None
         if model in self.adapters.names():
             return model
-        raise APIError(404, f"The model `{model}` does not exist. Served models: "
-                            f"{', '.join([self.base_id] + self.adapters.names())}",
+        raise APIError(404, f"The model `{model}` does not exist (GET /v1/models lists the models served).",
                        param="model", code="model_not_found")
 
     def cards(self) -> list[dict]:
         base = {"id": self.base_id, "object": "model", "created": self.created, "owned_by": "triton-vlm",
-                "root": str(self.model_dir), "parent": None, "max_model_len": self.context_length}
+                "root": self.base_id, "parent": None, "max_model_len": self.context_length}
         cards = [base]
         for name in self.adapters.names():
             cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "triton-vlm",
-                          "root": str(self.adapters.root / name), "parent": self.base_id,
+                          "root": self.base_id, "parent": self.base_id,
                           "max_model_len": self.context_length})
         return cards

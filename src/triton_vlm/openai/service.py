@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Union
 
+from .aio import gather_all
 from .errors import APIError, internal
 from .generate import Event, Generation
 from .media import MediaPolicy
@@ -34,7 +35,8 @@ class Frontend:
     media: MediaPolicy
     metrics: FrontendMetrics
     api_key: Optional[str] = None
-    max_concurrent_requests: int = 0  # 0: no limit (FrontendConfig)
+    max_concurrent_requests: int = 0  # engine requests at once; 0: no limit (FrontendConfig)
+    engine_requests: int = 0  # engine requests (one per prompt) of the requests being served
 
     def generations(self, jobs: list[TritonRequest], plan: Plan) -> list[Generation]:
         return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length,
@@ -44,7 +46,7 @@ class Frontend:
     async def complete(self, fmt: Format, jobs: list[TritonRequest], plan: Plan,
                        prefixes: Optional[list[str]] = None) -> dict:
         gens = self.generations(jobs, plan)
-        results = await asyncio.gather(*(g.run() for g in gens))
+        results = await gather_all(g.run() for g in gens)
         choices, finish, logprobs = [], [], []
         for i, (g, cs) in enumerate(zip(gens, results)):
             for c in cs:
@@ -96,7 +98,7 @@ class Frontend:
         source = _merged(gens) if plan.stream_engine else self._replayed(gens)  # replayed: log probs per token
         async with aclosing(source):
             head = await anext(source, None)  # the first events (or the refusal) before anything is sent
-            out = []
+            out, offsets = [], {}
             for i in range(len(gens)):
                 for k in range(plan.n):
                     index = i * plan.n + k
@@ -104,16 +106,17 @@ class Frontend:
                         out.append(sse(fmt.chunk(index, role=True)))
                     elif prefixes and prefixes[i]:  # echo: the prompt first
                         out.append(sse(fmt.chunk(index, text=prefixes[i])))
+                        offsets[index] = len(prefixes[i])
             ended = 0  # generations whose last events were seen (the last list of each ends its sequences)
             if head is not None:
                 self.metrics.first_token(time.perf_counter() - t0)
-                out += self._event_chunks(fmt, gens, plan, *head)
+                out += self._event_chunks(fmt, gens, plan, *head, offsets)
                 ended += _ends(head[1])
             if ended < len(gens):
                 yield b"".join(out)
                 out = []
                 async for i, events in source:
-                    out += self._event_chunks(fmt, gens, plan, i, events)
+                    out += self._event_chunks(fmt, gens, plan, i, events, offsets)
                     ended += _ends(events)
                     if ended < len(gens):  # else the last write: usage and [DONE] go with it
                         yield b"".join(out)
@@ -125,7 +128,10 @@ class Frontend:
         yield b"".join(out)
 
     @staticmethod
-    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, events: list[Event]) -> list[bytes]:
+    def _event_chunks(fmt: Format, gens: list[Generation], plan: Plan, i: int, events: list[Event],
+                      offsets: dict[int, int]) -> list[bytes]:
+        """`offsets`: per choice index, where its next token's text starts in its text (the completions
+        endpoint's `text_offset`, continuous across chunks; the echoed prompt counts)."""
         g, out = gens[i], []
         use = usage(g.prompt_tokens, g.completion_tokens()) if plan.continuous_usage else None
         for ev in events:
@@ -133,13 +139,17 @@ class Frontend:
                 index = i * plan.n + k
                 if ev.finish_reason is not None:
                     out.append(sse(fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)))
+                elif isinstance(fmt, CompletionFormat):
+                    at = offsets.get(index, 0)
+                    offsets[index] = at + sum(len(t[1]) for t in ev.tokens or ())
+                    out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use, offset=at)))
                 else:
                     out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)))
         return out
 
     async def _replayed(self, gens: list[Generation]):
         """Unstreamed generations, replayed as events: one per token with its log prob."""
-        await asyncio.gather(*(g.run() for g in gens))
+        await gather_all(g.run() for g in gens)
         for i, g in enumerate(gens):
             for s in g.sequences:
                 for token in s.token_texts(self.served.tokenizer, self.served.eos_ids):

@@ -1,6 +1,7 @@
-"""One router per endpoint, and what they share: the API key check, per-request metrics, and cancellation of an
-unstreamed request whose client went away (a streamed one is cancelled by Starlette, which stops the response
-when the client disconnects; closing our generators closes the gRPC stream, and Triton cancels the request)."""
+"""One router per endpoint, and what they share: the API key check, per-request metrics, and cancellation of a
+request whose client went away before its answer started (once a stream has started, Starlette stops the
+response when the client disconnects); closing our generators closes the gRPC stream, and Triton cancels the
+request."""
 from __future__ import annotations
 
 import asyncio
@@ -40,21 +41,19 @@ async def _disconnected(request: Request) -> None:
 
 
 async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[object]],
-                stream: bool) -> Response:
+                stream: bool, engine_requests: int = 1) -> Response:
     """Run an endpoint's work: a dict becomes a JSON body, an async iterator an SSE stream. Counts the request in
-    the front end's metrics. An unstreamed request is cancelled when its client disconnects before the answer is
-    ready; a streamed one is answered as soon as its first token is in, then Starlette watches the client."""
+    the front end's metrics, and its `engine_requests` (one per prompt) against --max-concurrent-requests. Until
+    its answer starts, a request is cancelled when its client disconnects (an unstreamed one until its body is
+    ready, a streamed one until its first event); then Starlette watches the client of a stream."""
     fe, t0 = frontend(request), time.perf_counter()
-    limit = fe.max_concurrent_requests
-    if limit and fe.metrics.running >= limit:  # the event loop's thread only: no race between check and count
-        fe.metrics.refused(endpoint, 429)
-        raise APIError(429, f"the server is serving {fe.metrics.running} requests, its limit "
-                       f"(--max-concurrent-requests {limit}); retry later", code="too_many_requests")
+    _admit(fe, endpoint, engine_requests)
+    fe.engine_requests += engine_requests
     fe.metrics.running += 1
     status, streaming = 200, False
     try:
         try:
-            result = await (work() if stream else _unless_disconnected(request, work()))
+            result = await _unless_disconnected(request, work())
         except APIError as e:
             status = e.status
             raise
@@ -67,12 +66,34 @@ async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[ob
         if isinstance(result, dict):
             return JSONResponse(result)
         streaming = True
-        return StreamingResponse(_counted(fe, endpoint, t0, result), media_type="text/event-stream",
+        return StreamingResponse(_counted(fe, endpoint, t0, result, engine_requests), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     finally:
         if not streaming:
-            fe.metrics.running -= 1
-            fe.metrics.finished(endpoint, status, time.perf_counter() - t0)
+            _done(fe, endpoint, status, t0, engine_requests)
+
+
+def _admit(fe: Frontend, endpoint: str, engine_requests: int) -> None:
+    """429 when the request's engine requests would pass --max-concurrent-requests (400 when they alone do). The
+    event loop's thread only: no race between the check and the count."""
+    limit = fe.max_concurrent_requests
+    if not limit or fe.engine_requests + engine_requests <= limit:
+        return
+    if engine_requests > limit:
+        fe.metrics.refused(endpoint, 400)
+        raise APIError(400, f"the request makes {engine_requests} engine requests (one per prompt), more than this "
+                       f"server serves at once (--max-concurrent-requests {limit}); send fewer prompts",
+                       param="prompt", code="too_many_prompts")
+    fe.metrics.refused(endpoint, 429)
+    raise APIError(429, f"the server is serving {fe.engine_requests} engine requests, its limit "
+                   f"(--max-concurrent-requests {limit}) leaves no room for {engine_requests} more; retry later",
+                   code="too_many_requests")
+
+
+def _done(fe: Frontend, endpoint: str, status: int, t0: float, engine_requests: int) -> None:
+    fe.engine_requests -= engine_requests
+    fe.metrics.running -= 1
+    fe.metrics.finished(endpoint, status, time.perf_counter() - t0)
 
 
 class ClientGone(Exception):
@@ -96,7 +117,7 @@ async def _unless_disconnected(request: Request, coro):
     return task.result()
 
 
-async def _counted(fe: Frontend, endpoint: str, t0: float, body):
+async def _counted(fe: Frontend, endpoint: str, t0: float, body, engine_requests: int):
     status = 200
     try:
         async for chunk in body:
@@ -106,5 +127,4 @@ async def _counted(fe: Frontend, endpoint: str, t0: float, body):
         raise
     finally:
         await body.aclose()
-        fe.metrics.running -= 1
-        fe.metrics.finished(endpoint, status, time.perf_counter() - t0)
+        _done(fe, endpoint, status, t0, engine_requests)

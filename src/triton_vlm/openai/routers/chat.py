@@ -1,8 +1,6 @@
 """POST /v1/chat/completions: messages -> the checkpoint's chat template -> the ensemble's prompt and images."""
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, Request
 
 from ..chat_template import Turn, check_text
@@ -63,7 +61,7 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest):
         turns.append(turn)
         urls += message_urls
     plan = make_plan(body, fe.served.defaults)
-    images = list(await asyncio.gather(*(fe.media.load(u) for u in urls)))
+    images = await fe.media.load_all(urls)
     prompt = fe.served.chat.render(turns, len(images), add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message)
     rid = request_id("chatcmpl", body.request_id)
