@@ -18,7 +18,9 @@ MAX_PROMPTS = 64  # prompts of one request (each runs as its own generation, con
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    return await serve(request, "completions", lambda: _complete(frontend(request), body), body.stream)
+    texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
+    return await serve(request, "completions", lambda: _complete(frontend(request), body), body.stream,
+                       engine_requests=len(body.prompt) if texts else 1)  # one engine request per prompt
 
 
 def _prompts(prompt) -> list[str]:
