@@ -157,6 +157,19 @@ def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
     assert checkpoint_key(t5, "float32") == checkpoint_key(hub, "float32")  # one ONNX export serves both
 
 
+@pytest.mark.parametrize("shards", [1, 3, 7])
+def test_any_shard_count_reads_the_same_tensors(pairs, tmp_path, shards):
+    from triton_vlm.demo.hub_layout import to_hub_layout
+    from triton_vlm.weight_source import TensorSource
+
+    t5 = pairs["next-llama-clip"][0]
+    d = to_hub_layout(t5, tmp_path / "h", shards=shards)
+    files = set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert files == {f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)}
+    a, b = TensorSource(t5), TensorSource(d)
+    assert sorted(a.keys()) == sorted(b.keys()) and all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

@@ -13,7 +13,8 @@ file (config, tokenizer, processor, generation config) as it is:
 | `model.image_newline` (LLaVA-NeXT) | `image_newline` |
 
 The source may be in any layout the loader reads (`weight_source.TensorSource`). `ensure_demo_hub_model()` is
-the demo model in this layout, built from the cached demo model on first use (seconds) and cached beside it.
+the demo model in this layout, written from the cached demo model on first use (a second) and cached beside it
+(its copied `demo_info.json` names the demo weights it was written from: a rebuilt demo model is copied again).
 """
 from __future__ import annotations
 
@@ -89,16 +90,29 @@ def demo_hub_model_path() -> Path:
     return base.with_name(f"{base.name}-hub-{SHARDS}shards")
 
 
+def _current(out: Path, demo: Path) -> bool:
+    """`out` is a complete copy of the demo model as it is now (its copied info names the same weights)."""
+    from .build import INFO_FILE  # noqa: PLC0415
+
+    try:
+        info = json.loads((out / INFO_FILE).read_text())
+        return (out / INDEX_FILES[0]).is_file() and \
+            info["weights_sha256"] == json.loads((demo / INFO_FILE).read_text())["weights_sha256"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def ensure_demo_hub_model(progress: bool = True) -> Path:
-    """The trained demo model in the hub's layout (`to_hub_layout`), cached; built atomically on first use."""
+    """The trained demo model in the hub's layout (`to_hub_layout`), cached; written atomically on first use and
+    again whenever the demo model was rebuilt."""
     from .build import _lock, ensure_demo_model  # noqa: PLC0415
 
     out = demo_hub_model_path()
-    if (out / INDEX_FILES[0]).is_file():
-        return out
     demo = ensure_demo_model(progress=progress)
+    if _current(out, demo):
+        return out
     with _lock(out):
-        if (out / INDEX_FILES[0]).is_file():
+        if _current(out, demo):
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
@@ -106,6 +120,10 @@ def ensure_demo_hub_model(progress: bool = True) -> Path:
             for f in tmp.iterdir():
                 os.chmod(f, 0o644)
             os.chmod(tmp, 0o755)
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                os.rename(out, old / out.name)
+                shutil.rmtree(old, ignore_errors=True)
             os.rename(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
