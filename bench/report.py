@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from . import machine
+
 OURS, BASELINE = "engine", "hf"
 LABELS = {OURS: "engine (in-flight batching)", BASELINE: "hf generate() baseline"}
 
@@ -164,6 +166,7 @@ def markdown(rows: list[RowResult], meta: dict) -> str:
         f"Every figure below comes from one run of `{meta.get('command', 'python -m bench.throughput')}`.",
         "",
         f"- model: {meta.get('model', '?')}",
+        machine.line(meta),
         f"- machine: {meta.get('cpus', '?')} CPUs, torch threads per server process = "
         f"{meta.get('omp_threads', '?')}; load average before / after: {meta.get('load_before', '?')} / "
         f"{meta.get('load_after', '?')}",

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import machine
 from .bandwidth import describe_bytes, fraction, fraction_line, measure_bandwidth, token_bytes
 from .model import describe, ensure_bench_model, parameter_counts
 from .report import (BASELINE, OURS, RowResult, console_table, markdown, plot, plot_title, stream_lines,
@@ -358,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 max_rows=s.max_rows, kv_cache_tokens=s.kv_cache_tokens, backends=s.backends,
                 lm_params_m=round(parameter_counts(model_dir)["language_model"] / 1e6, 2), command=s.command,
                 bandwidth=bw.to_dict(), stream_requests=s.stream_requests, stream_tokens=s.stream_tokens,
-                one_stream={})
+                one_stream={}, machine=machine.describe())
     print(f"load average before: {meta['load_before']} ({os.cpu_count()} CPUs)", flush=True)
     s.out.mkdir(parents=True, exist_ok=True)
     json_path = s.out / f"{s.prefix}results.json"
@@ -401,6 +402,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bandwidth_again(meta, s.bandwidth_mib)
     if not rows:
         return status or 1
+    meta["kernel_races"] = machine.kernel_races()  # what the servers' first loads measured on this machine
     save()
     md_path, png_path = s.out / f"{s.prefix}results.md", s.out / f"{s.prefix}throughput.png"
     md_path.write_text(markdown(rows, meta))
