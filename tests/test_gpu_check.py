@@ -41,7 +41,7 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
     steps = {s["name"]: s for s in res["steps"]}
-    assert list(steps) == ["env", "gpu_tests", "fp32_exact", "big", "tensorrt"]
+    assert list(steps) == ["env", "fp32_exact", "big", "gpu_tests", "tensorrt"]
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["bandwidth_gb_s"] > 0
     assert steps["gpu_tests"]["status"] == "skipped" and "no GPU" in steps["gpu_tests"]["notes"][0]
     exact = steps["fp32_exact"]

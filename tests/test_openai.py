@@ -413,14 +413,15 @@ def test_http_images_only_from_allowed_domains(start):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         host = f"http://127.0.0.1:{httpd.server_address[1]}"
-        fe = start(allowed_image_domains=("127.0.0.1",), max_image_bytes=20_000, image_fetch_timeout_s=1.0)
+        fe = start(allowed_image_domains=("127.0.0.1",), max_image_bytes=20_000, image_fetch_timeout_s=1.0,
+                   image_ports=(httpd.server_address[1],), allow_private_image_hosts=True)  # a loopback server
         c = fe.client()
 
         def ask(url):
             return chat(c, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                          {"type": "text", "text": QUESTION_DESCRIBE}]}])
         assert ask(host + "/shape.png").choices[0].message.content == " a red triangle"
-        for path, needle in (("/big.png", "at most 20000"), ("/slow.png", "timed out")):
+        for path, needle in (("/big.png", "at most 20000"), ("/slow.png", "could not be fetched")):
             status, body = status_of(lambda: ask(host + path))
             assert status == 400 and needle in body["message"], body
         status, body = status_of(lambda: ask(f"http://localhost:{httpd.server_address[1]}/shape.png"))

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--url", help=f"server address (default {DEFAULT_URLS['grpc']} for grpc, "
                                  f"{DEFAULT_URLS['http']} for http)")
     o.add_argument("--model", default=P.MODEL, help="model name (default %(default)s)")
+    o.add_argument("--api-key", help="the server's API key (a server started with --api-key; default "
+                                     f"${P.API_KEY_ENV}, which keeps it off this command line)")
     o.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for the whole request "
                                                                            "(default %(default)s)")
     return p
@@ -142,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = sys.stdout
     try:
         prompt = prompt_from_args(ns)
-        client = VLMClient(ns.url, protocol=ns.protocol, model=ns.model, timeout=ns.timeout)
+        client = VLMClient(ns.url, protocol=ns.protocol, model=ns.model, timeout=ns.timeout, api_key=ns.api_key)
         params = params_from_args(ns)
         if ns.stream:
             _stream(client, prompt, ns, params, out)

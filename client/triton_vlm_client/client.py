@@ -5,11 +5,15 @@ bidirectional stream API with `enable_empty_final_response`; the request is comp
 `triton_final_response`. Each call opens its own stream, so one client may be used from several threads.
 HTTP: Triton's generate extension (`/generate`, `/generate_stream` with Server-Sent Events), standard library
 only. Every wait is bounded by `timeout` (seconds, for the whole request).
+A server started with `--api-key` wants the key on every call but health: `api_key` (default
+`$TRITON_VLM_API_KEY`) goes in the header `authorization: Bearer KEY` over HTTP, and in the metadata
+`triton-grpc-protocol-authorization` over gRPC (where Triton 2.51 looks for it).
 """
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import queue
 import socket
 import ssl
@@ -29,7 +33,7 @@ DEFAULT_TIMEOUT = 60.0
 
 class VLMClient:
     def __init__(self, url: Optional[str] = None, protocol: str = "grpc", model: str = P.MODEL,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, api_key: Optional[str] = None):
         protocol = protocol.lower()
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
@@ -39,6 +43,17 @@ class VLMClient:
         self.url = url or DEFAULT_URLS[protocol]
         self.model = model
         self.timeout = float(timeout)
+        key = os.environ.get(P.API_KEY_ENV, "") if api_key is None else api_key  # "": send none
+        if any(not ("!" <= c <= "~") for c in key):
+            raise ValueError("api_key must be printable ASCII without spaces (it goes in a header)")
+        self._api_key = key
+
+    def _headers(self) -> dict[str, str]:
+        """The API key as this protocol carries it (none without a key)."""
+        if not self._api_key:
+            return {}
+        name = P.GRPC_AUTH_HEADER if self.protocol == "grpc" else P.HTTP_AUTH_HEADER
+        return {name: f"Bearer {self._api_key}"}
 
     def __repr__(self) -> str:
         return f"VLMClient(url={self.url!r}, protocol={self.protocol!r}, model={self.model!r})"
@@ -103,8 +118,8 @@ class VLMClient:
                 client = grpcclient.InferenceServerClient(self.url)
                 try:
                     t = min(self.timeout, 5.0)
-                    return bool(client.is_server_ready(client_timeout=t)
-                                and client.is_model_ready(self.model, client_timeout=t))
+                    return bool(client.is_server_ready(headers=self._headers(), client_timeout=t)
+                                and client.is_model_ready(self.model, headers=self._headers(), client_timeout=t))
                 finally:
                     client.close()
             status, _ = self._http_simple("GET", f"/v2/models/{self.model}/ready")
@@ -133,7 +148,7 @@ class VLMClient:
                 inp.set_data_from_numpy(arr)
                 inputs.append(inp)
             client.start_stream(callback=lambda result, error: responses.put((result, error)),
-                                stream_timeout=self.timeout + 1.0)  # our own deadline below fires first
+                                stream_timeout=self.timeout + 1.0, headers=self._headers() or None)  # our own deadline below fires first
             started = True
             client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
                                       enable_empty_final_response=True)
@@ -184,7 +199,7 @@ class VLMClient:
               accept: str = "application/json") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn, prefix = self._connection(max(deadline - time.monotonic(), 0.001))
         data = None if body is None else json.dumps(body).encode("utf-8")
-        headers = {"Accept": accept}
+        headers = {"Accept": accept, **self._headers()}
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:

@@ -13,6 +13,11 @@ BYTES, BOOL, INT32, UINT64, FP16, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP
 
 MODEL = "ensemble"
 
+# --- the API key (a server started with --api-key; triton_vlm.server.auth) -------------------------------
+API_KEY_ENV = "TRITON_VLM_API_KEY"  # the key VLMClient and the CLI send when none is given
+HTTP_AUTH_HEADER = "authorization"  # value "Bearer KEY"
+GRPC_AUTH_HEADER = "triton-grpc-protocol-authorization"  # Triton 2.51 reads a restricted API's key here over gRPC
+
 
 class TensorInfo(NamedTuple):
     name: str

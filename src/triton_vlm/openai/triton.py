@@ -16,6 +16,9 @@ Each request gets its own gRPC stream, multiplexed over a few HTTP/2 channels. W
 header Triton ends a stream that fails with the error's gRPC status code (INVALID_ARGUMENT, UNAVAILABLE, ...);
 on a shared bidirectional stream that would end every request on it, and without the header stream errors
 carry only a message. Closing the request's own stream cancels exactly that request.
+
+With an API key every call carries it (metadata `triton-grpc-protocol-authorization: Bearer KEY`), as a Triton
+started with `--api-key` wants for every API but health (`triton_vlm.server.auth`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import names as N
+from ..server.auth import grpc_metadata
 from .errors import APIError, from_triton
 
 PREPROCESS, VISION, LLM, ENSEMBLE = "preprocess", "vision", "llm", "ensemble"
@@ -163,11 +167,12 @@ class TritonClient:
     default_max_tokens = 256  # the ensemble route's max_tokens when a request sets none
 
     def __init__(self, url: str, *, route: str = "pipeline", channels: int = 2, timeout_s: float = 600.0,
-                 context_length: int = 0):
+                 context_length: int = 0, api_key: Optional[str] = None):
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.url, self.route, self.timeout_s = url, route, timeout_s
         self.context_length = context_length  # set by the app once the served model is known
+        self._auth = grpc_metadata(api_key)  # on every call (health needs none, but it costs nothing)
         opts = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE),
                 ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
         self._channels = [grpc.aio.insecure_channel(url, options=opts) for _ in range(max(1, channels))]
@@ -185,10 +190,11 @@ class TritonClient:
     async def ready(self, models: tuple[str, ...] = (ENSEMBLE, PREPROCESS, VISION, LLM)) -> bool:
         try:
             stub = self._stub()
-            if not (await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5)).ready:
+            if not (await stub.ServerReady(service_pb2.ServerReadyRequest(), metadata=self._auth, timeout=5)).ready:
                 return False
             for m in models:
-                if not (await stub.ModelReady(service_pb2.ModelReadyRequest(name=m), timeout=5)).ready:
+                ready = await stub.ModelReady(service_pb2.ModelReadyRequest(name=m), metadata=self._auth, timeout=5)
+                if not ready.ready:
                     return False
             return True
         except grpc.aio.AioRpcError:
@@ -197,7 +203,8 @@ class TritonClient:
     async def model_parameters(self, model: str = LLM) -> dict[str, str]:
         """The string parameters of a model's config.pbtxt (model_path, context_length, lora_dir, ...)."""
         try:
-            resp = await self._stub().ModelConfig(service_pb2.ModelConfigRequest(name=model), timeout=10)
+            resp = await self._stub().ModelConfig(service_pb2.ModelConfigRequest(name=model), metadata=self._auth,
+                                                  timeout=10)
         except grpc.aio.AioRpcError as e:
             raise _rpc_error(e) from None
         return {k: v.string_value for k, v in resp.config.parameters.items()}
@@ -211,7 +218,7 @@ class TritonClient:
             llm_req, prompt_tokens = await self._prepare(stub, req)
         else:
             llm_req, prompt_tokens = self._ensemble_request(req), None
-        call = stub.ModelStreamInfer(metadata=_STREAM_ERRORS, timeout=self.timeout_s)
+        call = stub.ModelStreamInfer(metadata=_STREAM_ERRORS + self._auth, timeout=self.timeout_s)
         try:
             await call.write(llm_req)  # written here, not by a request-iterator task
             await call.done_writing()
@@ -268,7 +275,7 @@ class TritonClient:
         if req.lora_name:
             add_scalar(pre, N.LORA_NAME, req.lora_name)  # checked before any image is encoded
         try:
-            out = _outputs(await stub.ModelInfer(pre, timeout=self.timeout_s))
+            out = _outputs(await stub.ModelInfer(pre, metadata=self._auth, timeout=self.timeout_s))
             prompt_tokens = int(out[N.INPUT_IDS][0].shape[-1])
             llm = service_pb2.ModelInferRequest(model_name=LLM, id=req.request_id)
             if int(out[N.PIXEL_VALUES][0].shape[1]):  # [1, images, 3, H, W]: text-only prompts skip vision
@@ -276,7 +283,7 @@ class TritonClient:
                 for name in _TO_VISION & out.keys():
                     o, raw = out[name]
                     add_input(vis, name, o.datatype, list(o.shape), raw)
-                emb = _outputs(await stub.ModelInfer(vis, timeout=self.timeout_s))
+                emb = _outputs(await stub.ModelInfer(vis, metadata=self._auth, timeout=self.timeout_s))
                 for name in _LLM_INPUTS & emb.keys():  # image_embeds (and what else vision gives llm)
                     o, raw = emb[name]
                     add_input(llm, name, o.datatype, list(o.shape), raw)

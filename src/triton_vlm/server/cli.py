@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..paths import cache_dir
 from . import rundir
+from .auth import API_KEY_HEADER, ENV_API_KEY, bearer, check_key
 from .frontend import OpenAIFrontend
 from .process import TritonServer
 from .repository import check_parameters
@@ -39,11 +40,11 @@ def _demo_png() -> bytes:
     return buf.getvalue()
 
 
-def smoke_request(grpc_url: str, demo: bool) -> str:
+def smoke_request(grpc_url: str, demo: bool, api_key: str | None = None) -> str:
     """Answer one request through the running server (proves the whole path works) and describe it."""
     from triton_vlm_client import VLMClient  # noqa: PLC0415
 
-    with VLMClient(grpc_url, protocol="grpc", timeout=120) as client:
+    with VLMClient(grpc_url, protocol="grpc", timeout=120, api_key=api_key or "") as client:
         if demo:
             prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
             res = client.generate(prompt, [_demo_png()], max_tokens=8)
@@ -53,14 +54,16 @@ def smoke_request(grpc_url: str, demo: bool) -> str:
         return f"{prompt!r} -> {res.texts[0]!r}"
 
 
-def adapter_smoke_request(http_url: str, lora_name: str) -> str:
+def adapter_smoke_request(http_url: str, lora_name: str, api_key: str | None = None) -> str:
     """The demo question again, with one of the demo LoRA adapters (by name, over HTTP /generate)."""
     import base64  # noqa: PLC0415
 
     prompt = "USER: <image>\nDescribe the image. ASSISTANT:"
     body = {"text_input": prompt, "images": [base64.b64encode(_demo_png()).decode()], "max_tokens": 12,
             "exclude_input_in_output": True, "lora_name": lora_name}
-    req = urllib.request.Request(f"http://{http_url}/v2/models/ensemble/generate", json.dumps(body).encode())
+    headers = {API_KEY_HEADER: bearer(api_key)} if api_key else {}
+    req = urllib.request.Request(f"http://{http_url}/v2/models/ensemble/generate", json.dumps(body).encode(),
+                                 headers=headers)
     with urllib.request.urlopen(req, timeout=120) as r:
         text = json.loads(r.read())["text_output"]
     return f"{prompt!r} + a blue triangle, lora_name {lora_name!r} -> {text!r}"
@@ -100,19 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness, at the start and after each restart")
     ap.add_argument("--openai-port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)),
                     help="the OpenAI-compatible API (python -m triton_vlm.openai) beside Triton; 0: none")
-    ap.add_argument("--api-key", default=os.environ.get("TRITON_VLM_API_KEY"),
-                    help="the OpenAI API requires 'Authorization: Bearer KEY' (also $TRITON_VLM_API_KEY)")
+    ap.add_argument("--api-key", default=os.environ.get(ENV_API_KEY),
+                    help="every port that serves inference requires 'Authorization: Bearer KEY' (also\n"
+                         "$TRITON_VLM_API_KEY, which keeps it off this command line): the OpenAI API, and\n"
+                         "Triton's HTTP and gRPC for all but health (gRPC metadata\n"
+                         "'triton-grpc-protocol-authorization'); README: Security")
     ap.add_argument("--served-model-name", default=None,
                     help="the base model's id in the OpenAI API (default: the checkpoint folder's name)")
     ap.add_argument("--cuda-pool-mb", type=int, default=None,
                     help="Triton's CUDA memory pool per GPU in MiB (default: sized for image_embeds traffic)")
     args = ap.parse_args(argv)
+    if args.api_key:
+        try:
+            check_key(args.api_key)
+        except ValueError as e:
+            raise SystemExit(f"triton-vlm: {e}") from None
     model, params = _model_and_params(args)
     run_dir = rundir.create()  # removed at a clean stop; kept (with the log) when the server failed
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
                           log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver,
-                          cuda_pool_mb=args.cuda_pool_mb)
+                          cuda_pool_mb=args.cuda_pool_mb, api_key=args.api_key or None)
     print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
           flush=True)
     stopping = threading.Event()
@@ -209,10 +220,11 @@ def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
 
 def _print_banner(args, model: Path, log_file: Path | None) -> None:
     try:
-        answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model)
+        answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model, api_key=args.api_key)
         if not args.model:  # the demo adapters too
             for name in ("french", "sentence"):
-                answer += "\n  request " + adapter_smoke_request(f"localhost:{args.http_port}", name)
+                http_url = f"localhost:{args.http_port}"
+                answer += "\n  request " + adapter_smoke_request(http_url, name, args.api_key)
     except Exception as e:  # noqa: BLE001 - report, keep serving
         answer = f"FAILED: {e}"
     print(f"triton-vlm: serving {model}\n"
@@ -223,7 +235,9 @@ def _print_banner(args, model: Path, log_file: Path | None) -> None:
           + (f"  OpenAI  http://localhost:{args.openai_port}/v1  (chat/completions, completions, models; "
              f"/metrics)\n" if args.openai_port else "")
           + (f"  log     {log_file}\n" if log_file else "")
-          + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "") +
+          + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "")
+          + ("  API key required on the OpenAI API and on Triton's HTTP and gRPC (all but health); the client\n"
+             "          and curl below read it from $TRITON_VLM_API_KEY\n" if args.api_key else "") +
           "  restart tritonserver is restarted if it or one of its models' processes dies\n"
           f"  try:    {try_command(args.grpc_port)}"
           + (f"\n          {openai_try_command(args.openai_port, model, bool(args.api_key))}" if args.openai_port else ""),

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from ..paths import REPO_ROOT
 from . import diagnose, gpu, procs, rundir
+from .auth import ADMIN_HEADER, restricted_args
 from .install import prepare_server_tree, server_env
 from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 
-RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
-ADMIN_HEADER = "triton-vlm-admin-key"
+__all__ = ["ADMIN_HEADER", "TritonServer", "free_port", "python_instances"]
 
 
 def python_instances(repo: Path) -> dict[str, int]:
@@ -70,6 +70,9 @@ class TritonServer:
     # the python backend's shared-memory regions are /dev/shm/<shm_prefix>*: unique per server, removed by stop()
     shm_prefix: str = ""
     admin_key: str = field(default_factory=lambda: os.environ.get("TRITON_VLM_ADMIN_KEY") or secrets.token_hex(16))
+    # every API but health (inference, metadata, model config, statistics) needs `authorization: Bearer KEY`
+    # (over gRPC the metadata `triton-grpc-protocol-authorization`); None: they stay open (`auth.py`)
+    api_key: str | None = None
     name: str = "tritonserver"
     _own_run_dir: bool = field(default=False, repr=False)
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
@@ -104,10 +107,11 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *gpu.pool_args(repo, self.model_path, params, self.cuda_pool_mb),
             # Triton's admin APIs (load/unload models, register shared memory, change log files or tracing) only
-            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset).
-            # Triton reads these only from its command line, where local users can read them (README: Security).
-            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
-            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset);
+            # with an API key, every other API but health only with `authorization: Bearer KEY` (`auth.py`).
+            # Triton 2.51 reads these only from its command line, where local users can read them (README:
+            # Security): the launcher, the front end and the clients get the keys from the environment.
+            *restricted_args(self.admin_key, self.api_key),
         ]
 
     def start(self) -> "TritonServer":
