@@ -172,7 +172,7 @@ class VLMClient:
                 if final:
                     return
         except InferenceServerException as e:
-            raise VLMClientError(e.status(), e.message()) from None
+            raise _stream_error(responses, e) from None
         finally:
             if started:
                 try:
@@ -271,3 +271,20 @@ class VLMClient:
                 raise self._transport_error(e) from None
         finally:
             conn.close()
+
+
+def _stream_error(responses: "queue.Queue[tuple[Any, Any]]", e: Any) -> VLMClientError:
+    """The error of a failed stream request. When the server ends the stream at once (e.g. a refused API key:
+    UNAVAILABLE), tritonclient raises only 'The stream is no longer in valid state' and hands the cause to the
+    stream's callback: that cause, if it comes within a second."""
+    if "no longer in valid state" in (e.message() or ""):
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                _, error = responses.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                break
+            if error is not None:
+                return VLMClientError(error.status(), error.message())
+    return VLMClientError(e.status(), e.message())
+
