@@ -24,7 +24,8 @@ from triton_vlm.paths import REPO_ROOT
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
 CRDS = KUBE / "crds"
-RENDERS = ("base", "overlays/gpu", "overlays/inference-gateway")
+RENDERS = ("base", "overlays/gpu", "overlays/inference-gateway", "overlays/triton-protocols")
+CPU_RENDERS = ("base", "overlays/triton-protocols")
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # the oldest Kubernetes we claim, and the newest kubernetes-validate knows
 
 
@@ -65,6 +66,31 @@ def arg_values(args: list[str], flag: str) -> list[str]:
             out.append(a.split("=", 1)[1])
         elif a == flag and i + 1 < len(args):
             out.append(args[i + 1])
+    return out
+
+
+def compose_value(text: str, env: dict[str, str]) -> str:
+    """A docker-compose.yml string with its `${VAR}`, `${VAR:-default}` and `${VAR:+value}` interpolated as
+    Compose does (unset and empty alike), from `env`."""
+    def one_var(m: re.Match) -> str:
+        name, op, word = m.group(1), m.group(2), m.group(3) or ""
+        value = env.get(name, "")
+        if op == ":-":
+            return value or word
+        if op == ":+":
+            return word if value else ""
+        return value
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\+)([^}]*))?\}", one_var, text)
+
+
+def published_ports(docs, container: dict) -> dict[str, set[int]]:
+    """Service name -> the container ports of the server it publishes (named target ports resolved)."""
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    labels = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["metadata"]["labels"]
+    out = {}
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        if svc["spec"].get("selector") and svc["spec"]["selector"].items() <= labels.items():
+            out[svc["metadata"]["name"]] = {ports.get(p["targetPort"], p["targetPort"]) for p in svc["spec"]["ports"]}
     return out
 
 

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import yaml
 
-from deploy_support import (CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, crd_schemas, epp_config,
-                            one, render, server_container, validate)
+from deploy_support import (CPU_RENDERS, CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, compose_value,
+                            crd_schemas, epp_config, one, published_ports, render, server_container, validate)
 from triton_vlm.paths import REPO_ROOT
 from triton_vlm.server.repository import check_parameters
 
@@ -145,8 +145,8 @@ def test_server_deployment_probes_volumes_and_security():
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
-        assert (gpus == 1) == (path != "base"), (path, gpus)
-        assert ("--device=cuda" in c["args"]) == (path != "base")
+        assert (gpus == 1) == (path not in CPU_RENDERS), (path, gpus)
+        assert ("--device=cuda" in c["args"]) == (path not in CPU_RENDERS)
 
 
 def test_server_arguments_are_the_launchers():
@@ -194,6 +194,57 @@ def test_service_podmonitor_and_hpa_refer_to_the_server():
     assert re.fullmatch(custom["name"]["matches"], rule["record"])
     assert custom["name"]["as"] == metric["pods"]["metric"]["name"]
     assert "by (namespace, pod)" in rule["expr"]  # the adapter maps these labels to the pod resource
+
+
+# --- who reaches Triton's own ports -----------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["base", "overlays/gpu", "overlays/inference-gateway"])
+def test_shipped_services_publish_only_the_openai_port(path):
+    """Triton's HTTP and gRPC serve every model (and Triton 2.51's HTTP JSON parser dies on 5 MB of `[`): no
+    Service of the shipped deployments reaches them, only the OpenAI API, which checks the key; the key comes
+    from a Secret, into the environment."""
+    docs = render(path)
+    c = server_container(docs)
+    assert published_ports(docs, c) == {"triton-vlm": {9000}}
+    [env] = [e for e in c["env"] if e["name"] == "TRITON_VLM_API_KEY"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "triton-vlm-api-key", "key": "api-key", "optional": True}
+    assert not [a for a in c["args"] if "api-key" in a]  # never on a command line
+
+
+def test_triton_protocols_overlay_publishes_them_behind_a_network_policy():
+    docs = render("overlays/triton-protocols")
+    c = server_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert published_ports(docs, c) == {"triton-vlm": {9000}, "triton-vlm-triton": {8000, 8001}}
+    pod_labels = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["metadata"]["labels"]
+    policy = one(docs, "NetworkPolicy", "triton-vlm-server")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    open_to_all, admitted = set(), {}
+    for rule in policy["ingress"]:
+        numbers = {ports[p["port"]] for p in rule["ports"]}  # every rule names a port of the container
+        if "from" in rule:
+            for port in numbers:
+                admitted.setdefault(port, []).extend(rule["from"])
+        else:
+            open_to_all |= numbers
+    assert open_to_all == {9000}
+    assert admitted[8000] == admitted[8001] == [{"podSelector": {"matchLabels": {"triton-vlm/triton-client": "true"}}}]
+    assert set(admitted) == {8000, 8001, 8002}
+
+
+def test_compose_listens_on_loopback_unless_told():
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    for service in compose["services"].values():
+        def hosts(env):
+            return {port: host for host, port, _ in (compose_value(p, env).rsplit(":", 2) for p in service["ports"])}
+
+        assert hosts({}) == dict.fromkeys(IMAGE_PORTS, "127.0.0.1")
+        assert hosts({"TRITON_VLM_BIND": "0.0.0.0"}) == {**dict.fromkeys(IMAGE_PORTS, "127.0.0.1"), "9000": "0.0.0.0"}
+        assert hosts({"TRITON_VLM_BIND": "0.0.0.0", "TRITON_VLM_TRITON_BIND": "0.0.0.0"}) == \
+            dict.fromkeys(IMAGE_PORTS, "0.0.0.0")
+        key = service["environment"]["TRITON_VLM_API_KEY"]
+        assert compose_value(key, {"TRITON_VLM_API_KEY": "k"}) == "k" and compose_value(key, {}) == ""
+        assert not [a for a in service["command"] if "api-key" in a]
 
 
 def test_gateway_pool_route_objectives_and_picker_fit():
