@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-channels", type=int, default=2, help="HTTP/2 connections to Triton")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-concurrent-requests", type=_count, default=1024,
-                   help="requests served at once, streams included; more are refused with 429 (0: no limit)")
+                   help="engine requests (one per prompt) served at once, streams included; more are refused "
+                        "with 429 (0: no limit)")
     p.add_argument("--max-request-bytes", type=_count, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; a larger one gets 413 before it is read (0: no limit)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for Triton at start")
