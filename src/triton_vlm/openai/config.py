@@ -27,8 +27,8 @@ class FrontendConfig:
     route: str = "pipeline"  # "pipeline" (cancellable, default) or "ensemble" (see triton.py)
     grpc_channels: int = 2
     request_timeout_s: float = 600.0
-    # engine requests (one per prompt) served at once (streams until their last event); beyond it 429 at once (0: no limit). It
-    # bounds what waits for preprocess and the vision encoder, whose Triton queues have no bound (README)
+    # engine requests (one per prompt) served at once (streams until their last event); beyond it 429 at once
+    # (0: no limit). It bounds what waits for preprocess and the vision encoder, whose Triton queues have no bound
     max_concurrent_requests: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read whole
     startup_timeout_s: float = 120.0  # how long to wait for Triton at start
