@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-image-domains", default="",
                    help="comma-separated hosts whose http(s) image URLs are fetched ('*.example.org' for "
                         "subdomains); none by default: only data: URLs")
-    p.add_argument("--image-ports", type=_ports, default=(80, 443), help="comma-separated ports http(s) image URLs may use")
+    p.add_argument("--image-ports", type=_ports, default=(80, 443),
+                   help="comma-separated ports http(s) image URLs may use")
     p.add_argument("--allow-private-image-hosts", action="store_true",
                    help="also fetch images from loopback, private and link-local addresses (never metadata ones)")
     p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_BYTES)
@@ -75,7 +76,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         lora_dir=args.lora_dir, api_key=args.api_key or None, chat_template=args.chat_template,
         allowed_image_domains=tuple(d.strip() for d in args.allowed_image_domains.split(",") if d.strip()),
         image_ports=args.image_ports,
-        allow_private_image_hosts=args.allow_private_image_hosts, max_image_bytes=args.max_image_bytes, image_fetch_timeout_s=args.image_fetch_timeout,
+        allow_private_image_hosts=args.allow_private_image_hosts, max_image_bytes=args.max_image_bytes,
+        image_fetch_timeout_s=args.image_fetch_timeout,
         triton_metrics_url=args.triton_metrics_url, route=args.route, grpc_channels=args.grpc_channels,
         request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout,
         max_concurrent_requests=args.max_concurrent_requests, max_request_bytes=args.max_request_bytes)
