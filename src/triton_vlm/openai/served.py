@@ -4,7 +4,8 @@ the checkpoint's facts the API needs (end ids, context length, default sampling)
 Model ids follow vLLM: the base model's id is `--served-model-name`, default the checkpoint folder's name; each
 adapter of the LoRA registry (`--lora-dir`, else the folder the server's llm model was given) is a model of its
 own, `parent` = the base id; `root` is the base id too (no card shows a filesystem path); a request naming an
-adapter runs with `lora_name` = that adapter. The registry is listed again when its folder changes, so adapters added to a running server appear without a restart.
+adapter runs with `lora_name` = that adapter. The registry is listed again when its folder changes, so adapters
+added to a running server appear without a restart.
 """
 from __future__ import annotations
 
