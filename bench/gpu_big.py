@@ -215,25 +215,35 @@ def latency_rows(check: Check, run_one, prompts: Prompts, s: Shapes, tag: str) -
 
 
 # --- the two sides -----------------------------------------------------------------------------------------
-def baseline(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str) -> tuple[dict, list]:
-    """transformers: latency, greedy and beam rows one request at a time, the agreement batch's tokens."""
+def baseline(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str, out: dict) -> list:
+    """transformers: latency, greedy and beam rows one request at a time (into `out`); returns the agreement
+    batch's [(ids, features, tokens)] ([] when it failed or time is short)."""
     from triton_vlm.hf_generate import HFGenerator  # noqa: PLC0415
 
     t0 = time.perf_counter()
     gen = HFGenerator(model_dir, device=str(check.device), dtype=dtype)
     gen.tokenizer = IdsTokenizer()
-    out = {"hf_load_s": round(time.perf_counter() - t0, 1)}
-    hf_one(check, gen, _request(prompts, "hf-warm", 2))
-    out |= {f"hf_{k}": v for k, v in latency_rows(check, lambda r: hf_one(check, gen, r)[0], prompts, s, "hf").items()}
-    for label, beams in (("greedy", 1), ("beam", s.beams)):
-        walls = [hf_one(check, gen, _request(prompts, f"hf-{label}{i}", s.new_tokens, beams))[0]
-                 for i in range(s.baseline_requests)]
-        out[f"hf_{label}_tok_s"] = round(s.baseline_requests * s.new_tokens / sum(walls), 2)
-    check.note(f"transformers one at a time: {out}")
-    ref = agreement_reference(check, gen, prompts, s) if check.left() > 30 else []
-    del gen
-    _free(check)
-    return out, ref
+    out["hf_load_s"] = round(time.perf_counter() - t0, 1)
+    ref: list = []
+    try:
+        hf_one(check, gen, _request(prompts, "hf-warm", 2))
+        run_one = lambda r: hf_one(check, gen, r)[0]  # noqa: E731
+        attempt(check, out, "hf_latency",
+                lambda: {f"hf_{k}": v for k, v in latency_rows(check, run_one, prompts, s, "hf").items()})
+        for label, beams in (("greedy", 1), ("beam", s.beams)):
+            def row(label=label, beams=beams) -> dict:
+                walls = [run_one(_request(prompts, f"hf-{label}{i}", s.new_tokens, beams))
+                         for i in range(s.baseline_requests)]
+                return {f"hf_{label}_tok_s": round(s.baseline_requests * s.new_tokens / sum(walls), 2)}
+            attempt(check, out, f"hf_{label}", row)
+        check.note(f"transformers one at a time: { {k: v for k, v in out.items() if k.startswith('hf_')} }")
+        if check.left() > 30:
+            attempt(check, out, "hf_agreement", lambda: {"_ref": agreement_reference(check, gen, prompts, s)})
+            ref = out.pop("_ref", [])
+    finally:
+        del gen
+        _free(check)
+    return ref
 
 
 @torch.inference_mode()
@@ -257,9 +267,18 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str, ref: list) -> dict:
+def attempt(check: Check, out: dict, name: str, fn) -> None:
+    """out |= fn(); a failure is recorded as out[name + "_error"] and the step goes on."""
+    try:
+        out |= fn()
+    except Exception as e:  # noqa: BLE001
+        out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+        check.note(f"{name} failed: {out[f'{name}_error']}")
+
+
+def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str, ref: list, out: dict) -> None:
+    """Our engine: the rows of the module doc with CUDA graphs on, then off; numbers into `out` as they come."""
     from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
-    from triton_vlm.params import GenerationParams, GenerationRequest  # noqa: PLC0415
 
     context = 1 << (prompts.length + max(s.new_tokens, s.stream_tokens, s.agreement_tokens)).bit_length()
     rows = max(s.greedy_concurrency, s.beam_concurrency * s.beams)
@@ -267,44 +286,62 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
                        kv_cache_tokens=rows * (prompts.length + 2 * s.stream_tokens + 64))
     t0 = time.perf_counter()
     engine = Engine(model_dir, cfg, tokenizer=IdsTokenizer())
-    out = {"engine_load_s": round(time.perf_counter() - t0, 1), "kv_cache_tokens": cfg.kv_cache_tokens,
-           "context_length": cfg.context_length, "memory_plan": engine.memory.summary()}
-    run_one = lambda r: engine_batch(check, engine, [r])[0]  # noqa: E731
-    run_one(_request(prompts, "warm", 4))
-    for graphs in (True, False):
-        if not graphs:
-            if engine.decode_graphs is not None:
-                g = engine.decode_graphs
-                out["graphs_counters"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks}
-            engine.decode_graphs = engine.scheduler.runner.graphs = None
-            if check.left() < 20:
-                check.note(f"graphs off: skipped, {check.left():.0f} s left")
-                break
-        tag = "" if graphs else "nographs_"
-        out |= {f"{tag}{k}": v for k, v in latency_rows(check, run_one, prompts, s, f"o{tag}").items()}
-        if graphs and ref:
-            reqs = [GenerationRequest(f"agree{i}", ids, GenerationParams(max_tokens=s.agreement_tokens,
-                                                                         min_tokens=s.agreement_tokens),
-                                      image_embeds=f) for i, (ids, f, _) in enumerate(ref)]
-            _, got = engine_batch(check, engine, reqs)
-            div = [first_divergence(got[f"agree{i}"], r[2]) for i, r in enumerate(ref)]
-            out |= {"agreement_prompts": len(div), "agreement_new_tokens": s.agreement_tokens,
-                    "agreement_identical": sum(d == s.agreement_tokens for d in div),
-                    "first_divergence_median": statistics.median(div), "first_divergence_min": min(div),
-                    "first_divergences": div}
-        for label, n, beams in (("greedy", s.greedy_concurrency, 1), ("beam", s.beam_concurrency, s.beams)):
-            if check.left() < 10:
-                check.note(f"{tag}{label}: skipped, {check.left():.0f} s left")
-                continue
-            wall, _ = engine_batch(check, engine, [_request(prompts, f"{tag}{label}{i}", s.new_tokens, beams)
-                                                   for i in range(n)])
-            out[f"{tag}{label}{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
-        check.note(f"ours, graphs {'on' if graphs else 'off'}: "
-                   f"{ {k: v for k, v in out.items() if k.startswith(tag) and 'divergences' not in k} }")
-    engine.shutdown()
-    del engine
-    _free(check)
-    return out
+    out |= {"engine_load_s": round(time.perf_counter() - t0, 1), "kv_cache_tokens": cfg.kv_cache_tokens,
+            "context_length": cfg.context_length, "memory_plan": engine.memory.summary(),
+            "cuda_graphs": engine.decode_graphs is not None}
+    try:
+        engine_batch(check, engine, [_request(prompts, "warm", 4)])
+        for graphs in (True, False):
+            if not graphs:
+                if engine.decode_graphs is not None:
+                    g = engine.decode_graphs
+                    out["graphs_counters"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks}
+                engine.decode_graphs = engine.scheduler.runner.graphs = None
+                if check.left() < 20:
+                    check.note(f"graphs off: skipped, {check.left():.0f} s left")
+                    break
+            tag = "" if graphs else "nographs_"
+            ours_rows(check, engine, prompts, s, ref if graphs else [], tag, out)
+            shown = {k: v for k, v in out.items() if k.endswith(("_tok_s", "_ms", "_error", "_median"))
+                     and not k.startswith("hf_") and k.startswith("nographs_") == (not graphs)}
+            check.note(f"ours, graphs {'on' if graphs else 'off'}: {shown}")
+    finally:
+        engine.shutdown()
+        del engine
+        _free(check)
+
+
+def ours_rows(check: Check, engine, prompts: Prompts, s: Shapes, ref: list, tag: str, out: dict) -> None:
+    from triton_vlm.params import GenerationParams, GenerationRequest  # noqa: PLC0415
+
+    def latency() -> dict:
+        run_one = lambda r: engine_batch(check, engine, [r])[0]  # noqa: E731
+        return {f"{tag}{k}": v for k, v in latency_rows(check, run_one, prompts, s, f"o{tag}").items()}
+
+    def agreement() -> dict:
+        reqs = [GenerationRequest(f"agree{i}", ids, GenerationParams(max_tokens=s.agreement_tokens,
+                                                                     min_tokens=s.agreement_tokens),
+                                  image_embeds=f) for i, (ids, f, _) in enumerate(ref)]
+        _, got = engine_batch(check, engine, reqs)
+        div = [first_divergence(got[f"agree{i}"], r[2]) for i, r in enumerate(ref)]
+        return {"agreement_prompts": len(div), "agreement_new_tokens": s.agreement_tokens,
+                "agreement_identical": sum(d == s.agreement_tokens for d in div),
+                "first_divergence_median": statistics.median(div), "first_divergence_min": min(div),
+                "first_divergences": div}
+
+    def throughput(label: str, n: int, beams: int) -> dict:
+        wall, _ = engine_batch(check, engine, [_request(prompts, f"{tag}{label}{i}", s.new_tokens, beams)
+                                               for i in range(n)])
+        return {f"{tag}{label}{n}_tok_s": round(n * s.new_tokens / wall, 1)}
+
+    attempt(check, out, f"{tag}latency", latency)
+    if ref:
+        attempt(check, out, "agreement", agreement)
+    for label, n, beams in (("greedy", s.greedy_concurrency, 1), ("beam", s.beam_concurrency, s.beams)):
+        if check.left() < 10:
+            check.note(f"{tag}{label}: skipped, {check.left():.0f} s left")
+            continue
+        attempt(check, out, f"{tag}{label}{n}", lambda: throughput(label, n, beams))
 
 
 def run_big(check: Check) -> dict:
@@ -312,8 +349,10 @@ def run_big(check: Check) -> dict:
 
     s = TINY if check.tiny else LLAVA_7B
     dtype = check.big_dtype
-    model_dir, out = build(check, s, dtype)
-    out = {"shapes": "tiny" if check.tiny else "llava-1.5-7b", "dtype": dtype, **out}
+    out = check.current.numbers  # filled as the step goes: a failure late in it keeps what was measured
+    out |= {"shapes": "tiny" if check.tiny else "llava-1.5-7b", "dtype": dtype}
+    model_dir, built = build(check, s, dtype)
+    out |= built
     check.note(f"built and saved: {out}")
     check.big_dir = model_dir
     feats, vis = image_features(check, model_dir, s, dtype)
@@ -325,15 +364,14 @@ def run_big(check: Check) -> dict:
         check.note(f"{check.left():.0f} s left after the build: reduced to {s}")
     out["attention"] = "torch scaled_dot_product_attention (the engine has no attention library to switch)"
     out["prompt_tokens"] = prompts.length
-    hf, ref = baseline(check, model_dir, prompts, s, dtype)
-    out |= hf
-    out |= ours(check, model_dir, prompts, s, dtype, ref)
+    ref = baseline(check, model_dir, prompts, s, dtype, out)
+    ours(check, model_dir, prompts, s, dtype, ref, out)
     tb = token_bytes(model_dir, prompts.length, s.stream_tokens, dtype)
     out["bytes_per_token_mb"] = round(tb.total / 1e6, 2)
     bw = check.bandwidth_gb_s
     if bw and "one_stream_tok_s" in out:
-        out["one_stream_gb_s"] = round(out["one_stream_tok_s"] * tb.total / 1e9, 1)
-        out["one_stream_bw_fraction"] = round(out["one_stream_gb_s"] / bw, 3)
+        used = out["one_stream_tok_s"] * tb.total / 1e9
+        out["one_stream_gb_s"], out["one_stream_bw_fraction"] = round(used, 1), round(used / bw, 3)
     for key, ours_key, hf_key in (("greedy64_speedup", f"greedy{s.greedy_concurrency}_tok_s", "hf_greedy_tok_s"),
                                   ("beam16_speedup", f"beam{s.beam_concurrency}_tok_s", "hf_beam_tok_s")):
         if ours_key in out and out.get(hf_key):
@@ -342,6 +380,9 @@ def run_big(check: Check) -> dict:
         out["agreement_summary"] = (f"{out['agreement_identical']}/{out['agreement_prompts']} prompts identical over "
                                     f"{out['agreement_new_tokens']} tokens; first divergence median "
                                     f"{out['first_divergence_median']}, min {out['first_divergence_min']}")
+    failed = [k for k in out if k.endswith("_error")]
+    if failed:
+        check.fail(f"{len(failed)} measurements failed: {', '.join(failed)} (their *_error numbers)")
     return out
 
 

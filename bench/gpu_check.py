@@ -136,18 +136,22 @@ def step_gpu_tests(check: Check) -> dict:
     xml = check.artifact("gpu_tests.xml")
     log_path = check.artifact("gpu_tests.log")
     files = [f for f in GPU_TEST_FILES if (ROOT / f).exists()]
+    per_test = ["--timeout", str(min(60, budget))] if importlib.util.find_spec("pytest_timeout") else []
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "--continue-on-collection-errors",
-           "-p", "no:cacheprovider", f"--junitxml={xml}", "--timeout", str(min(60, budget)), *files]
+           "-p", "no:cacheprovider", f"--junitxml={xml}", *per_test, *files]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        check.children.append(proc.pid)  # the watchdog ends its process group too
         try:
             rc = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
             rc = "timeout"
+        finally:
+            check.children.remove(proc.pid)
     out = {"files": len(files), "exit_code": rc, "seconds": round(time.monotonic() - t0, 1), "log": log_path.name}
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     out |= _junit_counts(xml) if xml.exists() else _log_counts(text)

@@ -53,6 +53,7 @@ class Check:
     big_dtype: str
     command: str
     bandwidth_gb_s: float = 0.0
+    children: list = field(default_factory=list)  # process groups of running subprocesses (the gpu tests)
     min_step_s: float = 10.0  # a step starts only with this much of the global budget left
     big_dir: Optional[Path] = None  # the big step's checkpoint (the TensorRT step reuses its vision tower)
     steps: list = field(default_factory=list)
@@ -104,7 +105,7 @@ class Check:
         self._step_deadline = time.monotonic() + budget_s
         t = time.monotonic()
         try:
-            step.numbers = fn(self) or {}
+            step.numbers = fn(self) or step.numbers  # a step may fill step.numbers as it goes
             if step.status == "running":
                 step.status = "ok"
         except Exception as e:  # noqa: BLE001 - one failing step is recorded, the check goes on
@@ -126,6 +127,11 @@ class Check:
             time.sleep(max(0.0, self.budget_s + grace_s))
             if self.steps:
                 self.current.error = self.current.error or f"the watchdog ended the check after {self.elapsed():.0f} s"
+            for pgid in list(self.children):
+                try:
+                    os.killpg(pgid, 9)
+                except OSError:
+                    pass
             self.finish()
             print(self.table(), flush=True)
             os._exit(3)
