@@ -10,6 +10,10 @@ budget that cannot hold one request at the full context refuses to start, naming
 Prefix caching (`enable_prefix_caching`, on by default; `prefix_cache.py`): `submit()` hashes the prompt's full
 blocks (with its images' and adapter's identities), admission reuses the longest cached prefix, and every
 result carries `cached_tokens`; `prefix_cache_stats()` counts lookups and hits in tokens.
+Scheduler policy (`scheduler_policy`, TensorRT-LLM's names; `preempt.py`): `guaranteed_no_evict` (the default)
+reserves each request's worst case at admission and never preempts; `max_utilization` gives one-row requests KV
+blocks as they generate and preempts the latest arrived one (recompute) when the cache runs out; it resumes later
+with the tokens it would have produced alone. `stats()` counts `preemptions` and `preempted_requests`.
 CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
 `cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
 CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
@@ -48,6 +52,7 @@ from .kv_cache import blocks_needed
 from .prefix_cache import PrefixStats, request_hasher
 from .model import DTYPES, LlamaModel
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
+from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
 
@@ -82,10 +87,16 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_rows: int = 64
     cuda_graph_min_keys: int = 256
+    # guaranteed_no_evict: worst-case KV reserved at admission, never preempted; max_utilization: KV on demand,
+    # preemption by recompute (`preempt.py`)
+    scheduler_policy: str = GUARANTEED_NO_EVICT
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.scheduler_policy not in POLICIES:
+            raise InvalidArgument(f"scheduler_policy must be one of {', '.join(POLICIES)}, "
+                                  f"got {self.scheduler_policy!r}")
         for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb",
                      "instances", "cuda_graph_max_rows", "cuda_graph_min_keys"):
             if getattr(self, name) < 1:
@@ -106,12 +117,14 @@ class EngineStats:
     running_rows: int  # beams / samples decoded per step
     kv_blocks_used: int  # held by rows now
     kv_blocks_total: int
-    kv_blocks_reserved: int  # promised to admitted requests, their worst case: what admission is limited by
+    kv_blocks_reserved: int  # promised to admitted requests (their worst case, or on demand): what admission sees
     steps: int  # scheduler iterations since start
     decoded_rows: int  # sum of running rows over all steps (tokens computed)
     lora_running_adapters: int  # distinct LoRA adapters of running requests
     lora_device_adapters: int  # adapters resident in device slots (running ones and idle ones)
     lora_device_bytes: int
+    preemptions: int  # running requests preempted since start (max_utilization), cumulative
+    preempted_requests: int  # requests waiting to run again after a preemption
 
 
 @dataclass(frozen=True)
@@ -146,7 +159,8 @@ class Engine:
         self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
         self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
         self.scheduler = Scheduler(self.model, self.cache, self.lora_slots, max_rows=config.max_rows,
-                                   prefill_chunk=config.prefill_chunk, decode_text=self._decode_text)
+                                   prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
+                                   scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
         if config.cuda_graphs and self.model.device.type == "cuda":
             self.decode_graphs = self.make_decode_graphs(capture=True)
@@ -177,12 +191,14 @@ class Engine:
             inbox = len(self._inbox)
         sched = self.scheduler
         running = list(sched.running)
+        preempted = sum(1 for a in list(sched.waiting) if a.preemptions)
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
             kv_blocks_total=self.cache.num_blocks, kv_blocks_reserved=self.cache.reserved, steps=self._steps, decoded_rows=self._decoded_rows,
             lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
-            lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes)
+            lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes,
+            preemptions=sched.preemptions, preempted_requests=preempted)
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""
@@ -232,7 +248,7 @@ class Engine:
         decoder = Decoder(
             p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,
             bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
-        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(reserved=need),
+        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(worst=need),
                         make_detok=self._make_detok if p.stream else None)
         if self.config.enable_prefix_caching:  # hashed here, on the caller's thread, not the engine's
             active.kv.hasher = request_hasher(req, self.config.block_size, self.image_token_id)

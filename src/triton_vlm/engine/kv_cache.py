@@ -14,9 +14,11 @@ Design choice: block tables with copy-on-write (as vLLM's PagedAttention), read 
   block per row per step (`append`).
 - Attention reads a row's keys by gathering its slots (`read_slots`, `[rows, T]`) from the pool; a GPU build
   can replace the gather with a paged-attention kernel over the same tables.
-- Budget: the scheduler *reserves* a request's worst case (`blocks_needed`) at admission and releases it at
-  the end, so an allocation during a step never fails and no running request ever loses a block (TensorRT-LLM's
-  "guaranteed no evict" policy). Requests that do not fit wait in the queue.
+- Budget: the scheduler *reserves* blocks before it writes them, so an allocation during a step never fails.
+  Under the `guaranteed_no_evict` policy a request reserves its worst case (`blocks_needed`) at admission and
+  releases it at the end: no running request ever loses a block (TensorRT-LLM's policy of that name); requests
+  that do not fit wait in the queue. Under `max_utilization` (`preempt.py`) a one-row request reserves what the
+  coming step writes, step by step, and the latest arrived one is preempted (its blocks freed) when none is left.
 - Prefix caching (`prefix_cache.py`, vLLM v1's design): full blocks whose KV is complete are registered under
   their block hash (`register`). When no row holds such a block any more it stays cached, *idle*, in least
   recently used order, instead of going back to the free list; a later request with the same prefix takes it
@@ -174,10 +176,11 @@ class KVCache:
         return slots
 
     # --- prefix cache ---------------------------------------------------------------------------------------
-    def reuse(self, row: RowKV, hashes: Sequence[BlockHash], prompt_len: int) -> int:
+    def reuse(self, row: RowKV, hashes: Sequence[BlockHash], prompt_len: int, count: bool = True) -> int:
         """Start the empty `row` with the longest run of cached blocks matching `hashes` (a prompt's full-block
         hashes), leaving at least the prompt's last token to compute (its logits start decoding). Counts the
-        lookup in `prefix_stats` (tokens); returns the tokens reused."""
+        lookup in `prefix_stats` (tokens) unless not `count` (a preempted request's recompute); returns the tokens
+        reused."""
         assert not row.blocks, "reuse() starts an empty row"
         hit: list[int] = []
         for h in hashes[:(prompt_len - 1) // self.block_size]:
@@ -190,8 +193,9 @@ class KVCache:
                 del self._idle[b]
             self.refcount[b] += 1
         row.blocks, row.length, row.hashes = hit, len(hit) * self.block_size, list(hashes[:len(hit)])
-        st = self.prefix_stats
-        st.requests, st.queries, st.hits = st.requests + 1, st.queries + prompt_len, st.hits + row.length
+        if count:
+            st = self.prefix_stats
+            st.requests, st.queries, st.hits = st.requests + 1, st.queries + prompt_len, st.hits + row.length
         return row.length
 
     def register(self, row: RowKV, index: int, h: BlockHash) -> None:

@@ -2,6 +2,9 @@
 
 First come first served. `schedule()`:
 1. retires cancelled requests (queued or running) and lists them in the plan, to be ended with CANCELLED;
+1b. under the `max_utilization` scheduler policy (`preempt.py`), grows the KV reservations of running requests to
+   what the coming step can write, oldest first, preempting the latest arrived running requests where the cache
+   runs out (listed in `plan.preempted`; no admission in such a step);
 2. admits waiting requests in arrival order while they fit every budget (`_fits`, one place: rows it can ever
    use, `max(beam_width, num_return_sequences)`, within `max_rows`; its worst-case KV blocks,
    `kv_cache.blocks_needed`, reservable; its LoRA adapter, if any, resident in a device slot
@@ -9,8 +12,8 @@ First come first served. `schedule()`:
    blocks is never overtaken (no starvation of long or wide requests). A request waiting only for an adapter
    slot lets base-model requests behind it pass (they hold no slot, so they cannot delay its slot), but no
    request with an adapter, which could keep the slots busy: tenants without adapters never wait on a busy
-   adapter cache, and rare adapters are not starved. Reservation makes every later block allocation succeed:
-   nothing is ever preempted. Taking the budgets is all or nothing: when taking one raises (the adapter's device
+   adapter cache, and rare adapters are not starved. Reservation makes every later block allocation succeed
+   (under `guaranteed_no_evict` the worst case is reserved and nothing is ever preempted). Taking the budgets is all or nothing: when taking one raises (the adapter's device
    copy runs out of memory, a cache fault), what was taken before is given back, the request leaves the queue
    and is listed in `plan.failed` with the exception (the scheduler ends it with an error), and admission goes
    on with the next request;
@@ -28,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from . import preempt
 from .adapter_slots import DeviceAdapters
 from .kv_cache import KVCache
 from .state import Active
@@ -36,12 +40,12 @@ from .state import Active
 @dataclass(frozen=True)
 class PrefillChunk:
     active: Active
-    start: int  # first prompt position of the chunk
+    start: int  # first position of the chunk (of the prompt, or of a preempted request's recompute)
     length: int  # prompt tokens in the chunk
 
     @property
     def completes(self) -> bool:
-        return self.start + self.length == self.active.prompt_len
+        return self.start + self.length == self.active.prefill_len
 
 
 @dataclass
@@ -49,19 +53,27 @@ class StepPlan:
     cancelled: list[Active] = field(default_factory=list)
     failed: list[tuple[Active, Exception]] = field(default_factory=list)  # admission raised: out of the queue
     admitted: list[Active] = field(default_factory=list)
+    preempted: list[Active] = field(default_factory=list)  # running requests sent back to the queue (recompute)
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Active] = field(default_factory=list)  # one new token for each of their rows
 
 
 class Policy:
-    def __init__(self, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int, prefill_chunk: int):
+    def __init__(self, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int, prefill_chunk: int,
+                 scheduler_policy: str = preempt.GUARANTEED_NO_EVICT):
+        if scheduler_policy not in preempt.POLICIES:
+            raise ValueError(f"scheduler_policy must be one of {list(preempt.POLICIES)}, got {scheduler_policy!r}")
         self.cache, self.adapters = cache, adapters
         self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
+        self.on_demand = scheduler_policy == preempt.MAX_UTILIZATION
         self.waiting: deque[Active] = deque()
         self.running: list[Active] = []
         self.rows_reserved = 0
+        self.preemptions = 0  # running requests preempted since start
+        self._arrivals = 0
 
     def add(self, active: Active) -> None:
+        active.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.waiting.append(active)
 
     def has_work(self) -> bool:
@@ -74,13 +86,16 @@ class Policy:
             plan.cancelled = [a for a in list(self.waiting) + self.running if a.id in ids]
         for a in plan.cancelled:  # their budgets are free for this step's admission
             self.retire(a)
-        self._admit(plan)
+        if self.on_demand:
+            self._grow(plan)
+        if not plan.preempted:  # vLLM's rule: a step short of blocks admits nothing
+            self._admit(plan)
         budget = self.prefill_chunk
         for a in self.running:
             if a.prefilling:
                 if budget <= 0:
                     continue
-                chunk = PrefillChunk(a, a.kv.prefilled, min(a.prompt_len - a.kv.prefilled, budget))
+                chunk = PrefillChunk(a, a.kv.prefilled, min(a.prefill_len - a.kv.prefilled, budget))
                 plan.prefill.append(chunk)
                 budget -= chunk.length
                 if not chunk.completes:
@@ -96,27 +111,29 @@ class Policy:
         back first."""
         if self.rows_reserved + a.width > self.max_rows:
             return "rows"
-        if not self.cache.try_reserve(a.kv.reserved):
+        want = self._reservation(a)
+        if not self.cache.try_reserve(want):
             return "kv"
+        a.kv.reserved = want
         adapter = a.req.adapter
         try:
             if adapter is not None:
                 lora = self.adapters.acquire(adapter)  # may copy it to the device
                 if lora is None:  # every slot holds an adapter a running request uses: wait for one to finish
-                    self.cache.release(a.kv.reserved)
+                    self._unreserve(a)
                     return "slot"
                 a.lora = lora
             a.kv.rows = [self.cache.new_row()]
-            if a.kv.hasher is not None:
-                a.kv.cached = a.kv.prefilled = self.cache.reuse(a.kv.rows[0], a.kv.hasher.prompt_hashes,
-                                                                a.prompt_len)
+            self._reuse_prefix(a)
         except BaseException:
             lora, a.lora = a.lora, None
-            rows, a.kv.rows, a.kv.cached, a.kv.prefilled = a.kv.rows, [], 0, 0
+            rows, a.kv.rows, a.kv.prefilled = a.kv.rows, [], 0
+            if a.kv.resume_ids is None:
+                a.kv.cached = 0
             try:
                 for r in rows:
                     self.cache.free(r)
-                self.cache.release(a.kv.reserved)
+                self._unreserve(a)
             finally:
                 if lora is not None:
                     self.adapters.release(adapter)
@@ -138,7 +155,8 @@ class Policy:
                 continue
             if short is None:
                 self.waiting.remove(a)
-                a.timing.admitted = time.monotonic()
+                if a.timing.admitted is None:  # a preempted request keeps its first admission's time
+                    a.timing.admitted = time.monotonic()
                 self.running.append(a)
                 plan.admitted.append(a)
             elif short == "slot" and not slot_wait:
@@ -159,7 +177,54 @@ class Policy:
                 lora, a.lora = a.lora, None
                 if lora is not None:
                     self.adapters.release(a.req.adapter)
-                self.cache.release(a.kv.reserved)
+                self._unreserve(a)
                 self.running.remove(a)
             elif a in self.waiting:
                 self.waiting.remove(a)
+
+    # --- KV reservations: the worst case, or on demand (`preempt.py`) ------------------------------------------
+    def _reservation(self, a: Active) -> int:
+        """The KV blocks `a` must hold reserved now: its worst case, or on demand what the coming step needs."""
+        if self.on_demand and preempt.preemptible(a):
+            return preempt.blocks_now(a, self.cache.block_size)
+        return a.kv.worst
+
+    def _unreserve(self, a: Active) -> None:
+        reserved, a.kv.reserved = a.kv.reserved, 0
+        self.cache.release(reserved)
+
+    def _reuse_prefix(self, a: Active) -> None:
+        """Start `a`'s first row with the cached blocks of its longest cached prefix: its prompt's, or after a
+        preemption its recompute's (not counted in the prefix-cache statistics, which count prompts)."""
+        kv = a.kv
+        if kv.hasher is None:
+            return
+        if kv.resume_ids is None:
+            kv.cached = kv.prefilled = self.cache.reuse(kv.rows[0], kv.hasher.prompt_hashes, a.prompt_len)
+        else:
+            kv.prefilled = self.cache.reuse(kv.rows[0], kv.resume_hashes, len(kv.resume_ids), count=False)
+
+    def _grow(self, plan: StepPlan) -> None:
+        """On demand: each running request's reservation grows to what the coming step can write, oldest first;
+        where the cache is short, the latest arrived preemptible running request is preempted (possibly the
+        growing one itself: then nothing arrived after it holds blocks it could take)."""
+        for a in sorted(self.running, key=lambda r: r.arrival):
+            grow = self._reservation(a) - a.kv.reserved
+            while grow > 0 and a.admitted:
+                if self.cache.try_reserve(grow):
+                    a.kv.reserved += grow
+                    break
+                victim = max((r for r in self.running if preempt.preemptible(r)), key=lambda r: r.arrival)
+                self.preempt(victim)
+                plan.preempted.append(victim)
+
+    def preempt(self, a: Active) -> None:
+        """Send running `a` back to the queue (ahead of every request that arrived after it) with nothing held;
+        it computes its tokens again when it is admitted again (`preempt.suspend`)."""
+        preempt.suspend(a)
+        self.retire(a)
+        a.kv.prefilled = 0
+        a.preemptions += 1
+        self.preemptions += 1
+        later = next((i for i, w in enumerate(self.waiting) if w.arrival > a.arrival), len(self.waiting))
+        self.waiting.insert(later, a)

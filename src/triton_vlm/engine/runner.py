@@ -9,6 +9,8 @@
 - Prefix caching: after a forward returned, the full blocks it completed are registered in the cache's index
   under their hashes (`prefix_cache.py`): a prompt's from the hashes computed at submit, decoded ones from the
   row's tokens (`RowKV.tokens`), so a later request with the same prefix (a chat's next turn) reuses them.
+- A preempted request (`preempt.py`) prefills `kv.resume_ids` (its prompt, then the tokens it generated but the
+  last, embedded as decode steps embed them) with the hashes `kv.resume_hashes`; its logits are not stepped.
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -43,9 +45,7 @@ class ModelRunner:
     def prefill(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
         a, kv = chunk.active, chunk.active.kv
         if kv.embeds is None:
-            ids = torch.tensor(a.req.input_ids, dtype=torch.long, device=self.model.device)
-            kv.embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds,
-                                           self.model.config.image_token_id)  # [P, hidden]
+            kv.embeds = self._embeds(a)  # [prefill_len, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
         adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
@@ -56,6 +56,18 @@ class ModelRunner:
             return None
         kv.embeds = None
         return logits
+
+    def _embeds(self, a: Active) -> torch.Tensor:
+        """The prompt's embeddings with its image features merged in, then (resuming after a preemption) the
+        embeddings of the generated tokens it computes again -> [prefill_len, hidden]."""
+        dev = self.model.device
+        ids = torch.tensor(a.req.input_ids, dtype=torch.long, device=dev)
+        embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds, self.model.config.image_token_id)
+        resume = a.kv.resume_ids
+        if resume is None or len(resume) == a.prompt_len:
+            return embeds
+        more = torch.tensor(resume[a.prompt_len:], dtype=torch.long, device=dev)
+        return torch.cat([embeds, self.model.embed(more).to(embeds.dtype)])
 
     def decode(self, actives: list[Active]) -> torch.Tensor:
         rows = [r for a in actives for r in a.kv.rows]
@@ -75,12 +87,13 @@ class ModelRunner:
         the prompt the row keeps the tokens of its partial last block, to hash it once decoding fills it."""
         kv, bs = a.kv, self.cache.block_size
         row = kv.rows[0]
-        hashes = kv.hasher.prompt_hashes
+        resume = kv.resume_ids
+        hashes = kv.hasher.prompt_hashes if resume is None else kv.resume_hashes
         for i in range(len(row.hashes), kv.prefilled // bs):
             self.cache.register(row, i, hashes[i])
             row.hashes.append(hashes[i])
-        if kv.prefilled == a.prompt_len:
-            row.tokens = list(a.req.input_ids[len(row.hashes) * bs:])
+        if kv.prefilled == a.prefill_len:
+            row.tokens = list((a.req.input_ids if resume is None else resume)[len(row.hashes) * bs:])
 
     def _cache_decoded_blocks(self, actives: list[Active]) -> None:
         """Each row fed one token: a row whose block it filled registers that block, hashed from its tokens."""

@@ -2,6 +2,8 @@
 
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
     for each prefill chunk: runner.prefill -> (prompt complete) -> advance
+    (a request resuming after a preemption, `preempt.py`: its prefill recomputes prompt and generated tokens,
+     whose logits are not stepped; it decodes on with the token its decoder chose before)
     runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
         step (`decoder.step_greedy`, one device read-back), batchable sampling requests in one batched step
         (`decoder.step_samples`, one read-back), batchable beam requests in one batched step per (num_beams, K)
@@ -28,6 +30,7 @@ from .kv_cache import KVCache
 from .model import LlamaModel
 from .output import OutputProcessor
 from .policy import Policy, StepPlan
+from .preempt import GUARANTEED_NO_EVICT
 from .runner import ModelRunner
 from .state import Active, Output
 
@@ -36,8 +39,10 @@ SAMPLE = ("sample",)  # the group key of batchable sampling requests (beam keys 
 
 class Scheduler:
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int,
-                 prefill_chunk: int, decode_text: Callable[[list[int]], str]):
-        self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk)
+                 prefill_chunk: int, decode_text: Callable[[list[int]], str],
+                 scheduler_policy: str = GUARANTEED_NO_EVICT):
+        self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk,
+                             scheduler_policy=scheduler_policy)
         self.runner = ModelRunner(model, cache)
         # stacked copies of adapters get the device level's budget again (the adapters themselves use the first)
         self.runner.lora_stacks.max_bytes = adapters.max_bytes
@@ -57,6 +62,10 @@ class Scheduler:
     @property
     def rows_reserved(self) -> int:
         return self.policy.rows_reserved
+
+    @property
+    def preemptions(self) -> int:
+        return self.policy.preemptions
 
     def has_work(self) -> bool:
         return self.policy.has_work()
@@ -93,7 +102,7 @@ class Scheduler:
             a = chunk.active
             try:
                 logits = self.runner.prefill(chunk)  # [1, vocab] when the prompt is complete
-                if logits is not None:
+                if logits is not None and a.kv.resume_ids is None:  # resumed: its next token was chosen already
                     self._advance(a, logits, out)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(a, out, self._error(e))

@@ -4,7 +4,7 @@
 - `Active.streams` (`StreamState` per sequence index): what was streamed, owned by the output step
   (`output.py`);
 - the budgets it holds (`width` rows, `kv.reserved` blocks, its adapter's device slot) are taken and given back by the policy
-  (`policy.py`).
+  (`policy.py`), which also preempts it (`preempt.py`: its rows freed, `kv.resume_ids` recomputed when it runs again).
 `Active` itself is the request, its decoder and the callback its results go to.
 """
 from __future__ import annotations
@@ -25,13 +25,20 @@ Output = tuple[Callback, GenerationResult]
 
 @dataclass(eq=False)
 class KVState:
-    reserved: int  # KV blocks reserved at admission (the request's worst case)
+    worst: int  # KV blocks of the request's worst case (prompt + max_tokens, every row): `kv_cache.blocks_needed`
+    # KV blocks reserved now: the worst case under guaranteed_no_evict (and for requests never preempted), else
+    # what its rows can hold by the end of the coming step (grown step by step: `preempt.blocks_now`)
+    reserved: int = 0
     rows: list[RowKV] = field(default_factory=list)  # one per beam / sample once the prompt is cached
     prefilled: int = 0  # prompt tokens cached
     embeds: Optional[torch.Tensor] = None  # [P, hidden] prompt embeddings while prefilling
     next_tokens: list[int] = field(default_factory=list)  # the token each row feeds at the next decode step
     hasher: Optional[RequestHasher] = None  # prefix caching on and the request cacheable: its block hashes
     cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
+    # preempted after its first token: its one row's tokens to compute again when it runs again (prompt + every
+    # generated token but the last, which `next_tokens` feeds), and the hashes of their full blocks
+    resume_ids: Optional[list[int]] = None
+    resume_hashes: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -60,6 +67,8 @@ class Active:
     timing: Timing = field(default_factory=Timing)
     admitted: bool = False
     lora: Any = None  # the device copy of req.adapter while admitted (`adapter_slots.DeviceAdapters`)
+    arrival: int = -1  # order of arrival in the policy's queue (preemption takes the latest first)
+    preemptions: int = 0  # times it was preempted
 
     @property
     def id(self) -> str:
@@ -70,5 +79,11 @@ class Active:
         return len(self.req.input_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens its row computes before decoding: the prompt, or after a preemption `kv.resume_ids`."""
+        ids = self.kv.resume_ids
+        return self.prompt_len if ids is None else len(ids)
+
+    @property
     def prefilling(self) -> bool:
-        return self.kv.prefilled < self.prompt_len
+        return self.kv.prefilled < self.prefill_len

@@ -1,0 +1,200 @@
+"""On-demand KV (scheduler policy max_utilization): requests start with the blocks of their prompt, grow step by
+step, the latest arrived is preempted when the cache runs out and recomputed when it runs again; every request
+gets exactly the tokens (and log probs, and streamed pieces) it gets alone: greedy, seeded sampling (batched and
+per request), with and without prefix caching. Beams keep their worst case and are never preempted; the policy
+name is checked; guaranteed_no_evict never preempts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
+from triton_vlm.engine.engine import Engine, EngineConfig
+from triton_vlm.engine.kv_cache import blocks_needed
+from triton_vlm.errors import Cancelled, InvalidArgument
+from triton_vlm.params import GenerationParams, GenerationRequest
+
+BS = 4
+CONTEXT = 96
+SMALL = 24 * BS  # the smallest cache the engine starts with: one request at the full context
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    torch.set_num_threads(1)
+    model, processor = build_random_llava_objects(seed=5, max_position_embeddings=CONTEXT)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # spread the logits so near-ties (and flips) are rare
+    return save_checkpoint(model, processor, tmp_path_factory.mktemp("llava"))
+
+
+def engine(path, policy="max_utilization", **kw) -> Engine:
+    base = dict(max_rows=32, kv_cache_tokens=SMALL, block_size=BS, prefill_chunk=16, scheduler_policy=policy)
+    return Engine(path, EngineConfig(**(base | kw)))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(5, 300, (n - 1,), generator=g).tolist()
+
+
+def req(rid: str, ids, max_tokens=60, **kw) -> GenerationRequest:
+    kw.setdefault("min_tokens", max_tokens)  # no early end: every request runs its whole length
+    return GenerationRequest(rid, list(ids), GenerationParams(max_tokens=max_tokens, **kw))
+
+
+def answer(results) -> list[list[int]]:
+    last = results[-1]
+    assert last.final and last.error is None, last.error
+    return [s.token_ids for s in last.sequences]
+
+
+def log_probs(results) -> list[list[float]]:
+    return [s.log_probs for s in results[-1].sequences]
+
+
+def same(got: dict, want: dict, want_lp: dict) -> None:
+    """Each request's tokens exactly; its log probs to fp32 rounding: a recomputed key or value is the same sum as
+    the one it replaces, computed by a prefill instead of a decode step (another order of additions)."""
+    assert {k: answer(v) for k, v in got.items()} == want
+    for k, v in got.items():
+        for a, b in zip(log_probs(v), want_lp[k]):
+            assert a == pytest.approx(b, abs=1e-4), k
+
+
+def alone(path, reqs, lp: bool = False, **kw):
+    """Each request run alone on a cache that holds its worst case (nothing to preempt) -> id -> its tokens (and
+    id -> its log probs with `lp`)."""
+    eng = engine(path, policy="guaranteed_no_evict", kv_cache_tokens=1024, **kw)
+    res = {r.request_id: eng.generate([r])[r.request_id] for r in reqs}
+    tokens = {k: answer(v) for k, v in res.items()}
+    return (tokens, {k: log_probs(v) for k, v in res.items()}) if lp else tokens
+
+
+def run_together(eng: Engine, reqs) -> tuple[dict, int]:
+    """Submit all, step until done -> (request id -> results, the most requests running at once)."""
+    results = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        eng.submit(r, lambda res: results[res.request_id].append(res))
+    most = 0
+    for _ in range(5000):
+        more = eng.step()
+        most = max(most, eng.stats().running_requests)
+        if not more:
+            break
+    assert all(v and v[-1].final for v in results.values())
+    return results, most
+
+
+def idle(eng: Engine) -> None:
+    assert eng.cache.used_blocks == 0 and eng.cache.reserved == 0 and eng.scheduler.rows_reserved == 0
+    assert not eng.scheduler.has_work()
+
+
+MODES = {
+    "greedy": dict(return_log_probs=True),
+    "sampling": dict(do_sample=True, temperature=0.8, top_k=50, return_log_probs=True),
+    "sampling-penalty": dict(do_sample=True, temperature=0.9, repetition_penalty=1.3, return_log_probs=True),
+    "greedy-penalty": dict(presence_penalty=0.5, return_log_probs=True),
+}
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_all_start_some_are_preempted_and_each_gets_its_tokens_alone(path, mode, caching):
+    kw = dict(MODES[mode])
+    reqs = [req(f"r{i}", prompt(9 + i % 3, 10 + i), seed=100 + i if "sampling" in mode else None, **kw)
+            for i in range(6)]
+    worst = blocks_needed(11, 60, 1, BS)
+    assert 6 * worst > SMALL // BS >= worst  # together they need far more than the cache; each one fits alone
+    eng = engine(path, enable_prefix_caching=caching)
+    got, most = run_together(eng, reqs)
+    assert most == 6  # every request started at once
+    stats = eng.stats()
+    assert stats.preemptions > 0 and stats.preempted_requests == 0
+    same(got, *alone(path, reqs, lp=True, enable_prefix_caching=caching))
+    idle(eng)
+    if caching:  # the recomputes are not prompt lookups: one per request
+        assert eng.prefix_cache_stats().requests == len(reqs)
+
+
+def test_guaranteed_no_evict_runs_what_fits_and_never_preempts(path):
+    reqs = [req(f"g{i}", prompt(9, 30 + i)) for i in range(4)]
+    eng = engine(path, policy="guaranteed_no_evict")
+    got, most = run_together(eng, reqs)
+    assert most == 1 and eng.stats().preemptions == 0  # one worst case fills the cache
+    assert {r.request_id: answer(got[r.request_id]) for r in reqs} == alone(path, reqs)
+
+
+def test_streamed_pieces_of_a_preempted_request_are_its_tokens_once(path):
+    reqs = [req(f"s{i}", prompt(10, 40 + i), stream=True) for i in range(5)]
+    eng = engine(path)
+    got, _ = run_together(eng, reqs)
+    assert eng.stats().preemptions > 0
+    want = alone(path, reqs)
+    for r in reqs:
+        pieces = [t for res in got[r.request_id] if not res.final for s in res.sequences for t in s.token_ids]
+        assert pieces == want[r.request_id][0] == answer(got[r.request_id])[0]
+
+
+def test_beams_keep_their_worst_case_and_are_never_preempted(path):
+    """A beam request among greedy ones: reserved whole at admission, never preempted, exact; the greedy ones
+    around it are preempted and exact."""
+    reqs = [req("g0", prompt(9, 50))] + [req("beam", prompt(9, 51), max_tokens=20, beam_width=2)] + \
+        [req(f"g{i}", prompt(9, 50 + i)) for i in range(2, 5)]
+    eng = engine(path)
+    preempted = []
+    original = eng.scheduler.policy.preempt
+
+    def spy(a):
+        preempted.append(a.id)
+        original(a)
+
+    eng.scheduler.policy.preempt = spy
+    got, _ = run_together(eng, reqs)
+    assert preempted and "beam" not in preempted
+    assert {r.request_id: answer(got[r.request_id]) for r in reqs} == alone(path, reqs)
+    idle(eng)
+
+
+def test_the_oldest_request_is_never_preempted_and_the_latest_is_first(path):
+    reqs = [req(f"o{i}", prompt(9, 60 + i)) for i in range(4)]
+    eng = engine(path)
+    order = []
+    original = eng.scheduler.policy.preempt
+
+    def spy(a):
+        order.append((a.id, sorted(r.id for r in eng.scheduler.running)))
+        original(a)
+
+    eng.scheduler.policy.preempt = spy
+    run_together(eng, reqs)
+    assert order and all(victim != "o0" for victim, _ in order)
+    assert all(victim == max(running, key=lambda x: int(x[1:])) for victim, running in order)
+
+
+def test_a_preempted_request_can_be_cancelled_while_it_waits(path):
+    reqs = [req(f"c{i}", prompt(9, 70 + i)) for i in range(5)]
+    eng = engine(path)
+    results = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        eng.submit(r, lambda res: results[res.request_id].append(res))
+    while not any(a.preemptions for a in eng.scheduler.waiting):
+        assert eng.step()
+    victim = next(a.id for a in eng.scheduler.waiting if a.preemptions)
+    assert eng.stats().preempted_requests >= 1
+    eng.cancel(victim)
+    while eng.step():
+        pass
+    assert isinstance(results[victim][-1].error, Cancelled)
+    want = alone(path, [r for r in reqs if r.request_id != victim])
+    assert {k: answer(v) for k, v in results.items() if k != victim} == want
+    idle(eng)
+
+
+def test_a_request_larger_than_the_cache_is_refused_and_the_policy_name_is_checked(path):
+    eng = engine(path)
+    with pytest.raises(InvalidArgument, match="KV blocks"):
+        eng.validate(req("wide", prompt(9, 1), max_tokens=80, beam_width=2))
+    with pytest.raises(InvalidArgument, match="guaranteed_no_evict, max_utilization.*'greedy'"):
+        EngineConfig(scheduler_policy="greedy").validate()
