@@ -175,7 +175,10 @@ def _stream_infer(url: str, headers) -> str:
         inputs.append(t)
     client.start_stream(callback=lambda result, error: got.put((result, error)), headers=headers)
     try:
-        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        try:
+            client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        except InferenceServerException:  # the stream already ended: tritonclient hands the cause to the callback
+            raise got.get(timeout=10)[1] from None
         answer = ""
         while True:
             result, error = got.get(timeout=120)
