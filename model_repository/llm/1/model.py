@@ -42,7 +42,8 @@ class TritonPythonModel:
                                lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256),
                                enable_prefix_caching=config.parse_int(p, "enable_prefix_caching", 1) != 0,
                                cuda_graphs=config.parse_int(p, "cuda_graphs", 1) != 0,
-                               cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64))
+                               cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
+                               scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict")
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:

@@ -14,7 +14,10 @@ Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavai
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
 vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
 the requests looked up at admission) and `triton_vlm_prefix_cache_hits_total` (those found cached); hits /
-queries is the hit rate.
+queries is the hit rate. `triton_vlm_preemptions_total`: running requests preempted (scheduler policy
+max_utilization: their KV blocks freed, their tokens recomputed when they run again; vLLM's
+`num_preemptions_total`), beside the gauges `triton_vlm_engine_preemptions` (the same count) and
+`triton_vlm_engine_preempted_requests` (waiting to run again).
 Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
@@ -120,6 +123,7 @@ class LLMMetrics(MetricsBase):
         self._lora_gauges: dict = {}  # (field, level) -> gauge
         self._info_family, self._info_metric, self._info_labels = None, None, None
         self._gauges: dict = {}
+        self._preemptions, self._preemptions_seen = None, 0
         self._kv_usage = self._kv_reserved = None
         self._outcomes: dict = {}
         self._hist: dict = {}
@@ -142,6 +146,10 @@ class LLMMetrics(MetricsBase):
                 fam = self._family(KV_RESERVED, "generation engine: KV-cache blocks reserved by admitted requests "
                                    "(their worst case, what admission sees), a 0-1 fraction", F.GAUGE)
                 self._kv_reserved = fam.Metric(labels=labels)
+            if "preemptions" in fields:
+                fam = self._family("triton_vlm_preemptions_total", "running requests preempted (their KV blocks "
+                                   "freed, recomputed when they run again)", F.COUNTER)
+                self._preemptions = fam.Metric(labels=labels)
         fam = self._family("triton_vlm_requests_total", "llm requests by outcome", F.COUNTER)
         self._outcomes = {o: fam.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         for kind in ("prompt", "generated"):
@@ -195,6 +203,9 @@ class LLMMetrics(MetricsBase):
             if self._kv_usage is not None:
                 self._kv_usage.set(kv_cache_usage(snap))
                 self._kv_reserved.set(kv_cache_reserved(snap))
+            if self._preemptions is not None and snap.preemptions > self._preemptions_seen:
+                self._preemptions.increment(snap.preemptions - self._preemptions_seen)  # cumulative -> increments
+                self._preemptions_seen = snap.preemptions
         if self._lora_levels and self._lora_counters:
             self._update_lora()
         if self._prefix:
@@ -250,7 +261,7 @@ class LLMMetrics(MetricsBase):
 
     def close(self) -> None:
         self._gauges, self._outcomes, self._hist, self._tokens = {}, {}, {}, {}  # metrics before their families
-        self._kv_usage = self._kv_reserved = None
+        self._kv_usage = self._kv_reserved = self._preemptions = None
         self._memory = {}
         self._prefix = {}
         self._lora_counters, self._lora_gauges, self._info_metric, self._info_family = {}, {}, None, None
