@@ -321,7 +321,7 @@ def test_rows_of_a_batched_request_are_padded_and_decode_back(pp):
     assert out[N.NUM_IMAGES].tolist() == [[2], [0]] and out[N.DROPPED_IMAGES].tolist() == [[0], [0]]
     assert out[N.PIXEL_VALUES].shape == (2, 2, *rows[0].pixel_values.shape[1:])
     assert np.array_equal(out[N.PIXEL_VALUES][0], rows[0].pixel_values) and not out[N.PIXEL_VALUES][1].any()
-    assert out[N.IMAGE_KEYS].tolist() == [[k.encode() for k in rows[0].image_keys], [b"", b""]]
+    assert out[N.IMAGE_SIZES].tolist() == [rows[0].image_sizes.tolist(), [[0, 0], [0, 0]]]
     for i, r in enumerate(rows):
         ids = out[N.INPUT_IDS][i].tolist()
         assert ids[:len(r.input_ids)] == r.input_ids and set(ids[len(r.input_ids):]) <= {N.INPUT_IDS_PAD}

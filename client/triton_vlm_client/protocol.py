@@ -58,6 +58,7 @@ LORA_TASK_ID = "lora_task_id"
 LORA_WEIGHTS = "lora_weights"
 LORA_CONFIG = "lora_config"
 LORA_NAME = "lora_name"
+CACHE_SALT = "cache_salt"
 
 # --- outputs --------------------------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"
@@ -110,6 +111,7 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(LORA_WEIGHTS, FP16, (-1, -1)),
     TensorInfo(LORA_CONFIG, INT32, (-1, 3)),
     TensorInfo(LORA_NAME, BYTES, (1,)),
+    TensorInfo(CACHE_SALT, BYTES, (1,)),
 )
 
 OUTPUTS: tuple[TensorInfo, ...] = (

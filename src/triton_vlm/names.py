@@ -71,6 +71,7 @@ LORA_TASK_ID = "lora_task_id"
 LORA_WEIGHTS = "lora_weights"
 LORA_CONFIG = "lora_config"
 LORA_NAME = "lora_name"
+CACHE_SALT = "cache_salt"  # vLLM's name (no TensorRT-LLM equivalent)
 
 TEXT_OUTPUT = "text_output"
 OUTPUT_IDS = "output_ids"
@@ -96,7 +97,6 @@ MODEL_CHECKED = frozenset({TEXT_INPUT, MAX_TOKENS})
 INPUT_IDS = "input_ids"
 PIXEL_VALUES = "pixel_values"
 IMAGE_EMBEDS = "image_embeds"
-IMAGE_KEYS = "image_keys"
 NUM_IMAGES = "num_images"
 IMAGE_SIZES = "image_sizes"  # (height, width) of each image: its tiles and token count follow from it
 IMAGE_FEATURE_LENS = "image_feature_lens"  # features of each image in image_embeds (the rest is padding)
@@ -106,7 +106,7 @@ STOP_WORDS_IDS = "stop_words_ids"
 # A request may stack several prompts (batch dim > 1, as TensorRT-LLM's clients send with `--batch-inputs`): each
 # row is answered as its own sequence set, its responses carrying `batch_index` = the row. Between the ensemble
 # steps the rows of such a request are padded to a common shape: `input_ids` with INPUT_IDS_PAD, word lists with
-# 0 (a zero length ends a list), `image_embeds` / `image_keys` / `image_sizes` beyond each row's `num_images`,
+# 0 (a zero length ends a list), `image_embeds` / `image_sizes` beyond each row's `num_images`,
 # `pixel_values` beyond the row's tiles (one per image for llava-1.5; `layout.tiles(size)` each for LLaVA-NeXT),
 # `image_embeds` beyond each image's `image_feature_lens`.
 INPUT_IDS_PAD = -1
@@ -155,13 +155,21 @@ LORA_INPUTS: tuple[TensorSpec, ...] = (
     _in(LORA_NAME, BYTES, default=None, doc="an adapter of the server's registry (--lora-dir) by name"),
 )
 
+# --- prefix-cache isolation (vLLM's `cache_salt`): enters the hash of the prompt's first KV block, so requests
+# share cached blocks only with requests of the same salt (llm reads it; the ensemble passes it through) ------
+CACHE_INPUTS: tuple[TensorSpec, ...] = (
+    _in(CACHE_SALT, BYTES, default=None,
+        doc="prefix-cache isolation: cached prompt blocks are shared only between requests of the same salt "
+            "(non-empty text, at most 1024 characters)"),
+)
+
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False,
         doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
     _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
     _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
     _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
-) + GENERATION_INPUTS + LORA_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS
 
 ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(TEXT_OUTPUT, BYTES, (-1,), doc="one string per returned sequence (the new piece when streaming)"),
@@ -199,13 +207,11 @@ PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(BAD_WORDS_IDS, INT32, (-1,)),  # length-prefixed id lists, see params.words_to_flat
     TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
     TensorSpec(DROPPED_IMAGES, INT32, (1,)),
-    TensorSpec(IMAGE_KEYS, BYTES, (-1,)),  # SHA-256 hex of each kept image's file: the embedding cache's key
-    TensorSpec(NUM_IMAGES, INT32, (1,)),  # images of the row (pixel_values / image_keys are padded beyond it)
+    TensorSpec(NUM_IMAGES, INT32, (1,)),  # images of the row (pixel_values / image_sizes are padded beyond it)
     TensorSpec(IMAGE_SIZES, INT32, (-1, 2)),  # [images, 2] (height, width) of each kept image
 )
 VISION_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),
-    _in(IMAGE_KEYS, BYTES, (-1,)),  # optional: without keys nothing is cached
     _in(NUM_IMAGES, INT32),  # optional: without it every image of pixel_values is real
     _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional for llava-1.5 (one tile per image), required for LLaVA-NeXT
 )
@@ -221,7 +227,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(DROPPED_IMAGES, INT32),
     _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
     _in(IMAGE_FEATURE_LENS, INT32, (-1,)),  # optional: without it every image fills image_embeds' T
-) + GENERATION_INPUTS + LORA_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 
 MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {

@@ -22,6 +22,7 @@ PENALTY_RANGE = (-2.0, 2.0)
 # the whole vocabulary leave no token to choose
 MAX_WORDS = 1024
 MAX_WORD_IDS = 16384  # token ids over all words of one list
+MAX_CACHE_SALT = 1024  # characters of a cache_salt
 EARLY_STOPPING_WIRE = {N.EARLY_STOPPING_FALSE: False, N.EARLY_STOPPING_TRUE: True, N.EARLY_STOPPING_NEVER: "never"}
 
 
@@ -188,6 +189,7 @@ class GenerationRequest:
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0
     adapter: Any = None  # a `lora.format.Adapter` applied to every row of this request, or None (base model)
+    cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared only between requests of one salt
 
     def end_ids(self, limits: ModelLimits) -> tuple[int, ...]:
         return tuple(self.params.end_ids or limits.eos_ids)
@@ -201,6 +203,7 @@ class GenerationRequest:
         if not isinstance(p, GenerationParams):
             raise InvalidArgument(f"params must be a GenerationParams, got {type(p).__name__}")
         p.validate()
+        check_cache_salt(self.cache_salt)
         if len(ids) == 0:
             raise InvalidArgument("input_ids is empty; at least one prompt token is needed")
         check_ids("input_ids", ids, limits.vocab_size)
@@ -219,6 +222,17 @@ class GenerationRequest:
         if p.top_log_probs > limits.vocab_size:
             raise InvalidArgument(f"{N.RETURN_TOP_LOG_PROBS} {p.top_log_probs} exceeds the vocabulary "
                                   f"({limits.vocab_size} tokens)")
+
+
+def check_cache_salt(salt: Optional[str]) -> None:
+    """None (no salt) or non-empty text of at most MAX_CACHE_SALT characters (an empty salt is refused, as vLLM
+    refuses it: it would look like isolation and be none)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise InvalidArgument(f"{N.CACHE_SALT} must be a non-empty string if provided, got {salt!r}")
+    if len(salt) > MAX_CACHE_SALT:
+        raise InvalidArgument(f"{N.CACHE_SALT} holds {len(salt)} characters; at most {MAX_CACHE_SALT} are accepted")
 
 
 def check_word_count(what: str, n: int) -> None:

@@ -47,7 +47,6 @@ class PreprocessResult:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0  # images removed by truncation
-    image_keys: list[str] = field(default_factory=list)  # SHA-256 hex of each kept image's file, in order
     image_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n_kept, 2] (H, W)
 
 
@@ -233,7 +232,6 @@ class Preprocessor:
             bad_words_ids=self.encode_words(bad_words, "bad_words"),
             stop_words_ids=self.encode_words(stop_words, "stop_words"),
             dropped_images=len(decoded) - len(kept_images),
-            image_keys=[keys[i].hex() for i in kept_images],
             image_sizes=np.array([sizes[i] for i in kept_images], np.int32).reshape(-1, 2),
         )
 
@@ -244,11 +242,10 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
     b = len(results)
     length = max(len(r.input_ids) for r in results)
     input_ids = np.full((b, length), N.INPUT_IDS_PAD, np.int32)  # [B, T]
-    n_img = [len(r.image_keys) for r in results]
+    n_img = [len(r.image_sizes) for r in results]
     n_tiles = [int(r.pixel_values.shape[0]) for r in results]
     shape = results[0].pixel_values.shape[1:]
     pixel_values = np.zeros((b, max(n_tiles), *shape), np.float32)  # [B, tiles, 3, H, W]
-    keys = np.full((b, max(n_img)), b"", dtype=np.object_)  # [B, images]
     sizes = np.zeros((b, max(n_img), 2), np.int32)  # [B, images, 2]
     words = {}
     for name, get in ((N.BAD_WORDS_IDS, lambda r: r.bad_words_ids), (N.STOP_WORDS_IDS, lambda r: r.stop_words_ids)):
@@ -259,14 +256,12 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
     for i, r in enumerate(results):
         input_ids[i, :len(r.input_ids)] = r.input_ids
         pixel_values[i, :n_tiles[i]] = r.pixel_values
-        keys[i, :n_img[i]] = [k.encode() for k in r.image_keys]
         sizes[i, :n_img[i]] = r.image_sizes
     return {
         N.INPUT_IDS: input_ids,
         N.PIXEL_VALUES: pixel_values,
         **words,
         N.DROPPED_IMAGES: np.array([[r.dropped_images] for r in results], np.int32),  # [B, 1]
-        N.IMAGE_KEYS: keys,
         N.NUM_IMAGES: np.array([[n] for n in n_img], np.int32),  # [B, 1]
         N.IMAGE_SIZES: sizes,
     }

@@ -2,7 +2,8 @@
 
 Thin adapter: backends are `triton_vlm.vision.backends` (`vision_backend`: torch | onnxruntime | tensorrt), the
 batching, the family's packing and the embedding cache `triton_vlm.vision.service.VisionService`. A text-only
-request carries zero images; a request with bad pixel values, sizes or keys gets its own INVALID_ARG. A request
+request carries zero images; a request with bad pixel values or sizes gets its own INVALID_ARG. Embeddings are
+cached by the pixels received (no client-sent key is trusted: `image_keys` is not an input). A request
 of several rows (a batched ensemble request) is encoded row by row, each row's first `num_images` images; its
 `image_embeds` are [B, max images, max T, hidden], zero padded, and `image_feature_lens` [B, max images] the
 features of each image.
@@ -31,7 +32,7 @@ class TritonPythonModel:
         self.metrics = VisionMetrics(self.service)
 
     def execute(self, requests):
-        inputs = []  # per request: its rows' (pixels, keys), or its error
+        inputs = []  # per request: its rows' VisionInput, or its error
         for r in requests:
             try:
                 rows = tensors.batch_size(r, [N.PIXEL_VALUES])
@@ -59,11 +60,10 @@ class TritonPythonModel:
 
 
 def _row(request, row):
-    """One row's tiles [tiles, 3, H, W], keys, sizes [images, 2] and number of real images."""
+    """One row's tiles [tiles, 3, H, W], sizes [images, 2] and number of real images."""
     from triton_vlm.vision.service import VisionInput
 
     return VisionInput(pixels=tensors.input_array(request, N.PIXEL_VALUES, row),
-                       keys=tensors.strings(request, N.IMAGE_KEYS, row) or None,
                        sizes=tensors.input_array(request, N.IMAGE_SIZES, row),
                        num_images=tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row))
 

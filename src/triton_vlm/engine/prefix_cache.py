@@ -4,7 +4,9 @@ automatic prefix caching).
 - Block hash (`hash_block_tokens` in vLLM): SHA-256 over the parent block's hash, the block's `block_size` token
   ids and extra keys. The chain makes a block's hash stand for the whole prefix up to its end. The first block's
   parent is the request's root: a constant for the base model, else the adapter's identity (`adapter_key`),
-  so KV computed with one adapter is never found by a request with another one or with none.
+  so KV computed with one adapter is never found by a request with another one or with none; the request's
+  `cache_salt` (vLLM's), when it has one, enters the root too, so requests of different salts (or a salt and
+  none) never share a block, and a tenant cannot time another tenant's prompts through cache hits.
 - Extra keys for image placeholder positions: for each image span with placeholders in the block, the span's
   content digest, the offset inside it of its first placeholder in the block and how many follow (vLLM's
   `(mm_hash, offset)`). A span is an image's run of adjacent placeholders (`image_spans`); its digest is the
@@ -118,9 +120,11 @@ class RequestHasher:
     """Block hashes of one request: the prompt's full blocks at once, later blocks as rows fill them."""
 
     def __init__(self, input_ids: Sequence[int], block_size: int, *, spans: list[ImageSpan],
-                 image_token_id: Optional[int], adapter=None):
+                 image_token_id: Optional[int], adapter=None, salt: Optional[str] = None):
         self.block_size, self.spans = block_size, spans
         self.root = _ROOT if adapter is None else hashlib.sha256(_ROOT + adapter_key(adapter)).digest()
+        if salt is not None:  # after the fixed-size root: unambiguous
+            self.root = hashlib.sha256(self.root + b"salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
         self.prompt_len = len(input_ids)
         ids = np.asarray(input_ids, dtype=np.int64)
         # placeholder positions of the prompt, in order (ordinal k is at position self._ph[k])
@@ -151,4 +155,5 @@ def request_hasher(req, block_size: int, image_token_id: Optional[int]) -> Optio
     spans = image_spans(req.input_ids, req.image_embeds, image_token_id)
     if spans is None:
         return None
-    return RequestHasher(req.input_ids, block_size, spans=spans, image_token_id=image_token_id, adapter=req.adapter)
+    return RequestHasher(req.input_ids, block_size, spans=spans, image_token_id=image_token_id, adapter=req.adapter,
+                         salt=req.cache_salt)

@@ -7,13 +7,14 @@ stop string has ended every sequence, the stream to Triton is closed, which canc
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from .. import names as N
 from .choices import Choice, StopMatcher
-from .params import Plan
+from .params import Plan, tenant_salt
 from .triton import TritonClient, TritonRequest
 
 
@@ -27,7 +28,10 @@ class Event:
 
 class Generation:
     def __init__(self, client: TritonClient, request: TritonRequest, plan: Plan, eos_ids: frozenset,
-                 context_length: int, tokenizer=None):
+                 context_length: int, tokenizer=None, api_key: Optional[str] = None):
+        salt = tenant_salt(api_key, plan.cache_salt)  # with --api-key, derived from the key (params.py)
+        if salt is not None:
+            request = dataclasses.replace(request, params={**request.params, N.CACHE_SALT: salt})
         self.client, self.request, self.plan = client, request, plan
         self.tokenizer = tokenizer if plan.logprobs else None  # token texts are made only for logprobs
         self.eos_ids, self.context_length = eos_ids, context_length

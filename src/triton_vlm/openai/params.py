@@ -12,13 +12,22 @@ its INVALID_ARG messages reach the client unchanged. Checked here is only what b
 - `stop`: sent as the ensemble's `stop_words` (ends a sequence early, at the token level) and matched on the
   text by the front end (`choices.StopMatcher`), which removes the stop string as OpenAI does.
 - `ignore_eos`: `min_tokens` = `max_tokens` (EOS is never chosen).
+- `cache_salt` (vLLM's): the ensemble's `cache_salt`, a non-empty string (400 otherwise, as vLLM answers). With
+  --api-key the salt sent is an HMAC-SHA256 under the key of the client's salt (or of none), so prefix-cache
+  blocks are never shared with clients that do not hold the key (Triton's own clients, or front ends with other
+  keys); one key is one tenant: clients sharing a key share blocks unless their salts differ.
+  `prompt_cache_key` (OpenAI's) is accepted and has no effect: OpenAI defines it as a routing hint to raise hit
+  rates, not as isolation, so mapping it to the salt would split the sharing its users ask for.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import names as N
+from ..params import MAX_CACHE_SALT
 from .errors import bad_request
 from .schemas import MAX_N, MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
@@ -42,6 +51,7 @@ class Plan:
     continuous_usage: bool = False
     ignore_eos: bool = False
     beam: bool = False
+    cache_salt: Optional[str] = None  # the client's (see tenant_salt for what is sent)
 
 
 def _stop_list(stop: Union[str, list[str], None]) -> list[str]:
@@ -92,6 +102,7 @@ def make_plan(body: Union[ChatCompletionRequest, CompletionRequest], defaults: d
     if body.min_tokens:
         inputs[N.MIN_TOKENS] = body.min_tokens
     p.stop = _stop_list(body.stop)
+    p.cache_salt = _cache_salt(body.cache_salt)
     _choices(body, p, sampling)
     if p.logprobs or p.rank_best_of:
         inputs[N.RETURN_LOG_PROBS] = True
@@ -101,6 +112,31 @@ def make_plan(body: Union[ChatCompletionRequest, CompletionRequest], defaults: d
     # only at the end, so a streamed beam search with logprobs is run unstreamed and sent as chunks at its end
     p.stream_engine = p.stream and not (p.logprobs and p.beam)
     return p
+
+
+def _cache_salt(salt: Optional[str]) -> Optional[str]:
+    if salt is None:
+        return None
+    if not salt:
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT:
+        raise bad_request(f"cache_salt holds {len(salt)} characters; at most {MAX_CACHE_SALT} are accepted",
+                          param="cache_salt")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("cache_salt must be valid Unicode text (it holds a lone surrogate)",
+                          param="cache_salt") from None
+    return salt
+
+
+def tenant_salt(api_key: Optional[str], salt: Optional[str]) -> Optional[str]:
+    """The salt sent to Triton: the client's as it is without an API key; with one, an HMAC under the key of
+    the client's salt (or of none), so that only holders of the key can ever share blocks with these requests."""
+    if not api_key:
+        return salt
+    msg = b"triton-vlm cache_salt\0" + (b"\0" if salt is None else b"\1" + salt.encode("utf-8"))
+    return "key:" + hmac.new(api_key.encode("utf-8", "surrogatepass"), msg, hashlib.sha256).hexdigest()
 
 
 def _logprobs(body, p: Plan) -> None:

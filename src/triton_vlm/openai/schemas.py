@@ -84,7 +84,9 @@ class _Sampling(_Strict):
     best_of: Optional[int] = None
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
-    # bookkeeping fields: accepted, ignored
+    cache_salt: Optional[str] = None  # vLLM's prefix-cache isolation (params.cache_salt)
+    # bookkeeping fields: accepted, ignored (`prompt_cache_key` is OpenAI's routing hint for its cache, not an
+    # isolation key: one engine has nothing to route, and hits depend on the prefix and the salt only)
     user: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None

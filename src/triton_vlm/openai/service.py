@@ -40,7 +40,7 @@ class Frontend:
 
     def generations(self, jobs: list[TritonRequest], plan: Plan) -> list[Generation]:
         return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length,
-                           self.served.tokenizer) for job in jobs]
+                           self.served.tokenizer, api_key=self.api_key) for job in jobs]
 
     # --- one body ---------------------------------------------------------------------------------------
     async def complete(self, fmt: Format, jobs: list[TritonRequest], plan: Plan,

@@ -43,6 +43,7 @@ from .responder import Responder
 log = logging.getLogger("triton_vlm")
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _OUT = {s.name: s for s in N.LLM_OUTPUTS}
+_SALT = N.spec(N.CACHE_SALT, N.LLM_INPUTS)
 
 
 @dataclass
@@ -195,6 +196,7 @@ class LLMService:
             bad_words_ids=[] if bad is None else words_from_flat(bad.reshape(-1)),
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
+            cache_salt=tensors.scalar(request, _SALT, row),  # checked by GenerationRequest.validate
         )
 
     def _adapter(self, request, row=None):

@@ -1,7 +1,8 @@
 """Projected image embeddings by image content, as vLLM's encoder cache (keyed by a content hash of the image).
 
-Keys are the SHA-256 of the encoded image file (preprocess computes it) within a namespace of checkpoint
-content + backend + dtype, so a changed checkpoint or backend never reuses another's embeddings. An LRU bounded
+Keys are the SHA-256 of the pixels the vision model received (`service.content_digest`, never a key a client
+sends) within a namespace of checkpoint content + backend + dtype, so a changed checkpoint or backend never reuses
+another's embeddings. An LRU bounded
 in bytes (`embedding_cache_mb`); an entry larger than the whole cache is not kept. Entries are tensors shared
 (never modified) by every request that hits them. Used by the vision model's one execute thread (no lock needed).
 """
@@ -33,8 +34,9 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def key(self, image_key: str) -> bytes:
-        return hashlib.sha256(f"{self.namespace}\n{image_key}".encode()).digest()
+    def key(self, digest: bytes) -> bytes:
+        """The cache key of an image's content digest."""
+        return hashlib.sha256(f"{self.namespace}\n".encode() + digest).digest()
 
     def get(self, key: bytes) -> Optional[torch.Tensor]:
         hit = self._items.get(key)

@@ -2,22 +2,30 @@
 at most once, cached embeddings reused.
 
 `VisionService.encode_rows(inputs)` takes, per request row, a `VisionInput`: its tiles [tiles, 3, H, W] (or
-None), its images' content keys (SHA-256 hex strings from preprocess, or None), their sizes [n, 2] (height,
-width; the tiles and features of an image follow from its size in the family's layout, LLaVA-NeXT) and the
-number of real images (the rest is a batched request's padding). It returns, per row, `Encoded`: embeddings
-[n, T, hidden] (torch, in `out_dtype`, on the backend's device: a GPU backend's embeddings never touch host
-memory), zero padded beyond each image's `lens`, or the InvalidArgument its input raised (the others are
-unaffected). Images found in the embedding cache are not encoded; the tiles of the rest, deduplicated by key
-across rows, go to the backend `max_batch` tiles at a time (the tiles of images of every size in one call); the
-family's packer turns each image's tile features into its features (LLaVA-NeXT: grid, unpad, row separators)
-and the cache keeps those. `encode(requests)` is the same for (pixels, keys) pairs, returning the embeddings.
-`build(model_dir, params)` makes the backend, the cache and the service from the model's parameters.
+None), its images' sizes [n, 2] (height, width; the tiles and features of an image follow from its size in the
+family's layout, LLaVA-NeXT) and the number of real images (the rest is a batched request's padding). It returns,
+per row, `Encoded`: embeddings [n, T, hidden] (torch, in `out_dtype`, on the backend's device: a GPU backend's
+embeddings never touch host memory), zero padded beyond each image's `lens`, or the InvalidArgument its input
+raised (the others are unaffected). Images found in the embedding cache are not encoded; the tiles of the rest,
+deduplicated by content across rows, go to the backend `max_batch` tiles at a time (the tiles of images of every
+size in one call); the family's packer turns each image's tile features into its features (LLaVA-NeXT: grid,
+unpad, row separators) and the cache keeps those. `encode(requests)` is the same for (pixels[, sizes]) tuples,
+returning the embeddings. `build(model_dir, params)` makes the backend, the cache and the service.
+
+Cache keys are never taken from a client: an image's key is the SHA-256 of what this model received for it (its
+tiles' float32 bytes, their shape and the image's size), so the cached features are the features of exactly those
+pixels, whoever sent them (the model is callable directly, so a key sent with pixels could name another tenant's
+image; issue 24). Hashing costs about 0.8 ms per 336x336 tile on one core (SHA-NI; `bench/cache_trust.py`);
+the images of one `execute()` are hashed on up to `HASH_THREADS` threads (hashlib releases the GIL), and not at
+all without a cache.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-import re
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -31,7 +39,8 @@ from .cache import EmbeddingCache
 from .encoder import VisionSettings, check_pixel_values
 
 log = logging.getLogger("triton_vlm")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+HASH_THREADS = min(8, os.cpu_count() or 1)
+HASH_PARALLEL_BYTES = 4 << 20  # fewer bytes than this in one execute(): hashed on the calling thread
 MAX_SIDE = 1 << 20  # the largest image side accepted in image_sizes (preprocess's pixel cap is far below)
 
 
@@ -50,7 +59,6 @@ class VisionInput:
     """One request row as the vision model receives it."""
 
     pixels: Optional[np.ndarray]  # [tiles, 3, H, W] (padding rows beyond the real images' tiles allowed)
-    keys: Optional[Sequence[str]] = None  # per image: SHA-256 hex of its file (the cache key), or None
     sizes: Optional[np.ndarray] = None  # [images, 2] (height, width); required when tiles depend on the size
     num_images: Optional[int] = None  # real images (None: every image the other inputs describe)
 
@@ -65,8 +73,8 @@ class Encoded:
 class _Image:
     tiles: Optional[np.ndarray]  # [t, 3, H, W], None when its features came from the cache or the batch
     size: tuple[int, int]
-    key: Optional[bytes]
-    slot: object  # index into this call's encoded images, or the cached features [T, hidden]
+    key: Optional[bytes] = None  # the embedding cache's key (from the content), None without a cache
+    slot: object = None  # index into this call's encoded images, or the cached features [T, hidden]
 
 
 class VisionService:
@@ -84,20 +92,28 @@ class VisionService:
         return self.layout is None or self.layout.fixed
 
     def encode(self, requests: Sequence[tuple]) -> list:
-        """(pixels, keys[, sizes]) per request -> embeddings [n, T, hidden] or the request's InvalidArgument."""
+        """(pixels[, sizes]) per request -> embeddings [n, T, hidden] or the request's InvalidArgument."""
         out = self.encode_rows([r if isinstance(r, VisionInput) else VisionInput(*r) for r in requests])
         return [r if isinstance(r, Exception) else r.embeds for r in out]
 
     def encode_rows(self, inputs: Sequence[VisionInput]) -> list:
-        parsed, todo, todo_keys = [], [], {}
+        parsed = []
         for x in inputs:
             try:
-                parsed.append(self._plan(x, todo, todo_keys))
+                parsed.append(self._images(x))
             except InvalidArgument as e:
                 parsed.append(e)
+        if self.cache is not None:
+            images = [img for r in parsed if not isinstance(r, Exception) for img in r]
+            for img, digest in zip(images, content_digests([(img.tiles, img.size) for img in images])):
+                img.key = self.cache.key(digest)
+        todo, todo_keys = [], {}
+        for r in parsed:
+            if not isinstance(r, Exception):
+                self._place(r, todo, todo_keys)
         feats = self._run(todo)  # per encoded image [T_i, hidden]
         for img in todo:
-            if img.key is not None and self.cache is not None:
+            if img.key is not None:
                 self.cache.put(img.key, feats[img.slot])
         return [r if isinstance(r, Exception) else self._gather(r, feats) for r in parsed]
 
@@ -113,8 +129,8 @@ class VisionService:
             out[i, :lens[i]] = r
         return Encoded(out, lens)
 
-    def _plan(self, x: VisionInput, todo: list, todo_keys: dict) -> list[_Image]:
-        """Validate one row and decide, per image, cached features or a place in this call's batch."""
+    def _images(self, x: VisionInput) -> list[_Image]:
+        """Validate one row: its images, each with its tiles and size."""
         s = self.image_size
         pixels = np.zeros((0, 3, s, s), np.float32) if x.pixels is None else x.pixels
         check_pixel_values(pixels, s)
@@ -137,28 +153,23 @@ class VisionService:
         if sum(tiles) > pixels.shape[0] or (x.num_images is None and sum(tiles) != pixels.shape[0]):
             raise InvalidArgument(f"input 'pixel_values' has {pixels.shape[0]} tiles; image_sizes "
                                   f"{sizes[:n].tolist()} take {sum(tiles)}")
-        keys = list(x.keys)[:n] if x.keys is not None and x.num_images is not None else x.keys
-        if keys is not None and len(keys) not in (0, n):
-            raise InvalidArgument(f"input 'image_keys' must hold one key per image ({n}), got {len(keys)}")
-        if keys and not all(isinstance(k, str) and _HEX64.match(k) for k in keys):
-            raise InvalidArgument("input 'image_keys' must hold SHA-256 hex digests (64 characters 0-9a-f)")
-        cache_keys = [self.cache.key(k) if keys and self.cache is not None else None for k in keys or [None] * n]
-        images, start = [], 0
-        for t, size, key in zip(tiles, sizes[:n].tolist(), cache_keys):
-            img = _Image(None, tuple(size), key, None)
-            hit = self.cache.get(key) if key is not None else None
+        starts = np.cumsum([0] + tiles)
+        return [_Image(pixels[a:b], tuple(size)) for a, b, size in zip(starts, starts[1:], sizes[:n].tolist())]
+
+    def _place(self, images: list[_Image], todo: list, todo_keys: dict) -> None:
+        """Per image of a row: cached features, the slot of the same content earlier in this call, or a new slot
+        in this call's batch."""
+        for img in images:
+            hit = self.cache.get(img.key) if img.key is not None else None
             if hit is not None:
-                img.slot = hit
-            elif key is not None and key in todo_keys:  # the same image twice in this batch: encoded once
-                img.slot = todo_keys[key]
+                img.tiles, img.slot = None, hit
+            elif img.key is not None and img.key in todo_keys:  # the same image twice in this call: encoded once
+                img.tiles, img.slot = None, todo_keys[img.key]
             else:
-                img.tiles, img.slot = pixels[start:start + t], len(todo)
+                img.slot = len(todo)
                 todo.append(img)
-                if key is not None:
-                    todo_keys[key] = img.slot
-            images.append(img)
-            start += t
-        return images
+                if img.key is not None:
+                    todo_keys[img.key] = img.slot
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(0, self.tokens, self.hidden, dtype=self.out_dtype, device=self.backend.device)
@@ -185,6 +196,28 @@ class VisionService:
             out.append(feats)
             start += t
         return out
+
+
+def content_digest(tiles: np.ndarray, size: tuple[int, int]) -> bytes:
+    """SHA-256 of an image as the encoder sees it: its tiles' float32 bytes, their shape and the image's size
+    (which decides how LLaVA-NeXT packs the tiles' features)."""
+    tiles = np.ascontiguousarray(tiles, np.float32)
+    h = hashlib.sha256(repr((tiles.shape, tuple(int(v) for v in size))).encode())
+    h.update(memoryview(tiles).cast("B"))
+    return h.digest()
+
+
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def content_digests(images: Sequence[tuple[np.ndarray, tuple[int, int]]]) -> list[bytes]:
+    """`content_digest` of each (tiles, size); on `HASH_THREADS` threads when there are many bytes to hash."""
+    global _POOL
+    if HASH_THREADS < 2 or len(images) < 2 or sum(t.nbytes for t, _ in images) < HASH_PARALLEL_BYTES:
+        return [content_digest(t, s) for t, s in images]
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="vision-hash")
+    return list(_POOL.map(lambda im: content_digest(*im), images))
 
 
 def pad_tokens(embeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
