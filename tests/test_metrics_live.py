@@ -108,3 +108,39 @@ def test_engine_gauges_see_a_serial_stream_of_requests_shorter_than_their_refres
     assert busy > 0.3, seen  # the stream kept the engine busy
     assert running >= busy / 2 * scrapes, seen
     assert lora_running >= busy / 2 * scrapes, seen
+
+
+def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
+    """A request reserves its worst case (prompt + max_tokens) at admission, long before its rows hold that many
+    blocks: the reserved fraction (what admission is limited by, what the endpoint picker reads) is above the held
+    one while it runs, never below it, and both are 0 once it is done."""
+    body = json.dumps({"text_input": "USER: Say hello. ASSISTANT:", "max_tokens": 400, "min_tokens": 400,
+                       "exclude_input_in_output": True}).encode()
+    url = f"http://{triton_server.http_url}/v2/models/ensemble/generate"
+    done = threading.Event()
+
+    def one():
+        try:
+            with urllib.request.urlopen(urllib.request.Request(
+                    url, body, {"Content-Type": "application/json"}), timeout=120) as r:
+                r.read()
+        finally:
+            done.set()
+
+    threading.Thread(target=one, daemon=True).start()
+    seen = []
+    while not done.is_set():
+        values = scrape(triton_server)
+        if metric(values, "triton_vlm_engine_running_requests") > 0:
+            seen.append((metric(values, "triton_vlm_engine_kv_cache_reserved_perc", model="llm"),
+                         metric(values, "triton_vlm_engine_kv_cache_usage_perc", model="llm"),
+                         metric(values, "triton_vlm_engine_kv_blocks_reserved")))
+        time.sleep(0.05)
+    assert seen, "the request was never seen running"
+    assert all(reserved >= used for reserved, used, _ in seen), seen
+    assert any(reserved > used > 0 for reserved, used, _ in seen), seen
+    assert all(blocks >= 400 // 16 for _, _, blocks in seen), seen  # its worst case: prompt + 400 tokens
+    time.sleep(1.0)  # the gauges' next refresh
+    values = scrape(triton_server)
+    assert metric(values, "triton_vlm_engine_kv_cache_reserved_perc", model="llm") == 0.0
+    assert metric(values, "triton_vlm_engine_kv_cache_usage_perc", model="llm") == 0.0
