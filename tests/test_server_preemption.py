@@ -91,3 +91,21 @@ def test_twelve_long_greedy_requests_start_together_are_preempted_and_answer_as_
     while preemptions(server) == before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert preemptions(server) > before
+
+
+def test_an_unknown_policy_is_refused_at_load_naming_the_allowed_ones(tmp_path_factory, demo_model):
+    """The llm alone: its load fails with the parameter, the value and the allowed values."""
+    from triton_vlm.server.process import TritonServer, free_port
+
+    run_dir = tmp_path_factory.mktemp("bad-policy")
+    srv = TritonServer(str(demo_model), free_port(), free_port(), free_port(), models=("llm",), run_dir=run_dir,
+                       params={"llm": {"scheduler_policy": "evict_everything"}}, log_file=run_dir / "server.log",
+                       exit_timeout=10)
+    srv.start()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            srv.wait_ready(300)
+    finally:
+        srv.stop()
+    assert "scheduler_policy must be one of guaranteed_no_evict, max_utilization, got 'evict_everything'" in \
+        str(err.value), str(err.value)
