@@ -257,8 +257,9 @@ def test_deeply_nested_body_without_the_key_is_refused_before_it_is_parsed(keyed
     """5 MB of `[` kills tritonserver 2.51 once its JSON parser reads it (README: Security); without the key the
     request is refused (403) before that: the same tritonserver keeps serving, no restart."""
     before = keyed.tritonserver().pid
-    status, raw = _http(keyed.port("http"), "POST", "/v2/models/ensemble/generate", b"[" * (5 << 20))
-    assert (status, json.loads(raw)) == (403, {"error": RESTRICTED})
+    for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/llm/infer"):
+        status, raw = _http(keyed.port("http"), "POST", path, b"[" * (5 << 20))
+        assert (status, json.loads(raw)) == (403, {"error": RESTRICTED}), path
     time.sleep(2)
     assert keyed.tritonserver().pid == before
     assert _http(keyed.port("http"), "GET", "/v2/health/ready")[0] == 200
