@@ -20,20 +20,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA exists (they are selected, never skipped, on a GPU machine)."""
-    try:
-        import torch
+def _capabilities() -> set[str]:
+    """What this machine has of the marks that need hardware or a library: `gpu` (CUDA), `tensorrt` (a CUDA GPU and
+    the TensorRT package, which CI and the lent GPU machines lack)."""
+    import importlib.util
 
-        has_gpu = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        has_gpu = False
-    if has_gpu:
-        return
-    keep = [i for i in items if "gpu" not in i.keywords]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if "gpu" in i.keywords])
-        items[:] = keep
+    import torch
+
+    found = set()
+    if torch.cuda.is_available():
+        found.add("gpu")
+        if importlib.util.find_spec("tensorrt") is not None:
+            found.add("tensorrt")
+    return found
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU (and TensorRT) tests run only where the machine has them: selected, never skipped, where it does."""
+    have = _capabilities()
+    need = {"gpu", "tensorrt"} - have
+    drop = [i for i in items if need & set(i.keywords)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if not need & set(i.keywords)]
 
 
 # Every process this session starts inherits this variable (tritonserver, its stubs, launcher subprocesses): the

@@ -113,8 +113,14 @@ def run_both(dtype, device="cpu", copies=2, ties=True):
     for (b, _), (s, _) in zip(batched, single):
         fb, fs = b.finalize(), s.finalize()
         assert [x.token_ids for x in fb] == [x.token_ids for x in fs]
-        assert [x.cum_log_prob for x in fb] == [x.cum_log_prob for x in fs]  # bit for bit (nan == nan aside)
-        assert [x.log_probs for x in fb] == [x.log_probs for x in fs]
+        if device == "cpu":  # bit for bit (nan == nan aside)
+            assert [x.cum_log_prob for x in fb] == [x.cum_log_prob for x in fs]
+            assert [x.log_probs for x in fb] == [x.log_probs for x in fs]
+        else:  # the GPU check on an H200 (2026-11-26) found the scores 1-2 fp32 ulps apart: same tokens and parents
+            # at every step, sums rounded in another order on the device; within fp32 rounding here
+            for x, y in zip(fb, fs):
+                assert x.cum_log_prob == pytest.approx(y.cum_log_prob, rel=1e-6, nan_ok=True), (x, y)
+                assert x.log_probs == pytest.approx(y.log_probs, rel=1e-6, abs=1e-6, nan_ok=True), (x, y)
     return [d for d, _ in batched]
 
 
