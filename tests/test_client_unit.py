@@ -264,7 +264,7 @@ class _FakeClient:
                             cum_log_probs=[-1.0, -2.0], output_log_probs=[[-1.0], [-1.0, -1.0]])
     error: Exception | None = None
 
-    def __init__(self, url, protocol, model, timeout):
+    def __init__(self, url, protocol, model, timeout, api_key=None):
         self.args = (url, protocol, model, timeout)
 
     def generate(self, prompt, images, **params):
