@@ -41,7 +41,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def serve(request: Request, endpoint: str, work: Callable[[], Awaitable[object]],
-                stream: bool, engine_requests: int = 1) -> Response:
+                engine_requests: int = 1) -> Response:
     """Run an endpoint's work: a dict becomes a JSON body, an async iterator an SSE stream. Counts the request in
     the front end's metrics, and its `engine_requests` (one per prompt) against --max-concurrent-requests. Until
     its answer starts, a request is cancelled when its client disconnects (an unstreamed one until its body is

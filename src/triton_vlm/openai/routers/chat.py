@@ -17,7 +17,7 @@ router = APIRouter(dependencies=[Depends(authorize)])
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await serve(request, "chat", lambda: _chat(frontend(request), body), body.stream)
+    return await serve(request, "chat", lambda: _chat(frontend(request), body))
 
 
 def _turn(i: int, m: ChatMessage) -> tuple[Turn, list[str]]:

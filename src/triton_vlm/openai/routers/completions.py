@@ -19,7 +19,7 @@ MAX_PROMPTS = 64  # prompts of one request (each runs as its own generation, con
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
-    return await serve(request, "completions", lambda: _complete(frontend(request), body), body.stream,
+    return await serve(request, "completions", lambda: _complete(frontend(request), body),
                        engine_requests=len(body.prompt) if texts else 1)  # one engine request per prompt
 
 
