@@ -2,8 +2,9 @@
 
 Gauges (engine state, refreshed every 0.5 s): `triton_vlm_engine_<field>` for every `EngineStats` field,
 `triton_vlm_engine_kv_cache_reserved_perc`, the KV-cache blocks reserved by admitted requests as a 0-1 fraction
-(what admission sees: each request reserves its worst case, as TensorRT-LLM's GUARANTEED_NO_EVICT, so at 1.0 the
-replica admits nothing more; the endpoint picker's KV-cache scorer reads it), and beside it
+(what admission sees: under the default policy each request reserves its worst case, as TensorRT-LLM's
+GUARANTEED_NO_EVICT, so at 1.0 the replica admits nothing more; under max_utilization, what the next step writes;
+the endpoint picker's KV-cache scorer reads it), and beside it
 `triton_vlm_engine_kv_cache_usage_perc`, the blocks rows hold now (vLLM's `vllm:kv_cache_usage_perc`; below the
 reserved fraction while requests have not grown to their worst case). Both 0 while the engine has no blocks.
 The memory plan made at start (`engine/profile.py`), set once: `triton_vlm_engine_memory_bytes{part}` with part
