@@ -1,8 +1,8 @@
 """On-demand KV (scheduler policy max_utilization): requests start with the blocks of their prompt, grow step by
 step, the latest arrived is preempted when the cache runs out and recomputed when it runs again; every request
 gets exactly the tokens (and log probs, and streamed pieces) it gets alone: greedy, seeded sampling (batched and
-per request), with and without prefix caching. Beams keep their worst case and are never preempted; the policy
-name is checked; guaranteed_no_evict never preempts."""
+per request), with and without prefix caching, beams and several samples per request as a group; the policy name
+is checked; guaranteed_no_evict never preempts."""
 from __future__ import annotations
 
 import pytest
@@ -137,23 +137,45 @@ def test_streamed_pieces_of_a_preempted_request_are_its_tokens_once(path):
         assert pieces == want[r.request_id][0] == answer(got[r.request_id])[0]
 
 
-def test_beams_keep_their_worst_case_and_are_never_preempted(path):
-    """A beam request among greedy ones: reserved whole at admission, never preempted, exact; the greedy ones
-    around it are preempted and exact."""
-    reqs = [req("g0", prompt(9, 50))] + [req("beam", prompt(9, 51), max_tokens=20, beam_width=2)] + \
-        [req(f"g{i}", prompt(9, 50 + i)) for i in range(2, 5)]
-    eng = engine(path)
-    preempted = []
-    original = eng.scheduler.policy.preempt
+ROWS = {
+    "beams-batched": dict(beam_width=2, num_return_sequences=2),
+    "beams-penalty": dict(beam_width=3, repetition_penalty=1.2, return_log_probs=True),
+    "samples-batched": dict(do_sample=True, temperature=0.8, top_k=50, num_return_sequences=2, return_log_probs=True),
+    "samples-penalty": dict(do_sample=True, frequency_penalty=0.4, num_return_sequences=3, return_log_probs=True),
+}
+
+
+def spy_preempt(eng: Engine) -> list[str]:
+    """The ids of the requests the engine preempts, in order."""
+    preempted, original = [], eng.scheduler.policy.preempt
 
     def spy(a):
         preempted.append(a.id)
         original(a)
 
     eng.scheduler.policy.preempt = spy
-    got, _ = run_together(eng, reqs)
-    assert preempted and "beam" not in preempted
-    assert {r.request_id: answer(got[r.request_id]) for r in reqs} == alone(path, reqs)
+    return preempted
+
+
+@pytest.mark.parametrize("mode", sorted(ROWS))
+def test_requests_of_several_rows_are_preempted_as_a_group_and_get_their_tokens_alone(path, mode):
+    """Beams (with their scores and finished hypotheses) and several samples per request: all rows of a request go
+    and come back together, each recomputing its own tokens after the shared prompt; greedy ones around them."""
+    kw = dict(ROWS[mode])
+    width = max(kw.get("beam_width", 1), kw.get("num_return_sequences", 1))
+    n = 18 if width == 3 else 30
+    assert blocks_needed(10, n, width, BS) <= SMALL // BS
+    reqs = [req(f"m{i}", prompt(9 + i % 2, 80 + i), max_tokens=n, seed=7 + i, **kw) for i in range(4)]
+    reqs.insert(2, req("greedy", prompt(9, 90), max_tokens=n))
+    eng = engine(path)
+    preempted = spy_preempt(eng)
+    runner, rows_chunks = eng.scheduler.runner, []
+    prefill_rows = runner._prefill_rows
+    runner._prefill_rows = lambda chunk: rows_chunks.append(len(chunk.active.kv.rows)) or prefill_rows(chunk)
+    got, most = run_together(eng, reqs)
+    assert most == len(reqs) and any(p.startswith("m") for p in preempted)
+    assert rows_chunks and min(rows_chunks) >= 2  # rows recomputed their own tokens together
+    same(got, *alone(path, reqs, lp=True))
     idle(eng)
 
 
@@ -198,3 +220,24 @@ def test_a_request_larger_than_the_cache_is_refused_and_the_policy_name_is_check
         eng.validate(req("wide", prompt(9, 1), max_tokens=80, beam_width=2))
     with pytest.raises(InvalidArgument, match="guaranteed_no_evict, max_utilization.*'greedy'"):
         EngineConfig(scheduler_policy="greedy").validate()
+
+
+def test_requests_with_images_resume_with_their_image_features(path):
+    """The recompute merges the image features again (and finds the image's blocks by their hashes)."""
+    from triton_vlm.engine.profile import max_image_tokens
+
+    eng = engine(path)
+    n, img = max_image_tokens(path), eng.image_token_id
+    hidden = eng.model_config.hidden_size
+    reqs = []
+    for i in range(4):
+        feats = torch.randn(1, n, hidden, generator=torch.Generator().manual_seed(i))
+        ids = [1, 20 + i, 21] + [img] * n + prompt(6, 95 + i)[1:]
+        reqs.append(GenerationRequest(f"i{i}", ids, GenerationParams(max_tokens=30, min_tokens=30,
+                                                                     beam_width=1 + i % 2), image_embeds=feats))
+    assert all(len(r.input_ids) + 30 <= CONTEXT for r in reqs)
+    preempted = spy_preempt(eng)
+    got, most = run_together(eng, reqs)
+    assert most >= 3 and preempted  # the prompts (with their images) of all four do not fit at once
+    assert {k: answer(v) for k, v in got.items()} == alone(path, reqs)
+    idle(eng)

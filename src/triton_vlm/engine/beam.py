@@ -296,6 +296,10 @@ class BeamSearch:
             self._stable.extend(row[:n])
         return list(self._stable)
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step (the running beams, in row order), the new tokens it holds."""
+        return self._view().gen[:, :self.t].tolist() if self.t and not self.done else []
+
     def stream_prefixes(self) -> list[list[int]]:
         """One: the prefix every hypothesis still in the running shares (which ranked sequence ends up where is
         unknown until the end)."""

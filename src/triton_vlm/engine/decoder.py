@@ -169,6 +169,11 @@ class Decoder:
         check, every step, that what it sent is still the sequence's prefix."""
         return bool(getattr(self._search, "append_only", False))
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step (the KV rows, in order), the new tokens it holds; its last one is the token it
+        feeds next."""
+        return self._search.row_tokens()
+
     def stream_prefixes(self) -> list[list[int]]:
         """Per returned sequence, the new tokens that can be streamed now and never retracted. Beam search:
         one, the common prefix of every hypothesis still in the running; greedy / sampling: every sequence's

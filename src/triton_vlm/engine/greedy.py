@@ -84,6 +84,10 @@ class GreedySearch:
             return True
         return any(len(w) <= n and tuple(toks[n - len(w):]) == w for w in self.stop_words)
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step, the new tokens it holds (its last one is the one it feeds)."""
+        return [list(self.tokens)] if self.t and not self.done else []
+
     def stream_prefixes(self) -> list[list[int]]:
         return [self.tokens] if self.t else []  # the live list: no O(tokens) copy per step
 

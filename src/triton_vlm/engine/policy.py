@@ -41,11 +41,20 @@ from .state import Active
 class PrefillChunk:
     active: Active
     start: int  # first position of the chunk (of the prompt, or of a preempted request's recompute)
-    length: int  # prompt tokens in the chunk
+    length: int  # positions in the chunk (of each row)
+
+    @property
+    def rows(self) -> bool:
+        """A resumed request's rows after its first was forked into them, each computing its own tokens."""
+        return self.start >= self.active.prefill_len
+
+    @property
+    def tokens(self) -> int:
+        return self.length * (len(self.active.kv.resume_rows) if self.rows else 1)
 
     @property
     def completes(self) -> bool:
-        return self.start + self.length == self.active.prefill_len
+        return self.start + self.length == self.active.compute_len
 
 
 @dataclass
@@ -95,13 +104,22 @@ class Policy:
             if a.prefilling:
                 if budget <= 0:
                     continue
-                chunk = PrefillChunk(a, a.kv.prefilled, min(a.prefill_len - a.kv.prefilled, budget))
+                chunk = self._chunk(a, budget)
                 plan.prefill.append(chunk)
-                budget -= chunk.length
+                budget -= chunk.tokens
                 if not chunk.completes:
                     continue
             plan.decode.append(a)
         return plan
+
+    @staticmethod
+    def _chunk(a: Active, budget: int) -> PrefillChunk:
+        """`a`'s next prefill chunk within `budget` tokens: of its first row up to `prefill_len`, then (resuming
+        several rows) of every row at once, at least one position each."""
+        done = a.kv.prefilled
+        if done < a.prefill_len:
+            return PrefillChunk(a, done, min(a.prefill_len - done, budget))
+        return PrefillChunk(a, done, min(a.compute_len - done, max(1, budget // len(a.kv.resume_rows))))
 
     def _fits(self, a: Active) -> Optional[str]:
         """Reserve every budget `a` needs, all or nothing: its rows, its worst-case KV blocks, its adapter's

@@ -5,19 +5,21 @@ Two scheduler policies, TensorRT-LLM's names (`EngineConfig.scheduler_policy`):
 - `guaranteed_no_evict` (the default): admission reserves a request's worst case (`kv_cache.blocks_needed` of its
   prompt + max_tokens, every row) and nothing is ever preempted: a running request always finishes at the pace it
   started with, but a request without a tight max_tokens holds a whole context's blocks it may never use.
-- `max_utilization`: a request whose rows are one (greedy, or sampling one sequence) reserves only what its row
-  can hold by the end of the coming step (`blocks_now`: its prompt, then one block more every `block_size` tokens),
-  and grows its reservation before each step, oldest request first. When the cache has no block left for a growth,
+- `max_utilization`: a request reserves only what its rows can hold by the end of the coming step (`blocks_now`:
+  its prompt, then per row one block more every `block_size` tokens), and grows its reservation before each
+  step, oldest request first. When the cache has no block left for a growth,
   the running request that arrived last is preempted (`suspend`, then `Policy.preempt`): its blocks are freed
   (the full ones stay in the prefix cache, idle, so its recompute mostly hits them), its budgets given back, and it
   goes back to the waiting queue in arrival order, ahead of the requests that never ran. No request is admitted in
-  a step that preempted one. When admitted again, its row computes `kv.resume_ids` (its prompt and every token it
-  generated but the last) as a prefill, whose logits are not stepped (its decoder already chose the next token,
-  `kv.next_tokens`), and it decodes on from there with the decoder state it kept: greedy tokens, the sampling
-  generator's state, log probs, what was streamed. So it produces the tokens it produces alone (the recomputed
-  keys and values are the same computation as a prompt's, batched differently; the tests check the tokens).
-  Requests of several rows (beam search, num_return_sequences > 1) reserve their worst case at admission as under
-  `guaranteed_no_evict` and are never preempted: recomputing each beam's rows and scores is not implemented.
+  a step that preempted one. When admitted again, its first row computes `kv.resume_ids` as a prefill: one row
+  (greedy, one sample) its prompt and every token it generated but the last; several rows (beams as a group,
+  num_return_sequences samples) the prompt, after which the row is forked into one per row (sharing the prompt's
+  blocks) and each computes its own generated tokens but the last (`kv.resume_rows`, [rows, chunk] at a time).
+  Those logits are not stepped: its decoder already chose each row's next token (`kv.next_tokens`), and it
+  decodes on from there with the decoder state it kept (tokens, beam scores and finished hypotheses, the
+  sampling generator's state, log probs, what was streamed). So it produces the tokens it produces alone (the
+  recomputed keys and values are the same sums, computed by a prefill instead of decode steps; the tests check
+  the tokens).
 
 A request whose worst case exceeds the whole cache is refused at submit under both policies (`Engine.validate`):
 alone it could never finish. Every other request can: the oldest running request preempts every later one before
@@ -34,8 +36,8 @@ POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
 
 
 def preemptible(a: Active) -> bool:
-    """Whether `a` can be preempted and resumed exactly: one row (greedy, or sampling one sequence)."""
-    return a.width == 1
+    """Whether `a` can be preempted and resumed exactly: every request (beams as a group)."""
+    return True
 
 
 def blocks_now(a: Active, block_size: int) -> int:
@@ -55,9 +57,13 @@ def suspend(a: Active) -> None:
     kv = a.kv
     if a.prefilling:
         return
-    generated = list(a.decoder.stream_prefixes()[0])
-    assert generated and kv.next_tokens == generated[-1:], "a decoding request feeds its last generated token"
-    kv.resume_ids = list(a.req.input_ids) + generated[:-1]
+    rows = a.decoder.row_tokens()
+    assert rows and len(rows) == len(kv.rows) and [r[-1] for r in rows] == kv.next_tokens, \
+        "each decoding row feeds its last generated token"
+    if len(rows) == 1:
+        kv.resume_ids, kv.resume_rows = list(a.req.input_ids) + rows[0][:-1], []
+    else:  # the prompt in one row, then each row's own tokens
+        kv.resume_ids, kv.resume_rows = list(a.req.input_ids), [r[:-1] for r in rows]
     kv.resume_hashes = [] if kv.hasher is None else resume_hashes(kv.hasher, kv.resume_ids)
 
 

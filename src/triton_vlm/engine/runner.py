@@ -9,8 +9,10 @@
 - Prefix caching: after a forward returned, the full blocks it completed are registered in the cache's index
   under their hashes (`prefix_cache.py`): a prompt's from the hashes computed at submit, decoded ones from the
   row's tokens (`RowKV.tokens`), so a later request with the same prefix (a chat's next turn) reuses them.
-- A preempted request (`preempt.py`) prefills `kv.resume_ids` (its prompt, then the tokens it generated but the
-  last, embedded as decode steps embed them) with the hashes `kv.resume_hashes`; its logits are not stepped.
+- A preempted request (`preempt.py`) prefills `kv.resume_ids` (its prompt, then with one row the tokens it
+  generated but the last, embedded as decode steps embed them) with the hashes `kv.resume_hashes`; with several
+  rows the first is then forked into them and each computes its own tokens (`kv.resume_rows`, one forward of
+  [rows, chunk] per chunk). Its logits are not stepped.
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -44,6 +46,8 @@ class ModelRunner:
 
     def prefill(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
         a, kv = chunk.active, chunk.active.kv
+        if chunk.rows:
+            return self._prefill_rows(chunk)
         if kv.embeds is None:
             kv.embeds = self._embeds(a)  # [prefill_len, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
@@ -52,10 +56,27 @@ class ModelRunner:
         kv.prefilled = chunk.start + chunk.length
         if kv.hasher is not None:
             self._cache_prompt_blocks(a)
-        if not chunk.completes:
-            return None
-        kv.embeds = None
-        return logits
+        if kv.prefilled == a.prefill_len:
+            kv.embeds = None
+            if kv.resume_rows:  # resuming several rows: each continues the first one's prompt
+                kv.rows = kv.rows + [self.cache.fork(kv.rows[0]) for _ in kv.resume_rows[1:]]
+        return logits if chunk.completes else None
+
+    def _prefill_rows(self, chunk: PrefillChunk) -> Optional[torch.Tensor]:
+        """A resumed request's rows (forked from its prompt's row) each compute `chunk.length` of their own tokens
+        again, in one forward of [rows, length] -> logits [rows, vocab] when that completes them, else None."""
+        a, kv = chunk.active, chunk.active.kv
+        first = chunk.start - a.prefill_len
+        ids = [r[first:first + chunk.length] for r in kv.resume_rows]  # [rows, length]
+        x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.model.device))  # [rows, length, hidden]
+        adapters = LoraBatch.build([a.lora] * len(kv.rows), self.lora_stacks, self.model.device)
+        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)
+        kv.prefilled = chunk.start + chunk.length
+        if kv.hasher is not None:
+            for row, tokens in zip(kv.rows, ids):
+                for token in tokens:
+                    self._register_token(kv.hasher, row, token)
+        return logits if chunk.completes else None
 
     def _embeds(self, a: Active) -> torch.Tensor:
         """The prompt's embeddings with its image features merged in, then (resuming after a preemption) the
@@ -97,19 +118,23 @@ class ModelRunner:
 
     def _cache_decoded_blocks(self, actives: list[Active]) -> None:
         """Each row fed one token: a row whose block it filled registers that block, hashed from its tokens."""
-        bs = self.cache.block_size
         for a in actives:
             hasher = a.kv.hasher
             if hasher is None:
                 continue
             for row, token in zip(a.kv.rows, a.kv.next_tokens):
-                row.tokens.append(token)
-                if len(row.tokens) == bs:
-                    i = len(row.hashes)
-                    h = hasher.block(row.hashes[-1] if row.hashes else hasher.root, i * bs, row.tokens)
-                    self.cache.register(row, i, h)
-                    row.hashes.append(h)
-                    row.tokens = []
+                self._register_token(hasher, row, token)
+
+    def _register_token(self, hasher, row: RowKV, token: int) -> None:
+        """`row` computed `token`'s KV: when that fills its block, the block is registered under its hash."""
+        bs = self.cache.block_size
+        row.tokens.append(token)
+        if len(row.tokens) == bs:
+            i = len(row.hashes)
+            h = hasher.block(row.hashes[-1] if row.hashes else hasher.root, i * bs, row.tokens)
+            self.cache.register(row, i, h)
+            row.hashes.append(h)
+            row.tokens = []
 
     def reorder(self, active: Active, parents: list[int]) -> None:
         rows: list[RowKV] = active.kv.rows

@@ -124,6 +124,10 @@ class Sampler:
         parents = [0] * len(keep) if first else keep
         return parents, [tok_list[i] for i in keep], False
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step (the rows still generating), the new tokens it holds."""
+        return [list(self.generated[r]) for r in self.alive] if self.t and not self.done else []
+
     def stream_prefixes(self) -> list[list[int]]:
         """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
         if not self._init:

@@ -124,6 +124,10 @@ class SampleSearch:
             return True
         return any(len(w) <= n and tuple(toks[n - len(w):]) == w for w in self.stop_words)
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step (the rows still generating), the new tokens it holds."""
+        return [list(self.tokens[r]) for r in self.alive] if self.t and not self.done else []
+
     def stream_prefixes(self) -> list[list[int]]:
         """Every row's new tokens (rows in HF's order, finished rows included): all final already."""
         return self.tokens if self.t else []  # the live lists (append only): no O(tokens) copy per step

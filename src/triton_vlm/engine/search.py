@@ -34,6 +34,10 @@ class Search(Protocol):
         """logits [num_rows, vocab] (fp32) -> (parents, tokens, done) for the next step's rows; raises
         `NoTokenLeft` when a row had nothing to choose from."""
 
+    def row_tokens(self) -> list[list[int]]:
+        """Per row of the next step, the new tokens it holds, its last one the token it feeds ([] before the first
+        step and when done): what a preempted request computes again (`preempt.py`)."""
+
     def stream_prefixes(self) -> list[list[int]]:
         """Per streamed sequence, the new tokens that are final already (never retracted). The lists may be the
         search's own (read them, never modify them)."""

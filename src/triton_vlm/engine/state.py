@@ -30,15 +30,18 @@ class KVState:
     # what its rows can hold by the end of the coming step (grown step by step: `preempt.blocks_now`)
     reserved: int = 0
     rows: list[RowKV] = field(default_factory=list)  # one per beam / sample once the prompt is cached
-    prefilled: int = 0  # prompt tokens cached
+    prefilled: int = 0  # prompt tokens cached (resuming: positions of each row computed again)
     embeds: Optional[torch.Tensor] = None  # [P, hidden] prompt embeddings while prefilling
     next_tokens: list[int] = field(default_factory=list)  # the token each row feeds at the next decode step
     hasher: Optional[RequestHasher] = None  # prefix caching on and the request cacheable: its block hashes
     cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
-    # preempted after its first token: its one row's tokens to compute again when it runs again (prompt + every
-    # generated token but the last, which `next_tokens` feeds), and the hashes of their full blocks
+    # preempted after its first token (`preempt.py`): what its first row computes again when it runs again (one
+    # row: prompt + every generated token but the last, which `next_tokens` feeds; several: the prompt), the hashes
+    # of their full blocks, and with several rows each row's generated tokens but the last (computed after the
+    # first row is forked into them)
     resume_ids: Optional[list[int]] = None
     resume_hashes: list = field(default_factory=list)
+    resume_rows: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -85,5 +88,11 @@ class Active:
         return self.prompt_len if ids is None else len(ids)
 
     @property
+    def compute_len(self) -> int:
+        """Positions each row computes before decoding: `prefill_len`, then (resuming several rows) their own."""
+        rows = self.kv.resume_rows
+        return self.prefill_len + (len(rows[0]) if rows else 0)
+
+    @property
     def prefilling(self) -> bool:
-        return self.kv.prefilled < self.prefill_len
+        return self.kv.prefilled < self.compute_len
