@@ -41,6 +41,11 @@ scratch slot), two warm-up runs on a side stream (lazy initialisation: cuBLAS wo
 Known limits: a step with any LoRA adapter, or with more rows than the largest bucket, runs the eager forward
 (`ModelRunner.decode`); prefill always runs eager. The graphs' pool is not part of the KV cache's memory profile
 (`profile.py`): it comes out of the headroom `gpu_memory_utilization` leaves.
+
+At start (`capture_all`, called by the engine) every bucket is captured, the largest first: a capture in the
+middle of serving stalls every stream for its warm-up runs (the GPU check on an H200 measured a 7B model's one
+stream at 142 tok/s with the capture inside the request). A bucket whose capture fails runs eager; the others
+keep their graphs.
 """
 from __future__ import annotations
 
@@ -83,6 +88,7 @@ class Bucket:
     blocks: int  # NB = ceil(T / block_size)
     inputs: torch.Tensor  # [B * (3 + NB)] int64 on the device: ids | positions | write slots | block tables
     graph: Any = None  # torch.cuda.CUDAGraph once captured
+    failed: bool = False  # its capture failed: its steps run eager (the other buckets keep their graphs)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -141,7 +147,7 @@ class DecodeGraphs:
             self.fallbacks += 1
             return None
         b = self._bucket(*shape)
-        if self.capture and b.graph is None and not self._capture(b):
+        if self.capture and b.graph is None and (b.failed or not self._capture(b)):
             self.fallbacks += 1
             return None
         write = [s for r in rows for s in self.cache.append(r, 1)]
@@ -196,9 +202,23 @@ class DecodeGraphs:
         logits = self.model.forward(x, batch, self.cache, None)  # [B, vocab] fp32
         self._out[:b.rows].copy_(logits)
 
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now (at engine start, not in the middle of serving: a capture stalls every
+        stream for its warm-up runs), the largest first so the shared pool is sized once -> graphs captured. A
+        bucket whose capture fails runs eager; the others keep theirs."""
+        if not self.capture:
+            return 0
+        for rows in reversed(self.rows_buckets):
+            for keys in reversed(self.keys_buckets):
+                b = self._bucket(rows, keys)
+                if b.graph is None and not b.failed:
+                    self._capture(b)
+        return self.captured
+
     @torch.inference_mode()
     def _capture(self, b: Bucket) -> bool:
-        """Record the bucket's graph (module doc); False, and graphs off, when capture fails."""
+        """Record the bucket's graph (module doc); False, and that bucket eager from then on, when capture fails
+        (one failure never turns the other buckets' graphs off)."""
         try:
             self._set_padding(b)
             side = torch.cuda.Stream(device=self.device)
@@ -213,9 +233,10 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001
             if is_device_fault(e):
                 raise
-            log.exception("CUDA graph capture of a decode step (%d rows, %d keys) failed; decoding runs eager",
-                          b.rows, b.keys)
-            self.enabled = False
+            log.exception("CUDA graph capture of a decode step (%d rows, %d keys) failed; steps of that shape run "
+                          "eager", b.rows, b.keys)
+            b.failed = True
+            torch.cuda.synchronize(self.device)  # a capture that raised may leave work queued on the side stream
             return False
         b.graph = graph
         self.captures += 1

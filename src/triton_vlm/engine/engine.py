@@ -164,6 +164,7 @@ class Engine:
         self.decode_graphs: Optional[DecodeGraphs] = None
         if config.cuda_graphs and self.model.device.type == "cuda":
             self.decode_graphs = self.make_decode_graphs(capture=True)
+            self._capture_graphs()
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
@@ -176,6 +177,12 @@ class Engine:
         self.backoff = Backoff()  # the loop's pause after a step that raised
         # called once with the CUDA error that stopped the engine; must not call shutdown() (it runs on the loop)
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
+
+    def _capture_graphs(self) -> None:
+        """Every decode bucket's CUDA graph, captured at start (`DecodeGraphs.capture_all`); timed and logged."""
+        t0 = time.perf_counter()
+        n = self.decode_graphs.capture_all()
+        log.info("captured %d CUDA graphs of decode steps in %.1f s", n, time.perf_counter() - t0)
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Route decode steps through bucketed static shapes (`cuda_graph.py`), captured as CUDA graphs with

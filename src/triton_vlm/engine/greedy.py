@@ -28,6 +28,16 @@ from .search import NoTokenLeft
 StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
 
 
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device` without a host-device sync: on CUDA copied from pinned memory,
+    non-blocking (the caching host allocator keeps the pinned buffer until the copy has run). The GPU check found
+    two pageable copies here, each a sync, in every greedy step inside min_new_tokens."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def readback(t: torch.Tensor) -> list:
     """The step's one device-to-host copy (a host-device synchronisation on an accelerator)."""
     return t.tolist()
@@ -108,9 +118,9 @@ def greedy_step(searches: list[GreedySearch], logits: torch.Tensor) -> list[Unio
     scores = raw
     held = [(i, e) for i, s in enumerate(searches) if s.t < s.min_new for e in s.eos]
     if held:  # MinNewTokensLengthLogitsProcessor: end ids -inf for the rows not yet min_new_tokens long
-        rows, cols = zip(*held)
+        at = to_device(held, raw.device)  # [held, 2] (row, end id)
         scores = raw.clone()
-        scores[torch.tensor(rows, device=raw.device), torch.tensor(cols, device=raw.device)] = -math.inf
+        scores[at[:, 0], at[:, 1]] = -math.inf
     tokens = torch.argmax(scores, dim=-1)  # [rows]
     stuck = ~torch.isfinite(scores.amax(dim=-1))  # [rows] no finite score: NaN, +inf or every token excluded
     chosen = torch.nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]  # [rows]
