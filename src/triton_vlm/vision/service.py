@@ -15,9 +15,9 @@ returning the embeddings. `build(model_dir, params)` makes the backend, the cach
 Cache keys are never taken from a client: an image's key is the SHA-256 of what this model received for it (its
 tiles' float32 bytes, their shape and the image's size), so the cached features are the features of exactly those
 pixels, whoever sent them (the model is callable directly, so a key sent with pixels could name another tenant's
-image; issue 24). Hashing costs about 0.8 ms per 336x336 tile on one core (SHA-NI; `bench/cache_trust.py`);
-the images of one `execute()` are hashed on up to `HASH_THREADS` threads (hashlib releases the GIL), and not at
-all without a cache.
+image; issue 24). Hashing costs about 0.9 ms per 336x336 tile (1.35 MB) on one core with SHA-NI; the tiles of
+one `execute()` are hashed on up to `HASH_THREADS` threads (hashlib releases the GIL), and nothing is hashed
+without a cache. Figures beside the encoder's time: `bench/cache_trust.py`.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from .encoder import VisionSettings, check_pixel_values
 
 log = logging.getLogger("triton_vlm")
 HASH_THREADS = min(8, os.cpu_count() or 1)
-HASH_PARALLEL_BYTES = 4 << 20  # fewer bytes than this in one execute(): hashed on the calling thread
+HASH_PARALLEL_BYTES = 2 << 20  # fewer bytes than this in one execute() (2 tiles of 336): hashed on the caller
 MAX_SIDE = 1 << 20  # the largest image side accepted in image_sizes (preprocess's pixel cap is far below)
 
 
@@ -198,26 +198,34 @@ class VisionService:
         return out
 
 
-def content_digest(tiles: np.ndarray, size: tuple[int, int]) -> bytes:
-    """SHA-256 of an image as the encoder sees it: its tiles' float32 bytes, their shape and the image's size
-    (which decides how LLaVA-NeXT packs the tiles' features)."""
+def content_digest(tiles: np.ndarray, size: tuple[int, int], leaves: Optional[Sequence[bytes]] = None) -> bytes:
+    """SHA-256 of an image as the encoder sees it: its tiles' shape, the image's size (which decides how
+    LLaVA-NeXT packs the tiles' features) and the SHA-256 of each tile's float32 bytes (`leaves`, computed here
+    when not given): a hash tree, so that the tiles of an image can be hashed on several threads."""
     tiles = np.ascontiguousarray(tiles, np.float32)
     h = hashlib.sha256(repr((tiles.shape, tuple(int(v) for v in size))).encode())
-    h.update(memoryview(tiles).cast("B"))
+    for leaf in leaves if leaves is not None else map(_tile_digest, tiles):
+        h.update(leaf)
     return h.digest()
+
+
+def _tile_digest(tile: np.ndarray) -> bytes:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(tile, np.float32)).cast("B")).digest()
 
 
 _POOL: Optional[ThreadPoolExecutor] = None
 
 
 def content_digests(images: Sequence[tuple[np.ndarray, tuple[int, int]]]) -> list[bytes]:
-    """`content_digest` of each (tiles, size); on `HASH_THREADS` threads when there are many bytes to hash."""
+    """`content_digest` of each (tiles, size); every tile of the call on `HASH_THREADS` threads (hashlib releases
+    the GIL) when there are at least HASH_PARALLEL_BYTES to hash."""
     global _POOL
-    if HASH_THREADS < 2 or len(images) < 2 or sum(t.nbytes for t, _ in images) < HASH_PARALLEL_BYTES:
+    if HASH_THREADS < 2 or sum(t.nbytes for t, _ in images) < HASH_PARALLEL_BYTES:
         return [content_digest(t, s) for t, s in images]
     if _POOL is None:
         _POOL = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="vision-hash")
-    return list(_POOL.map(lambda im: content_digest(*im), images))
+    leaves = iter(_POOL.map(_tile_digest, [tile for t, _ in images for tile in t]))
+    return [content_digest(t, s, [next(leaves) for _ in range(len(t))]) for t, s in images]
 
 
 def pad_tokens(embeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
