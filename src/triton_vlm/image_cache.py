@@ -1,6 +1,8 @@
 """An LRU cache of preprocessed images keyed by the encoded file's SHA-256, so the same image is not
 processed twice (as vLLM caches multimodal processor outputs). Multi-turn chats resend every earlier image with each turn; a hit skips decoding, EXIF
-handling, resizing and normalisation. Thread-safe; bounded by entry count (0 disables it)."""
+handling, resizing and normalisation. Thread-safe; bounded by entry count (0 disables it).
+The key is computed by preprocess from the bytes it received (`image_key`), never taken from a client, and it
+stays inside preprocess: the vision model keys its embeddings by the pixels it receives (issue 24)."""
 from __future__ import annotations
 
 import hashlib
