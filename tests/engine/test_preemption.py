@@ -241,3 +241,17 @@ def test_requests_with_images_resume_with_their_image_features(path):
     assert most >= 3 and preempted  # the prompts (with their images) of all four do not fit at once
     assert {k: answer(v) for k, v in got.items()} == alone(path, reqs)
     idle(eng)
+
+
+@pytest.mark.gpu
+def test_preemption_on_cuda_answers_as_alone(path):
+    """The same on a GPU (fp32 there, CUDA graphs on): greedy, seeded sampling and beams preempted and resumed."""
+    reqs = [req("g0", prompt(9, 120)), req("s1", prompt(10, 121), do_sample=True, top_k=40, seed=5),
+            req("b2", prompt(9, 122), max_tokens=30, beam_width=2), req("g3", prompt(11, 123)),
+            req("s4", prompt(9, 124), max_tokens=30, do_sample=True, num_return_sequences=2, seed=6)]
+    eng = engine(path, device="cuda")
+    preempted = spy_preempt(eng)
+    got, most = run_together(eng, reqs)
+    assert most == len(reqs) and preempted
+    assert {k: answer(v) for k, v in got.items()} == alone(path, reqs, device="cuda")
+    idle(eng)
