@@ -111,8 +111,8 @@ def test_engine_gauges_see_a_serial_stream_of_requests_shorter_than_their_refres
 
 
 def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
-    """A request reserves its worst case (rows x (prompt + max_tokens)) at admission, long before its rows hold that many
-    blocks: the reserved fraction (what admission is limited by, what the endpoint picker reads) is above the held
+    """A request reserves its worst case (rows x (prompt + max_tokens)) at admission, long before its rows hold that
+    many blocks: the reserved fraction (what admission is limited by, what the endpoint picker reads) is above the held
     one while it runs, never below it, and both are 0 once it is done."""
     body = json.dumps({"text_input": "USER: Say hello. ASSISTANT:", "max_tokens": 450, "min_tokens": 450,
                        "beam_width": 4, "exclude_input_in_output": True}).encode()  # 4 rows: seconds, not one refresh
