@@ -81,6 +81,7 @@ def test_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(fe, trit
     # beam search with logprobs streams only at its end: its first chunk waits for the whole generation
     request = {"model": "demo-v3", "prompt": "USER: Say hello. ASSISTANT:", "stream": True, "logprobs": 0,
                "use_beam_search": True, "best_of": 8, "ignore_eos": True}
+    _wait(lambda: _engine(triton_server).get("running", 1.0) == 0.0, 60, "the engine idle first")
     before = _engine(triton_server)
     body = json.dumps(request).encode()
     sock = socket.create_connection(("127.0.0.1", fe.port), timeout=30)
@@ -99,6 +100,7 @@ def test_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(fe, trit
 
 def test_a_failing_prompt_cancels_the_calls_other_prompts(fe, triton_server):
     c = fe.client()
+    _wait(lambda: _engine(triton_server).get("running", 1.0) == 0.0, 60, "the engine idle first")
     before = _engine(triton_server)
     bad = 'USER: <img src="data:image/png;base64,AAAA"> What is it? ASSISTANT:'
     with pytest.raises(openai.BadRequestError):
