@@ -255,3 +255,27 @@ def test_preemption_on_cuda_answers_as_alone(path):
     assert most == len(reqs) and preempted
     assert {k: answer(v) for k, v in got.items()} == alone(path, reqs, device="cuda")
     idle(eng)
+
+
+def test_requests_with_an_adapter_resume_with_it(path):
+    """The adapter's device slot is given back at preemption and taken again: the recompute uses the same weights
+    (k/v projections, in the cache itself), and base-model batch mates are unaffected."""
+    from triton_vlm.lora.format import Adapter, LoraModule, module_shape
+
+    eng = engine(path)
+    spec, g = eng.model_config, torch.Generator().manual_seed(3)
+    mods = {}
+    for layer in range(spec.num_layers):
+        for m in ("k_proj", "v_proj"):
+            n_in, n_out = module_shape(spec, m)
+            mods[(layer, m)] = LoraModule(torch.randn(2, n_in, generator=g), torch.randn(n_out, 2, generator=g), 1.0)
+    ad = Adapter("kv", mods)
+    reqs = [GenerationRequest(f"a{i}", prompt(9, 130 + i), GenerationParams(max_tokens=60, min_tokens=60),
+                              adapter=ad if i % 2 else None) for i in range(5)]
+    preempted = spy_preempt(eng)
+    got, most = run_together(eng, reqs)
+    assert most == 5 and {"a1", "a3"} & set(preempted)
+    want = alone(path, reqs)
+    assert {k: answer(v) for k, v in got.items()} == want
+    assert want["a1"] != alone(path, [req("a1", prompt(9, 131))])["a1"]  # the adapter changes the answer
+    idle(eng)

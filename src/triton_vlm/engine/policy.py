@@ -13,12 +13,13 @@ First come first served. `schedule()`:
    slot lets base-model requests behind it pass (they hold no slot, so they cannot delay its slot), but no
    request with an adapter, which could keep the slots busy: tenants without adapters never wait on a busy
    adapter cache, and rare adapters are not starved. Reservation makes every later block allocation succeed
-   (under `guaranteed_no_evict` the worst case is reserved and nothing is ever preempted). Taking the budgets is all or nothing: when taking one raises (the adapter's device
-   copy runs out of memory, a cache fault), what was taken before is given back, the request leaves the queue
-   and is listed in `plan.failed` with the exception (the scheduler ends it with an error), and admission goes
+   (under `guaranteed_no_evict` the worst case is reserved and nothing is ever preempted). Taking the budgets is
+   all or nothing: when taking one raises (the adapter's device copy runs out of memory, a cache fault), what
+   was taken before is given back, the request leaves the queue and is listed in `plan.failed` with the exception (the scheduler ends it with an error), and admission goes
    on with the next request;
 3. gives requests whose prompt is not cached yet up to `prefill_chunk` prompt tokens in all, oldest first (a
-   request admitted with a cached prefix starts after it: `KVCache.reuse`);
+   request admitted with a cached prefix starts after it: `KVCache.reuse`; a resumed one computes its tokens
+   again the same way: `_chunk`);
 4. decodes every running request whose prompt is complete after this step's prefill.
 
 `retire()` gives a finished request's budgets back (rows, blocks, reservation, adapter slot; idempotent). The

@@ -3,8 +3,9 @@
 - `Active.kv` (`KVState`): the rows and the prompt progress, owned by the runner (`runner.py`);
 - `Active.streams` (`StreamState` per sequence index): what was streamed, owned by the output step
   (`output.py`);
-- the budgets it holds (`width` rows, `kv.reserved` blocks, its adapter's device slot) are taken and given back by the policy
-  (`policy.py`), which also preempts it (`preempt.py`: its rows freed, `kv.resume_ids` recomputed when it runs again).
+- the budgets it holds (`width` rows, `kv.reserved` blocks, its adapter's device slot) are taken and given back
+  by the policy (`policy.py`), which also preempts it (`preempt.py`: its rows freed, `kv.resume_ids` computed
+  again when it runs again).
 `Active` itself is the request, its decoder and the callback its results go to.
 """
 from __future__ import annotations
