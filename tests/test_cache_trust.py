@@ -94,8 +94,18 @@ def ensemble(url: str, prompt: str, salt: str | None = None) -> grpcclient.Infer
     return stream_infer(url, "ensemble", inputs)
 
 
+@pytest.fixture(scope="module")
+def uncached_server(tmp_path_factory, demo_model):
+    """A server without an embedding cache: what any image answers with nothing cached."""
+    from conftest import _start_server, _stop_server
+
+    server = _start_server(tmp_path_factory, demo_model, {"vision": {"embedding_cache_mb": "0"}}, "uncached")
+    yield server
+    _stop_server(server)
+
+
 @pytest.mark.server
-def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_server):
+def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_server, uncached_server):
     victim, forged = png("triangle", "blue", 24301), png("circle", "red", 24302)  # images no other test sends
     other_blue = png("triangle", "blue", 24303)
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
@@ -113,6 +123,8 @@ def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_s
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
         got = c.generate(Q, [victim], max_tokens=4)
     assert got.text.strip() == "blue"
+    with VLMClient(uncached_server.grpc_url, protocol="grpc", timeout=120) as c:
+        assert c.generate(Q, [victim], max_tokens=4).output_ids == got.output_ids  # as a fresh server answers
 
 
 @pytest.mark.server
