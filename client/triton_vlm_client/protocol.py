@@ -59,6 +59,8 @@ LORA_WEIGHTS = "lora_weights"
 LORA_CONFIG = "lora_config"
 LORA_NAME = "lora_name"
 CACHE_SALT = "cache_salt"
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # json, json_schema, regex, ebnf_grammar, ...
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # the schema / regex / grammar of that type
 
 # --- outputs --------------------------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"
@@ -112,6 +114,8 @@ INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(LORA_CONFIG, INT32, (-1, 3)),
     TensorInfo(LORA_NAME, BYTES, (1,)),
     TensorInfo(CACHE_SALT, BYTES, (1,)),
+    TensorInfo(GUIDED_DECODING_GUIDE_TYPE, BYTES, (1,)),
+    TensorInfo(GUIDED_DECODING_GUIDE, BYTES, (1,)),
 )
 
 OUTPUTS: tuple[TensorInfo, ...] = (

@@ -72,6 +72,8 @@ LORA_WEIGHTS = "lora_weights"
 LORA_CONFIG = "lora_config"
 LORA_NAME = "lora_name"
 CACHE_SALT = "cache_salt"  # vLLM's name (no TensorRT-LLM equivalent)
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # TensorRT-LLM's ensemble names
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"
 
 TEXT_OUTPUT = "text_output"
 OUTPUT_IDS = "output_ids"
@@ -163,13 +165,26 @@ CACHE_INPUTS: tuple[TensorSpec, ...] = (
             "(non-empty text, at most 1024 characters)"),
 )
 
+# --- grammar-constrained decoding (TensorRT-LLM's ensemble inputs; xgrammar compiles the guide, llm reads them,
+# the ensemble passes them through) ---------------------------------------------------------------------------
+# guide types: TensorRT-LLM's five, plus vLLM's guided_choice as `choice` (the guide a JSON list of strings)
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag", "choice")
+GUIDED_INPUTS: tuple[TensorSpec, ...] = (
+    _in(GUIDED_DECODING_GUIDE_TYPE, BYTES, default=None,
+        doc="constrain the output: json (any JSON object), json_schema, regex, ebnf_grammar, structural_tag "
+            "or choice (a JSON list of strings)"),
+    _in(GUIDED_DECODING_GUIDE, BYTES, default=None,
+        doc="the schema / regex / grammar / structural tag / choices of guided_decoding_guide_type "
+            "(unused for json)"),
+)
+
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False,
         doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
     _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
     _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
     _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
-) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
 
 ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(TEXT_OUTPUT, BYTES, (-1,), doc="one string per returned sequence (the new piece when streaming)"),
@@ -227,7 +242,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(DROPPED_IMAGES, INT32),
     _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
     _in(IMAGE_FEATURE_LENS, INT32, (-1,)),  # optional: without it every image fills image_embeds' T
-) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS
+) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 
 MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {

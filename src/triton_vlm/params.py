@@ -23,7 +23,46 @@ PENALTY_RANGE = (-2.0, 2.0)
 MAX_WORDS = 1024
 MAX_WORD_IDS = 16384  # token ids over all words of one list
 MAX_CACHE_SALT = 1024  # characters of a cache_salt
+MAX_GUIDE = 1 << 20  # characters of a guided_decoding_guide (a schema / grammar), compiled once per distinct text
 EARLY_STOPPING_WIRE = {N.EARLY_STOPPING_FALSE: False, N.EARLY_STOPPING_TRUE: True, N.EARLY_STOPPING_NEVER: "never"}
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Grammar-constrained decoding (TensorRT-LLM's `guided_decoding_guide_type` / `guided_decoding_guide`).
+
+    guide_type: one of `names.GUIDE_TYPES`: `json` (any JSON; the guide is ignored), `json_schema` (a JSON
+    schema), `regex`, `ebnf_grammar` (GBNF, root rule `root`), `structural_tag` (xgrammar's structural tag
+    JSON) or `choice` (a JSON list of strings, vLLM's guided_choice). The engine compiles it (engine/guided.py),
+    refusing a guide the library cannot compile with InvalidArgument."""
+
+    guide_type: str
+    guide: str = ""
+
+    def validate(self) -> None:
+        if self.guide_type not in N.GUIDE_TYPES:
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE_TYPE} must be one of {', '.join(N.GUIDE_TYPES)}, "
+                                  f"got {self.guide_type!r}")
+        if not isinstance(self.guide, str):
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} must be text, got {type(self.guide).__name__}")
+        if self.guide_type != "json" and not self.guide.strip():
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} is empty; {N.GUIDED_DECODING_GUIDE_TYPE} "
+                                  f"{self.guide_type!r} needs one")
+        if len(self.guide) > MAX_GUIDE:
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} holds {len(self.guide)} characters; at most "
+                                  f"{MAX_GUIDE} are accepted")
+
+    @classmethod
+    def from_inputs(cls, guide_type: Optional[str], guide: Optional[str]) -> Optional["GuidedDecoding"]:
+        """None when neither input was sent; a guide without its type is refused."""
+        if guide_type is None or guide_type == "":
+            if guide:
+                raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} needs {N.GUIDED_DECODING_GUIDE_TYPE} "
+                                      f"(one of {', '.join(N.GUIDE_TYPES)})")
+            return None
+        g = cls(guide_type, guide or "")
+        g.validate()
+        return g
 
 
 @dataclass(frozen=True)
@@ -51,6 +90,7 @@ class GenerationParams:
     top_log_probs: int = 0  # k most likely tokens per new token (greedy / sampling)
     exclude_input_in_output: bool = False
     stream: bool = False
+    guided: Optional[GuidedDecoding] = None  # grammar-constrained decoding
 
     @classmethod
     def from_inputs(cls, values: Mapping[str, Any], max_context: int | None = None) -> "GenerationParams":
@@ -111,6 +151,7 @@ class GenerationParams:
             top_log_probs=integer(N.RETURN_TOP_LOG_PROBS, 0),
             exclude_input_in_output=bool(get(N.EXCLUDE_INPUT_IN_OUTPUT, False)),
             stream=bool(get(N.STREAM, False)),
+            guided=GuidedDecoding.from_inputs(get(N.GUIDED_DECODING_GUIDE_TYPE), get(N.GUIDED_DECODING_GUIDE)),
         )
         params.validate(max_context)
         return params
@@ -145,6 +186,10 @@ class GenerationParams:
         if self.top_log_probs and self.beam_width > 1:
             raise InvalidArgument(f"{N.RETURN_TOP_LOG_PROBS} needs beam_width 1 (greedy or sampling), got "
                                   f"beam_width {self.beam_width}")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecoding):
+                raise InvalidArgument(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
+            self.guided.validate()
 
 
 def _int_in(name: str, v: int, lo: int, hi: int | None = None) -> int:

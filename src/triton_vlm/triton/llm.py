@@ -173,7 +173,7 @@ class LLMService:
             ids = _strip_padding(ids.reshape(-1))
         if ids is None or ids.size == 0:
             raise InvalidArgument("the prompt is empty: send a non-empty text_input")
-        values = tensors.scalars(request, N.GENERATION_INPUTS, row)
+        values = tensors.scalars(request, N.GENERATION_INPUTS + N.GUIDED_INPUTS, row)
         params = GenerationParams.from_inputs(values)  # the request itself is validated by backend.submit
         emb = tensors.input_tensor(request, N.IMAGE_EMBEDS, row)  # [images, T, hidden], the device it came on
         n_images = tensors.scalar(request, N.spec(N.NUM_IMAGES, N.LLM_INPUTS), row)
