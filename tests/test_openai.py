@@ -317,7 +317,7 @@ def test_invalid_requests_are_400_with_openai_errors(client, fe, ensemble):
         (dict(messages=[{"role": "tool", "content": "hi"}]), "role"),
         (dict(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {
             "name": "f"}}]), "tools"),
-        (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}),
+        (dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "yaml"}),
          "response_format"),
         (dict(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), "input_audio"),
         (dict(messages=[{"role": "user", "content": "look: <image>"}]), "<image>"),

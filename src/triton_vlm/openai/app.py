@@ -69,7 +69,7 @@ async def start_frontend(config: FrontendConfig) -> Frontend:
              served.model_dir, config.triton, config.route, served.adapters.names() or "none",
              served.chat.origin if served.chat else "none")
     return Frontend(client, served, media, FrontendMetrics(config.metrics_url()), api_key=config.api_key,
-                    max_concurrent_requests=config.max_concurrent_requests)
+                    max_concurrent_requests=config.max_concurrent_requests, tool_call_parser=config.tool_call_parser)
 
 
 def build_app(config: FrontendConfig):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +32,7 @@ class Turn:
 
     role: str
     parts: list[Optional[str]]
+    extra: dict = field(default_factory=dict)  # `tool_calls` (assistant), `tool_call_id` (tool), as HF takes them
 
 
 def load_template(model_dir: Path, override: Optional[Path], tokenizer) -> tuple[Optional[str], str]:
@@ -78,16 +79,18 @@ class ChatTemplate:
         return "".join(IMAGE_MARKER + "\n" if p is None else p for p in turn.parts)
 
     def render(self, turns: list[Turn], n_images: int, *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, tools: Optional[list[dict]] = None) -> str:
         """The prompt text with one `<image>` marker per image (checked: a template that drops or repeats images
-        is refused). The tokenizer's BOS is removed from the front: the ensemble's tokenizer adds it."""
-        conversation = [{"role": t.role, "content": self._content(t)} for t in turns]
+        is refused). The tokenizer's BOS is removed from the front: the ensemble's tokenizer adds it. `tools`
+        (OpenAI's function definitions) reach the template as `transformers` passes them (a template that does
+        not read them ignores them)."""
+        conversation = [{"role": t.role, "content": self._content(t), **t.extra} for t in turns]
         if continue_final_message and turns[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's",
                               param="continue_final_message")
         try:
             prompt = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.source, tokenize=False,
+                conversation, tools=tools or None, chat_template=self.source, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message)
         except Exception as e:  # jinja errors (raise_exception in the template, bad roles) are the request's

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from .config import FrontendConfig
 from .guard import DEFAULT_MAX_REQUEST_BYTES
 from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+from .tool_parsers import PARSERS
 from .triton import ROUTES
 
 
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                         "with 429 (0: no limit)")
     p.add_argument("--max-request-bytes", type=_count, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; a larger one gets 413 before it is read (0: no limit)")
+    p.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="the model's tool-call format, read back as tool_calls for tool_choice 'auto' (vLLM's "
+                        "names; without it 'auto' is refused: 'required' and named functions need no parser)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for Triton at start")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -80,7 +84,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         image_fetch_timeout_s=args.image_fetch_timeout,
         triton_metrics_url=args.triton_metrics_url, route=args.route, grpc_channels=args.grpc_channels,
         request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout,
-        max_concurrent_requests=args.max_concurrent_requests, max_request_bytes=args.max_request_bytes)
+        max_concurrent_requests=args.max_concurrent_requests, max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

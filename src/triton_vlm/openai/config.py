@@ -32,6 +32,7 @@ class FrontendConfig:
     max_concurrent_requests: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is read whole
     startup_timeout_s: float = 120.0  # how long to wait for Triton at start
+    tool_call_parser: Optional[str] = None  # the model's tool-call format for tool_choice "auto" (tool_parsers.py)
 
     def metrics_url(self) -> str:
         if self.triton_metrics_url:

@@ -8,6 +8,7 @@ import uuid
 from typing import Optional
 
 from .choices import Choice
+from .tools import ToolOutput
 
 DONE = b"data: [DONE]\n\n"
 
@@ -48,29 +49,48 @@ def completion_logprobs(tokens: list[tuple], offset: int = 0) -> dict:
 
 # --- chat ------------------------------------------------------------------------------------------------
 class ChatFormat:
+    """`tools`: how answers become `content` and `tool_calls` (tools.py); None: the text is the content."""
+
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, request_id: Optional[str] = None):
+    def __init__(self, model: str, request_id: Optional[str] = None, tools: Optional[ToolOutput] = None):
         self.id = request_id or new_id("chatcmpl")
         self.model, self.created = model, int(time.time())
+        self.tools = tools
+
+    def _message(self, text: str, finish: str) -> tuple[dict, str]:
+        if self.tools is None:
+            return {"content": text, "tool_calls": []}, finish
+        return self.tools.message(text, finish)
 
     def full(self, choices: list[Choice], finish: list[str], logprobs: Optional[list], usage_: dict) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            message, reason = self._message(c.text, finish[i])
+            out.append({"index": c.index, "message": {"role": "assistant", "refusal": None, **message},
+                        "logprobs": chat_logprobs(logprobs[i]) if logprobs else None, "finish_reason": reason})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text,
-                                                           "refusal": None, "tool_calls": []},
-                             "logprobs": chat_logprobs(logprobs[i]) if logprobs else None,
-                             "finish_reason": finish[i]} for i, c in enumerate(choices)],
-                "usage": usage_, "system_fingerprint": None}
+                "choices": out, "usage": usage_, "system_fingerprint": None}
 
     def chunk(self, index: int, *, text: Optional[str] = None, role: bool = False,
               finish_reason: Optional[str] = None, logprobs: Optional[list] = None,
-              usage_: Optional[dict] = None) -> dict:
+              usage_: Optional[dict] = None) -> Optional[dict]:
+        """One chunk, or None when it would carry nothing (text held back by a tool-call parser)."""
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
-            delta["content"] = ""
+            if self.tools is None or self.tools.plan.mode not in ("named", "required"):
+                delta["content"] = ""  # content stays null for a forced call
         if text is not None:
-            delta["content"] = text
+            if self.tools is None:
+                delta["content"] = text
+            else:
+                delta.update(self.tools.stream(index).feed(text))
+                if not delta and logprobs is None and usage_ is None:
+                    return None
+        if finish_reason is not None and self.tools is not None:
+            rest, finish_reason = self.tools.stream(index).finish(finish_reason)
+            delta.update(rest)
         out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                "choices": [{"index": index, "delta": delta,
                             "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,

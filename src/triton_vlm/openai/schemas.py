@@ -3,8 +3,9 @@
 Field names are OpenAI's, plus vLLM's extra sampling parameters with vLLM's names (`top_k`, `min_tokens`,
 `repetition_penalty`, `ignore_eos`, `use_beam_search`, `length_penalty`, `early_stopping`, ...). A field we do
 not know is refused (400 "unrecognized request argument", as OpenAI answers); fields OpenAI defines that would
-change the answer but that we do not have (`tools`, `response_format`, ...) are accepted by the parser and
-refused by `unsupported_fields` with a 400 that names them; bookkeeping fields (`user`, `metadata`, ...) are
+change the answer but that we do not have (`functions`, `logit_bias`, ...) are accepted by the parser and
+refused by `unsupported_fields` with a 400 that names them; structured outputs (`response_format`, vLLM's
+`structured_outputs` and `guided_*`) and `tools` are checked here and mapped by `structured.py` / `tools.py`; bookkeeping fields (`user`, `metadata`, ...) are
 accepted and ignored. Responses are built as plain dicts (`responses.py`): cheaper than models on the hot path.
 """
 from __future__ import annotations
@@ -18,9 +19,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 # Fields OpenAI defines that change what is generated and that this server does not have: a 400 names them
 # when set to anything but their "off" value.
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
-                    "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
-                    "parallel_tool_calls")
+UNSUPPORTED_CHAT = ("functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
+                    "web_search_options", "reasoning_effort")
 UNSUPPORTED_COMPLETION = ("suffix", "logit_bias")
 _OFF = (None, False, {}, [], ["text"], "none")
 
@@ -52,15 +52,101 @@ class ImagePart(_Strict):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: Union[str, dict[str, Any]]  # OpenAI sends a JSON string; HF templates want the object
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None  # accepted and ignored, as by templates that do not use it
-    tool_calls: Optional[Any] = None  # refused when set (no tools)
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls (rendered by the template)
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
     refusal: Optional[str] = None
 
 
-class _Sampling(_Strict):
+# --- structured outputs and tools (mapped to the ensemble's guided_decoding inputs by structured.py) -----
+class JSONSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # accepted: the schema is always enforced
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+class StructuralTagFormat(BaseModel):
+    """vLLM's / xgrammar's structural tag (its fields are the library's to check)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["structural_tag"]
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat, StructuralTagFormat],
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+    json_: Union[str, dict[str, Any], bool, None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none: an object without properties
+    strict: Optional[bool] = None  # accepted: named and required calls are always constrained
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _Structured(_Strict):
+    """Structured-output fields of both endpoints (OpenAI's `response_format`, vLLM's extras)."""
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[str, dict[str, Any], bool, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+
+class _Sampling(_Structured):
     """Parameters shared by chat and completions."""
 
     model: str
@@ -106,18 +192,17 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's chat-template controls
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None  # accepted (named and required choices make one call)
     # known, not supported (refused by unsupported_fields when set)
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
-    response_format: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
     reasoning_effort: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
 
     @property
     def max_new_tokens(self) -> Optional[int]:
@@ -141,8 +226,6 @@ def unsupported_fields(body: BaseModel, names: tuple[str, ...]) -> list[str]:
     out = []
     for name in names:
         value = getattr(body, name, None)
-        if name == "parallel_tool_calls" and value is not None:
-            continue  # meaningless without tools; the openai client may send it
         if value not in _OFF:
             out.append(name)
     return out

@@ -37,6 +37,7 @@ class Frontend:
     api_key: Optional[str] = None
     max_concurrent_requests: int = 0  # engine requests at once; 0: no limit (FrontendConfig)
     engine_requests: int = 0  # engine requests (one per prompt) of the requests being served
+    tool_call_parser: Optional[str] = None  # tool_choice "auto"'s parser (tool_parsers.py); None: auto refused
 
     def generations(self, jobs: list[TritonRequest], plan: Plan) -> list[Generation]:
         return [Generation(self.client, job, plan, self.served.eos_ids, self.served.context_length,
@@ -138,13 +139,15 @@ class Frontend:
             for k in g.indices(ev.sequence):
                 index = i * plan.n + k
                 if ev.finish_reason is not None:
-                    out.append(sse(fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)))
+                    chunk = fmt.chunk(index, finish_reason=ev.finish_reason, usage_=use)
                 elif isinstance(fmt, CompletionFormat):
                     at = offsets.get(index, 0)
                     offsets[index] = at + sum(len(t[1]) for t in ev.tokens or ())
-                    out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use, offset=at)))
-                else:
-                    out.append(sse(fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)))
+                    chunk = fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use, offset=at)
+                else:  # None: a tool-call parser holds the text back
+                    chunk = fmt.chunk(index, text=ev.text, logprobs=ev.tokens, usage_=use)
+                if chunk is not None:
+                    out.append(sse(chunk))
         return out
 
     async def _replayed(self, gens: list[Generation]):

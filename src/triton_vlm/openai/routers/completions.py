@@ -1,5 +1,6 @@
 """POST /v1/completions: a text prompt (or a list of them) sent to the ensemble as it is; images inline as
-`<img src="data:image/...;base64,...">` tags, as the ensemble accepts them."""
+`<img src="data:image/...;base64,...">` tags, as the ensemble accepts them; structured outputs as in chat
+(structured.py)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -9,6 +10,7 @@ from ..params import make_plan
 from ..responses import CompletionFormat
 from ..schemas import UNSUPPORTED_COMPLETION, CompletionRequest, unsupported_fields
 from ..service import Frontend
+from ..structured import apply, request_guide
 from ..triton import TritonRequest
 from . import authorize, frontend, request_id, serve
 
@@ -46,7 +48,9 @@ async def _complete(fe: Frontend, body: CompletionRequest):
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported by this server (no prompt log probs)",
                           param="echo", code="unsupported_parameter")
+    guide = request_guide(body)
     plan = make_plan(body, fe.served.defaults)
+    apply(plan.inputs, guide)
     rid = request_id("cmpl", body.request_id)
     jobs = [TritonRequest(rid if len(prompts) == 1 else f"{rid}-{i}", p, [], plan.max_tokens, plan.inputs,
                           plan.stop, lora_name, stream=plan.stream_engine, ignore_eos=plan.ignore_eos)

@@ -1,0 +1,138 @@
+"""Structured outputs: a request's constraint -> the ensemble's `guided_decoding_guide_type` /
+`guided_decoding_guide` inputs (TensorRT-LLM's names; the engine compiles the guide with xgrammar and masks every
+sampled token, every beam included, so each returned text is in the constraint's language).
+
+| request | guide_type | guide |
+|---|---|---|
+| `response_format: {"type": "json_object"}`, `structured_outputs.json_object` | `json` | "" (any JSON object) |
+| `response_format: {"type": "json_schema", "json_schema": {"schema": S}}` (`strict` accepted) | `json_schema` | S as JSON |
+| `structured_outputs.json` / `guided_json` (a schema, as an object or as JSON text) | `json_schema` | the schema |
+| `structured_outputs.regex` / `guided_regex` | `regex` | the pattern |
+| `structured_outputs.choice` / `guided_choice` (a list of strings) | `choice` | the list as JSON |
+| `structured_outputs.grammar` / `guided_grammar` (EBNF, xgrammar's dialect) | `ebnf_grammar` | the grammar |
+| `response_format: {"type": "structural_tag", ...}`, `structured_outputs.structural_tag` | `structural_tag` | as JSON |
+| `tool_choice` `required` / a named function (`tools.py`) | `json_schema` | the tools' schema |
+
+`response_format: {"type": "text"}` is no constraint. One constraint per request: several -> 400 naming them.
+What only the library can judge (an invalid schema or regex, a keyword it does not support) comes back from
+the engine as INVALID_ARG with xgrammar's message: a 400 with that message (`errors.from_triton`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .. import names as N
+from .errors import bad_request
+from .schemas import (JSONObjectFormat, JSONSchemaResponseFormat, StructuralTagFormat, StructuredOutputs,
+                      _Structured)
+
+
+
+@dataclass(frozen=True)
+class Guide:
+    """One constraint: the ensemble's guide type and guide, and the request field it came from (for errors)."""
+
+    type: str  # one of names.GUIDE_TYPES
+    guide: str
+    source: str
+
+    def inputs(self) -> dict[str, str]:
+        return {N.GUIDED_DECODING_GUIDE_TYPE: self.type, N.GUIDED_DECODING_GUIDE: self.guide}
+
+
+def _schema_text(value: Union[str, dict, bool], where: str) -> str:
+    """A JSON schema given as an object or as JSON text -> its JSON text (checked to be JSON: the library checks
+    that it is a schema)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{where} is not valid JSON: {e}", param=where.split(".")[0]) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request(f"{where} must be a JSON schema (an object), got {type(value).__name__}",
+                          param=where.split(".")[0])
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _choice(value: list[str], where: str) -> str:
+    if not value:
+        raise bad_request(f"{where} must list at least one string", param=where.split(".")[0])
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _text(value: str, where: str) -> str:
+    if not value:
+        raise bad_request(f"{where} is empty", param=where.split(".")[0])
+    return value
+
+
+def _from_response_format(fmt) -> Optional[Guide]:
+    if isinstance(fmt, JSONObjectFormat):
+        return Guide("json", "", "response_format")
+    if isinstance(fmt, JSONSchemaResponseFormat):
+        schema = fmt.json_schema.schema_
+        if schema is None:
+            raise bad_request("response_format.json_schema.schema is required for type json_schema",
+                              param="response_format")
+        return Guide("json_schema", _schema_text(schema, "response_format.json_schema.schema"), "response_format")
+    if isinstance(fmt, StructuralTagFormat):
+        return Guide("structural_tag", json.dumps(fmt.model_dump(), ensure_ascii=False), "response_format")
+    return None  # {"type": "text"}
+
+
+def _from_structured_outputs(so: StructuredOutputs) -> list[Guide]:
+    where, out = "structured_outputs", []
+    if so.json_ is not None:
+        out.append(Guide("json_schema", _schema_text(so.json_, f"{where}.json"), f"{where}.json"))
+    if so.regex is not None:
+        out.append(Guide("regex", _text(so.regex, f"{where}.regex"), f"{where}.regex"))
+    if so.choice is not None:
+        out.append(Guide("choice", _choice(so.choice, f"{where}.choice"), f"{where}.choice"))
+    if so.grammar is not None:
+        out.append(Guide("ebnf_grammar", _text(so.grammar, f"{where}.grammar"), f"{where}.grammar"))
+    if so.json_object:
+        out.append(Guide("json", "", f"{where}.json_object"))
+    if so.structural_tag is not None:
+        out.append(Guide("structural_tag", _text(so.structural_tag, f"{where}.structural_tag"),
+                         f"{where}.structural_tag"))
+    return out
+
+
+def _from_guided(body: _Structured) -> list[Guide]:
+    out = []
+    if body.guided_json is not None:
+        out.append(Guide("json_schema", _schema_text(body.guided_json, "guided_json"), "guided_json"))
+    if body.guided_regex is not None:
+        out.append(Guide("regex", _text(body.guided_regex, "guided_regex"), "guided_regex"))
+    if body.guided_choice is not None:
+        out.append(Guide("choice", _choice(body.guided_choice, "guided_choice"), "guided_choice"))
+    if body.guided_grammar is not None:
+        out.append(Guide("ebnf_grammar", _text(body.guided_grammar, "guided_grammar"), "guided_grammar"))
+    return out
+
+
+def request_guide(body: _Structured, tool_guide: Optional[Guide] = None) -> Optional[Guide]:
+    """The request's one constraint, or None; 400 naming them when it sets several."""
+    guides = []
+    if body.response_format is not None:
+        g = _from_response_format(body.response_format)
+        if g is not None:
+            guides.append(g)
+    if body.structured_outputs is not None:
+        guides += _from_structured_outputs(body.structured_outputs)
+    guides += _from_guided(body)
+    if tool_guide is not None:
+        guides.append(tool_guide)
+    if len(guides) > 1:
+        names = ", ".join(g.source for g in guides)
+        raise bad_request(f"one structured output constraint per request, got {len(guides)}: {names}",
+                          param=guides[1].source.split(".")[0])
+    return guides[0] if guides else None
+
+
+def apply(inputs: dict[str, Any], guide: Optional[Guide]) -> None:
+    """Add the guide's ensemble inputs to a plan's inputs."""
+    if guide is not None:
+        inputs.update(guide.inputs())
