@@ -38,6 +38,7 @@ from ..params import GenerationParams, Sequence_
 from . import beam_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
+from .guided import GrammarGuide
 from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
 from .sampling_batch import SampleSearch, sample_step
@@ -55,7 +56,8 @@ class Decoder:
     """Per-request decoding state (beam search, greedy or sampling). Knows nothing of KV caches or batching."""
 
     def __init__(self, params: GenerationParams, prompt_ids: list[int], *, eos_ids: Sequence[int], vocab_size: int,
-                 bad_words_ids: Sequence[Sequence[int]] = (), stop_words_ids: Sequence[Sequence[int]] = ()):
+                 bad_words_ids: Sequence[Sequence[int]] = (), stop_words_ids: Sequence[Sequence[int]] = (),
+                 grammar=None):
         prompt_ids = [int(i) for i in prompt_ids]
         eos_ids = [int(e) for e in eos_ids]
         # the request was validated at the boundary (`GenerationRequest.validate`); these are invariants
@@ -63,6 +65,11 @@ class Decoder:
         self.params = params
         self.vocab_size = vocab_size
         self._bad_words = len(bad_words_ids)
+        # grammar: an xgrammar CompiledGrammar (guided decoding): the per-request paths, the grammar a processor
+        guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
+                                                          vocab_size=vocab_size)
+        self._guided = guide is not None
+        batchable = guide is None
         beam = params.beam_width > 1
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
@@ -72,17 +79,18 @@ class Decoder:
             repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
             min_new_tokens=params.min_tokens, bad_words_ids=bad_words_ids, sampling=sampling,
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep)
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep,
+            guide=guide)
         stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
                             vocab_size=vocab_size)
         self._search: Search
-        if GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy`
+        if batchable and GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy`
             self._search = GreedySearch(max_new_tokens=params.max_tokens, eos_ids=eos_ids,
                                         min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids)
         elif beam:
             seed = resolve_seed(params.seed) if sampling else None
             spec = None
-            if beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`)
+            if batchable and beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`)
                 spec = beam_batch.BatchSpec(
                     eos=tuple(eos_ids), min_new=int(params.min_tokens) if eos_ids else 0,
                     stop_words=tuple(tuple(int(t) for t in w) for w in stop_words_ids if len(w)))
@@ -90,7 +98,7 @@ class Decoder:
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
                 pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
-        elif SampleSearch.eligible(params, bad_words_ids):  # batched across requests by `step_samples`
+        elif batchable and SampleSearch.eligible(params, bad_words_ids):  # batched across requests by `step_samples`
             self._search = SampleSearch(
                 num_rows=params.num_return_sequences, max_new_tokens=params.max_tokens, eos_ids=eos_ids,
                 min_new_tokens=params.min_tokens, temperature=params.temperature, top_k=params.top_k,
@@ -153,6 +161,8 @@ class Decoder:
             return Internal(f"the model produced non-finite logits (NaN or inf) at generated token {e.step}; "
                             "in float16 this is usually an overflow: serve the model in bfloat16 or float32")
         p, causes = self.params, []
+        if self._guided:
+            causes.append(f"{N.GUIDED_DECODING_GUIDE} (the grammar allows no token after what was generated)")
         if self._bad_words:
             causes.append(f"{N.BAD_WORDS} ({self._bad_words} words)")
         if e.step <= p.min_tokens:

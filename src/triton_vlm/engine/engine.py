@@ -28,6 +28,8 @@ Validation at `submit()` (raises `InvalidArgument` synchronously): `GenerationRe
 prompt of in-vocabulary ids, prompt + max_tokens <= the context length, end ids, bad/stop words, beam width vs
 vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a LoRA
 adapter that fits the device level (`adapter_slots`), a request id not in use.
+Guided decoding (`params.guided`): the grammar is compiled at `submit()` (`guided.GuideCompiler`, LRU-cached by
+guide); a guide the library cannot compile raises `InvalidArgument` with its message.
 A full queue (`max_queue`) or a shut-down engine raises `Unavailable`. Image placeholder/feature count
 mismatches surface at prefill as a final result with `error=InvalidArgument`.
 """
@@ -47,6 +49,7 @@ from .adapter_slots import DeviceAdapters
 from .cuda_graph import DecodeGraphs
 from .decoder import Decoder
 from .faults import Backoff, is_device_fault
+from .guided import GuideCompiler
 from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
 from .prefix_cache import PrefixStats, request_hasher
@@ -177,6 +180,8 @@ class Engine:
         self.backoff = Backoff()  # the loop's pause after a step that raised
         # called once with the CUDA error that stopped the engine; must not call shutdown() (it runs on the loop)
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
+        self._guides: Optional[GuideCompiler] = None  # built at the first guided request
+        self._guides_lock = threading.Lock()
 
     def _capture_graphs(self) -> None:
         """Every decode bucket's CUDA graph, captured at start (`DecodeGraphs.capture_all`); timed and logged."""
@@ -252,9 +257,10 @@ class Engine:
         if req.adapter is not None:
             self.lora_slots.check(req.adapter)  # larger than the whole device level: it could never run
         p = req.params
+        grammar = None if p.guided is None else self.guide_compiler().compile(p.guided)  # here, not in a step
         decoder = Decoder(
             p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,
-            bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids)
+            bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids, grammar=grammar)
         active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(worst=need),
                         make_detok=self._make_detok if p.stream else None)
         if self.config.enable_prefix_caching:  # hashed here, on the caller's thread, not the engine's
@@ -269,6 +275,13 @@ class Engine:
             self._ids.add(req.request_id)
             self._inbox.append(active)
             self._cond.notify_all()
+
+    def guide_compiler(self) -> GuideCompiler:
+        """Guided decoding's grammar compiler for the checkpoint's tokenizer (built once, on first use)."""
+        with self._guides_lock:
+            if self._guides is None:
+                self._guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+            return self._guides
 
     def cancel(self, request_id: str) -> None:
         """The request frees its rows and cache at the next step and gets a final result with errors.Cancelled."""

@@ -1,7 +1,8 @@
 """Logits processors and stopping criteria, matching transformers 5.x `generate()` bit for bit.
 
 `LogitsPipeline` applies, in Hugging Face's order (`GenerationMixin._get_logits_processor`):
-repetition penalty -> presence / frequency penalties -> no-repeat-ngram -> bad words -> min new tokens, then,
+repetition penalty -> presence / frequency penalties -> no-repeat-ngram -> bad words -> min new tokens -> the
+request's grammar (`guided.GrammarGuide`, where HF runs a `logits_processor` given to `generate()`), then,
 only when sampling, temperature -> top-k -> top-p. Each step is the same torch expression HF uses, so processed
 scores are bitwise equal given equal inputs. Processors see the full context of each row (prompt ids, image
 placeholder ids included, followed by the generated ids), as HF's processors see `input_ids`.
@@ -37,8 +38,9 @@ class LogitsPipeline:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  no_repeat_ngram_size: int = 0, min_new_tokens: int = 0,
                  bad_words_ids: Sequence[Sequence[int]] = (), sampling: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_tokens_to_keep: int = 1):
+                 top_k: int = 0, top_p: float = 1.0, min_tokens_to_keep: int = 1, guide=None):
         self.prompt_len = prompt_len
+        self.guide = guide  # guided.GrammarGuide or None
         self.vocab_size = vocab_size
         self.eos = torch.tensor(list(eos_ids), dtype=torch.long)  # [n_eos]
         self.repetition_penalty = float(repetition_penalty)
@@ -163,6 +165,8 @@ class LogitsPipeline:
             scores = self._bad_words(input_ids, scores)
         if self.min_new_tokens > 0:
             scores = self._min_new_tokens(new_len, scores)
+        if self.guide is not None:
+            scores = self.guide(input_ids, scores)
         if self.sampling:
             if self.temperature != 1.0:
                 scores = scores / self.temperature

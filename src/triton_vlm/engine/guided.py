@@ -1,0 +1,156 @@
+"""Grammar-constrained decoding with xgrammar (the library vLLM, SGLang and TensorRT-LLM use).
+
+`GuideCompiler` turns a request's `GuidedDecoding` into an xgrammar `CompiledGrammar` for the checkpoint's
+tokenizer (its `TokenizerInfo` built once, with the model's vocabulary size, which may exceed the tokenizer's).
+Compilation runs at `Engine.submit`, on the caller's thread, never on the engine's step; compiled grammars are
+kept in an LRU cache keyed by (guide_type, guide). JSON (`json`: any object, `json_schema`) is compact: no
+whitespace beyond the separators ", " and ": " (vLLM's `disable-any-whitespace`), so that a model cannot stall
+in free whitespace between tokens (a model that knows no JSON otherwise fills max_tokens with newlines). A guide the library cannot compile is refused with
+`InvalidArgument` carrying the library's own message.
+
+`GrammarGuide` is the per-request logits processor. It runs in `LogitsPipeline` where transformers runs a
+`logits_processor` passed to `generate()`: `_merge_criteria_processor_list` appends custom processors after the
+built-in ones (penalties, no-repeat-ngram, bad words, min new tokens) and before the sampling warpers
+(temperature, top-k, top-p); in beam search on the log-softmaxed scores, as HF's `_beam_search` processes them.
+xgrammar's own `contrib.hf.LogitsProcessor` is the reference the tests compare with.
+
+Matcher state per row: a row's state is a function of the tokens it generated, so the guide keeps one
+`GrammarMatcher` per distinct generated sequence of the live rows; at each step a row's matcher is its parent's
+(the sequence minus its last token) forked and fed the last token. Beams that are reordered, forked or dropped,
+and sampled rows that finish, need no bookkeeping from the search: the states follow the tokens. The matcher's
+stop tokens are the request's end ids, so a grammar that is complete allows only them (a finished grammar forces
+the end token). Each step fills one bitmask [rows, ceil(V / 32)] for all the request's rows and applies it with
+one masked fill; a row the grammar leaves no token for is an ordinary `NoTokenLeft` of the search (the request
+ends with an error naming the grammar), never a device assert.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Sequence
+
+import json
+
+import torch
+import xgrammar as xgr
+
+from .. import names as N
+from ..errors import InvalidArgument
+from ..params import GuidedDecoding
+
+CACHE_SIZE = 256  # compiled grammars kept (LRU)
+ANY_OBJECT = '{"type": "object"}'  # guide type `json`: any JSON object
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def library_message(e: Exception) -> str:
+    """xgrammar's error without its C++ source location."""
+    return _LOCATION.sub("", str(e).strip()).strip()
+
+
+def choice_grammar(guide: str) -> str:
+    """vLLM's guided_choice: an EBNF grammar of the alternatives (the guide a JSON list of strings)."""
+    try:
+        choices = json.loads(guide)
+    except ValueError as e:
+        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a JSON list of strings: {e}")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a non-empty JSON list of "
+                              f"non-empty strings, got {guide[:200]!r}")
+    return "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+
+
+class GuideCompiler:
+    """Compiles guides for one tokenizer; thread-safe (submit() runs on the callers' threads)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = CACHE_SIZE):
+        self.vocab_size = int(vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=[int(i) for i in stop_ids])
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # our LRU is the cache
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
+        key = (guided.guide_type, "" if guided.guide_type == "json" else guided.guide)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(*key)  # outside the lock: a long compile does not hold up cached ones
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, guide_type: str, guide: str) -> xgr.CompiledGrammar:
+        c = self.compiler
+        try:
+            if guide_type == "json":
+                return c.compile_json_schema(ANY_OBJECT, any_whitespace=False)
+            if guide_type == "json_schema":
+                return c.compile_json_schema(guide, any_whitespace=False)
+            if guide_type == "regex":
+                return c.compile_regex(guide)
+            if guide_type == "ebnf_grammar":
+                return c.compile_grammar(guide)
+            if guide_type == "structural_tag":
+                return c.compile_structural_tag(guide)
+            if guide_type == "choice":
+                return c.compile_grammar(choice_grammar(guide))
+        except InvalidArgument:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} is not a valid {guide_type}: "
+                                  f"{library_message(e)}") from None
+        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE_TYPE} must be one of {', '.join(N.GUIDE_TYPES)}, "
+                              f"got {guide_type!r}")
+
+
+class GrammarGuide:
+    """One request's grammar: masks the scores of its rows (a processor of `LogitsPipeline`)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, *, prompt_len: int, end_ids: Sequence[int],
+                 vocab_size: int):
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.root = xgr.GrammarMatcher(compiled, override_stop_tokens=[int(e) for e in end_ids] or None)
+        self._states: dict[tuple[int, ...], xgr.GrammarMatcher] = {(): self.root}
+
+    def _matcher(self, gen: tuple[int, ...], previous: dict) -> xgr.GrammarMatcher:
+        m = previous.get(gen)
+        if m is not None:
+            return m
+        parent = previous.get(gen[:-1]) if gen else None
+        if parent is None:  # not a one-token extension of a live row (e.g. resumed): replay the tokens
+            m = self.root.fork()
+            m.reset()
+            todo = gen
+        else:
+            m, todo = parent.fork(), gen[-1:]
+        for t in todo:
+            if not m.accept_token(int(t)):
+                raise AssertionError(f"the grammar refused token {t} it allowed")  # masked scores chose it
+        return m
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """input_ids [rows, L] (prompt + generated), scores [rows, V] -> scores with what the grammar forbids at
+        -inf (a new tensor: the caller's raw logits stay as they were)."""
+        gens = [tuple(r) for r in input_ids[:, self.prompt_len:].tolist()]
+        previous = self._states
+        matchers = [self._matcher(g, previous) for g in gens]
+        self._states = dict(zip(gens, matchers))
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        scores = scores.contiguous().clone()
+        if scores.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=self.vocab_size, backend="cpu")
+        else:  # plain torch ops: no kernel compiled at run time, no device assert
+            xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, backend="torch_native")
+        return scores

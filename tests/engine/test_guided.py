@@ -1,0 +1,261 @@
+"""Guided decoding (engine/guided.py) against transformers' generate() with xgrammar's own logits processor.
+
+A tiny random LLaVA checkpoint with the demo tokenizer (byte-level BPE), CPU fp32, the engine end to end: guided
+greedy and seeded sampling equal `generate(logits_processor=[xgrammar.contrib.hf.LogitsProcessor(g)])` token for
+token, for a JSON schema, a regex, a choice list, an EBNF grammar and any-JSON. Beam search is compared with the
+same generate() and a processor that gives every row the matcher of its own tokens: xgrammar's contrib processor
+keeps matcher i for row i and so assumes rows are never reordered, which beam search does (its docstring: "may
+contain extra overhead"; it asserts when a reordered beam's token does not fit matcher i's history).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import LogitsProcessor
+from xgrammar.contrib.hf import LogitsProcessor as XgrHFProcessor
+
+from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
+from triton_vlm.engine.engine import Engine, EngineConfig
+from triton_vlm.engine.guided import GrammarGuide, GuideCompiler
+from triton_vlm.errors import InvalidArgument
+from triton_vlm.params import GenerationParams, GenerationRequest, GuidedDecoding
+
+EOS = 2
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0,
+                                                                      "maximum": 99}},
+    "required": ["color", "n"], "additionalProperties": False})
+GUIDES = {
+    "json_schema": SCHEMA,
+    "regex": r"[a-c]{2,4}-[0-9]{1,3}",
+    "choice": json.dumps(["yes", "no", "maybe so"]),
+    "ebnf_grammar": 'root ::= "(" num (op num)* ")"\nnum ::= [1-9] [0-9]?\nop ::= "+" | "-" | "*"',
+    "json": "",
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    model, processor = build_random_llava_objects(seed=7, max_position_embeddings=128)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # spread the logits so near-ties are rare
+    path = save_checkpoint(model, processor, tmp_path_factory.mktemp("llava"))
+    return model, processor.tokenizer, path
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt):
+    _, _, path = ckpt
+    return Engine(path, EngineConfig(max_rows=32, kv_cache_tokens=4096, block_size=4, prefill_chunk=16))
+
+
+@pytest.fixture(scope="module")
+def reference_compiler(ckpt):
+    """Grammars compiled independently of the engine's GuideCompiler, for the reference."""
+    model, tok, _ = ckpt
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.text_config.vocab_size,
+                                              stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info)
+
+
+def ref_grammar(compiler, kind: str, guide: str):
+    if kind == "json_schema":
+        return compiler.compile_json_schema(guide, any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(guide)
+    if kind == "choice":
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(guide)))
+    if kind == "json":  # any object, compact
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    return compiler.compile_grammar(guide)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(5, 300, (n - 1,), generator=g).tolist()
+
+
+def request(rid, ids, kind=None, max_tokens=24, **kw) -> GenerationRequest:
+    guided = None if kind is None else GuidedDecoding(kind, GUIDES.get(kind, ""))
+    params = GenerationParams(max_tokens=max_tokens, guided=guided, **kw)
+    return GenerationRequest(request_id=rid, input_ids=list(ids), params=params)
+
+
+class RowMatchers(LogitsProcessor):
+    """Every row's matcher rebuilt from its own generated tokens (beam rows reorder)."""
+
+    def __init__(self, grammar, prompt_len: int):
+        self.grammar, self.prompt_len = grammar, prompt_len
+
+    def __call__(self, input_ids, scores):
+        bitmask = xgr.allocate_token_bitmask(input_ids.shape[0], self.grammar.tokenizer_info.vocab_size)
+        for i, row in enumerate(input_ids[:, self.prompt_len:].tolist()):
+            m = xgr.GrammarMatcher(self.grammar)
+            for t in row:
+                assert m.accept_token(t)
+            m.fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(scores, bitmask)
+        return scores
+
+
+def hf(model, req: GenerationRequest, processor) -> list[list[int]]:
+    p = req.params
+    ids = torch.tensor([req.input_ids])
+    kw = dict(max_new_tokens=p.max_tokens, num_beams=p.beam_width, num_return_sequences=p.num_return_sequences,
+              eos_token_id=EOS, pad_token_id=0, do_sample=p.do_sample, logits_processor=[processor])
+    if p.beam_width > 1:
+        kw.update(length_penalty=p.length_penalty, early_stopping=p.early_stopping)
+    if p.do_sample:
+        kw.update(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        torch.manual_seed(p.seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+    seqs = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t == EOS), len(row))
+        seqs.append(row[:cut])
+    return seqs
+
+
+def final(results):
+    last = results[-1]
+    assert last.final and last.error is None, last.error
+    return last.sequences
+
+
+@pytest.mark.parametrize("kind", sorted(GUIDES))
+def test_guided_greedy_and_sampling_equal_hf_with_xgrammar_processor(ckpt, eng, reference_compiler, kind):
+    model, tok, _ = ckpt
+    reqs = [request(f"{kind}-g", prompt(7, 1), kind),
+            request(f"{kind}-s", prompt(9, 2), kind, do_sample=True, temperature=1.3, top_k=50, seed=11,
+                    num_return_sequences=2)]
+    out = eng.generate(reqs)
+    for r in reqs:
+        ref = hf(model, r, XgrHFProcessor(ref_grammar(reference_compiler, kind, GUIDES[kind])))
+        got = [s.token_ids for s in final(out[r.request_id])]
+        assert got == ref, r.request_id
+    text = tok.decode(final(out[f"{kind}-g"])[0].token_ids, skip_special_tokens=True)
+    if kind == "choice":
+        assert text in json.loads(GUIDES["choice"])
+    if kind == "json_schema" and final(out[f"{kind}-g"])[0].token_ids[-1] == EOS:  # complete: a valid document
+        doc = json.loads(text)
+        assert set(doc) == {"color", "n"} and doc["color"] in ("red", "green", "blue") and 0 <= doc["n"] <= 99
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "ebnf_grammar"])
+def test_guided_beam_search_equals_hf(ckpt, eng, reference_compiler, kind):
+    model, _, _ = ckpt
+    r = request(f"{kind}-b", prompt(8, 3), kind, max_tokens=16, beam_width=3, num_return_sequences=3,
+                length_penalty=0.7)
+    got = [s.token_ids for s in final(eng.generate([r])[r.request_id])]
+    ref = hf(model, r, RowMatchers(ref_grammar(reference_compiler, kind, GUIDES[kind]), len(r.input_ids)))
+    assert got == ref
+
+
+def test_a_complete_grammar_ends_the_request_and_every_output_is_valid(ckpt, eng):
+    _, tok, _ = ckpt
+    reqs = [request(f"c{i}", prompt(5 + i, 20 + i), "json_schema", max_tokens=60) for i in range(4)]
+    reqs += [request(f"x{i}", prompt(6, 40 + i), "choice", max_tokens=60) for i in range(2)]
+    out = eng.generate(reqs)
+    for r in reqs:
+        seq = final(out[r.request_id])[0]
+        assert seq.token_ids[-1] == EOS, r.request_id  # the grammar completed, then forced the end token
+        text = tok.decode(seq.token_ids, skip_special_tokens=True)
+        if r.params.guided.guide_type == "choice":
+            assert text in ("yes", "no", "maybe so")
+        else:
+            doc = json.loads(text)
+            assert doc["color"] in ("red", "green", "blue") and 0 <= doc["n"] <= 99 and set(doc) == {"color", "n"}
+
+
+def test_unconstrained_rows_of_a_mixed_batch_are_unchanged(eng):
+    """Unconstrained requests beside guided ones answer as alone: the same tokens (their log probs within fp32
+    rounding: a batch of other shapes runs other matmul blocking, as for any batch-mates)."""
+    free = [request(f"f{i}", prompt(6 + i, 60 + i), max_tokens=12, return_log_probs=True) for i in range(3)]
+    free.append(request("fb", prompt(9, 70), max_tokens=10, beam_width=2, num_return_sequences=2))
+    alone = {r.request_id: final(eng.generate([r])[r.request_id]) for r in free}
+    mixed = free + [request(f"m{k}", prompt(8, 80), k) for k in GUIDES]
+    together = eng.generate(mixed)
+    for r in free:
+        got, ref = final(together[r.request_id]), alone[r.request_id]
+        assert [s.token_ids for s in got] == [s.token_ids for s in ref], r.request_id
+        for a, b in zip(got, ref):
+            assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5), r.request_id
+
+
+def test_the_guide_masks_its_own_rows_and_leaves_the_logits_it_was_given(ckpt, eng):
+    """The mask lands on a copy: the step's logits (other requests' rows, the raw logits the log probs come
+    from) stay bit for bit; masked columns are exactly those xgrammar's bitmask forbids."""
+    model, _, _ = ckpt
+    V = model.config.text_config.vocab_size
+    guide = GrammarGuide(eng.guide_compiler().compile(GuidedDecoding("regex", GUIDES["regex"])), prompt_len=2,
+                         end_ids=[EOS], vocab_size=V)
+    logits = torch.randn(5, V)
+    before = logits.clone()
+    ids = torch.tensor([[1, 9], [1, 9]])  # two rows of one request, nothing generated yet
+    masked = guide(ids, logits[1:3])
+    assert torch.equal(logits, before)  # bit for bit, every row
+    allowed = {i for i in range(V) if masked[0, i] > -torch.inf}
+    m = xgr.GrammarMatcher(eng.guide_compiler().compile(GuidedDecoding("regex", GUIDES["regex"])))
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    m.fill_next_token_bitmask(bitmask, 0)
+    ref = torch.zeros(1, V)
+    xgr.apply_token_bitmask_inplace(ref, bitmask)
+    assert allowed == {i for i in range(V) if ref[0, i] == 0} and 0 < len(allowed) < V
+    assert torch.equal(masked[:, sorted(allowed)], before[1:3, sorted(allowed)])
+
+
+@pytest.mark.parametrize("kind,guide,message", [
+    ("json_schema", '{"type": "objectx"}', 'not a valid json_schema: Unsupported type "objectx"'),
+    ("json_schema", "{bad json", "not a valid json_schema: Failed to parse JSON"),
+    ("regex", "a(b", "not a valid regex: Regex parsing error at position 4: The parenthesis is not closed"),
+    ("ebnf_grammar", "root ::= foo", 'not a valid ebnf_grammar: EBNF parser error at line 1, column 10: '
+                                     'Rule "foo" is not defined'),
+    ("choice", '"yes"', "must be a non-empty JSON list of non-empty strings"),
+    ("choice", "[yes", "must be a JSON list of strings"),
+])
+def test_invalid_guides_are_refused_at_submit(eng, kind, guide, message):
+    req = GenerationRequest("bad", prompt(5, 1), GenerationParams(max_tokens=4, guided=GuidedDecoding(kind, guide)))
+    with pytest.raises(InvalidArgument) as e:
+        eng.submit(req, lambda r: None)
+    assert message in e.value.message and "guided_decoding_guide" in e.value.message
+    assert "/project/" not in e.value.message  # the library's text, without its C++ source location
+
+
+@pytest.mark.parametrize("mode", [{}, {"do_sample": True, "seed": 3}, {"beam_width": 2}])
+def test_a_grammar_that_allows_nothing_ends_the_request_with_an_error(eng, mode):
+    """After "a" the grammar allows only the end token, which min_tokens forbids: no token is left."""
+    req = GenerationRequest("stuck", prompt(5, 1), GenerationParams(
+        max_tokens=8, min_tokens=4, guided=GuidedDecoding("regex", "a"), **mode))
+    last = eng.generate([req])["stuck"][-1]
+    assert last.final and isinstance(last.error, InvalidArgument)
+    assert "every token is excluded at generated token 2 by guided_decoding_guide" in last.error.message
+    assert eng.generate([request("after", prompt(5, 2), "regex")])["after"][-1].error is None  # engine lives on
+
+
+def test_compile_cache_by_guide(ckpt):
+    model, tok, _ = ckpt
+    c = GuideCompiler(tok, model.config.text_config.vocab_size, [EOS], cache_size=2)
+    a = c.compile(GuidedDecoding("regex", "a+"))
+    assert c.compile(GuidedDecoding("regex", "a+")) is a
+    c.compile(GuidedDecoding("regex", "b+"))
+    c.compile(GuidedDecoding("regex", "c+"))  # evicts a+ (least recently used)
+    assert c.compile(GuidedDecoding("regex", "a+")) is not a
+    assert c.compile(GuidedDecoding("json", "ignored")) is c.compile(GuidedDecoding("json", ""))
+
+
+def test_params_from_inputs():
+    p = GenerationParams.from_inputs({"max_tokens": 4, "guided_decoding_guide_type": "regex",
+                                      "guided_decoding_guide": "a+"})
+    assert p.guided == GuidedDecoding("regex", "a+")
+    assert GenerationParams.from_inputs({"max_tokens": 4}).guided is None
+    for values, message in [({"guided_decoding_guide_type": "xml"}, "must be one of json, json_schema, regex"),
+                            ({"guided_decoding_guide": "a"}, "guided_decoding_guide needs guided_decoding_guide_type"),
+                            ({"guided_decoding_guide_type": "regex"}, "guided_decoding_guide is empty")]:
+        with pytest.raises(InvalidArgument, match=message):
+            GenerationParams.from_inputs({"max_tokens": 4, **values})
