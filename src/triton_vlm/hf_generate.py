@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .engine.merge import merge_image_embeds
-from .errors import VLMError
+from .errors import InvalidArgument, VLMError
 from .hf_peft import PeftAdapters
 from .spec import CheckpointSpec
 from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
@@ -94,6 +94,9 @@ class HFGenerator:
     # --- the backend interface ---------------------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_result: OnResult) -> None:
         req.validate(self.limits)
+        if req.params.guided is not None:
+            raise InvalidArgument("guided_decoding_guide_type: the transformers baseline backend does not constrain "
+                                  "decoding; serve with backend 'engine'")
         with self._lock:
             self._cancelled[req.request_id] = threading.Event()
         self._queue.put((req, on_result))
