@@ -96,6 +96,27 @@ def test_bad_or_several_constraints_are_400(kw, needle):
     refused(lambda: request_guide(chat(**kw), plan_tools(chat(**kw), None).guide), needle)
 
 
+@pytest.mark.parametrize("schema,found", [
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not' at #/properties/a"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems' at #"),
+    ({"anyOf": [{"type": "object", "if": {}}]}, "'if' at #/anyOf/0"),
+    ({"$defs": {"x": {"type": "array", "contains": {"const": 1}}}, "$ref": "#/$defs/x"}, "'contains' at #/$defs/x"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "'allOf' with 2 subschemas at #"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired' at #"),
+])
+def test_keywords_the_library_does_not_enforce_are_400(schema, found):
+    """xgrammar compiles these without enforcing them (a document breaking them is accepted): refused, as vLLM
+    does, rather than answering with documents that may break the schema."""
+    e = refused(lambda: guide_of(guided_json=schema), found)
+    assert e.code == "unsupported_schema_keyword" and e.param == "guided_json"
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    refused(lambda: plan_tools(chat(tools=[tool], tool_choice="required"), None), "tools[0].function.parameters")
+    assert plan_tools(chat(tools=[tool], tool_choice="none"), None).mode == "none"  # unconstrained: fine
+    ok = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": ["then"]}},
+          "oneOf": [{"required": ["not"]}, {"required": ["if"]}], "allOf": [{"required": ["not"]}]}
+    assert guide_of(guided_json=ok)[0] == "json_schema"  # property names and one-branch allOf are fine
+
+
 @pytest.mark.parametrize("kw", [
     dict(response_format={"type": "yaml"}),
     dict(structured_outputs={"whitespace_pattern": " "}),
@@ -321,3 +342,42 @@ def test_bad_tool_history_is_400(messages, needle):
     body = chat(messages=messages)
     ids: set = set()
     refused(lambda: [_turn(i, m, ids) for i, m in enumerate(body.messages)], needle)
+
+
+BREAKING = {  # per refused keyword: a schema using it and a document that breaks it
+    "not": ({"not": {"type": "string"}}, '"x"'),
+    "if": ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+            "then": {"required": ["b"]}}, '{"a": 1}'),
+    "else": ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+              "else": {"required": ["b"]}}, '{}'),
+    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "dependentSchemas": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                          "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    "dependencies": ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["b"]}},
+                     '{"a": 1}'),
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    "maxContains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}, "maxContains": 1},
+                    "[5, 5]"),
+    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "1"),
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(BREAKING))
+def test_the_refused_keywords_are_the_ones_xgrammar_ignores(keyword):
+    """Each refused keyword: xgrammar (the engine's library) accepts a document that breaks it. When a new
+    xgrammar enforces one, this fails: drop it from UNENFORCED."""
+    import jsonschema
+    import xgrammar as xgr
+
+    from triton_vlm.openai.structured import UNENFORCED, unenforced_keyword
+
+    schema, doc = BREAKING[keyword]
+    assert keyword in UNENFORCED or keyword == "allOf"
+    assert unenforced_keyword(schema) is not None
+    validator = jsonschema.Draft7Validator if keyword == "dependencies" else jsonschema.Draft202012Validator
+    with pytest.raises(jsonschema.ValidationError):  # draft 7's name of dependentRequired / dependentSchemas
+        validator(schema).validate(json.loads(doc))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert xgr.testing._is_grammar_accept_string(grammar, doc)

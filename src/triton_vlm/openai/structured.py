@@ -14,8 +14,12 @@ sampled token, every beam included, so each returned text is in the constraint's
 | `tool_choice` `required` / a named function (`tools.py`) | `json_schema` | the tools' schema |
 
 `response_format: {"type": "text"}` is no constraint. One constraint per request: several -> 400 naming them.
-What only the library can judge (an invalid schema or regex, a keyword it does not support) comes back from
-the engine as INVALID_ARG with xgrammar's message: a 400 with that message (`errors.from_triton`).
+What only the library can judge (an invalid schema or regex) comes back from the engine as INVALID_ARG with
+xgrammar's message: a 400 with that message (`errors.from_triton`). Keywords xgrammar 0.2.8 accepts but does not
+enforce (`UNENFORCED`: checked by compiling each with a document that breaks it) are refused here with a 400
+naming the keyword and where it is, as vLLM refuses them for xgrammar: an answer that looks constrained but can
+break the schema would be worse than an error. `oneOf` is accepted: xgrammar enforces disjoint branches (a
+discriminated union) exactly and reads overlapping ones as `anyOf`.
 """
 from __future__ import annotations
 
@@ -42,6 +46,45 @@ class Guide:
         return {N.GUIDED_DECODING_GUIDE_TYPE: self.type, N.GUIDED_DECODING_GUIDE: self.guide}
 
 
+# Schema keywords xgrammar compiles without enforcing (allOf: only with one subschema)
+UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
+              "contains", "minContains", "maxContains", "unevaluatedItems")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "contains", "not", "if",
+            "then", "else")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unenforced_keyword(schema: Any, path: str = "#") -> Optional[str]:
+    """The first keyword of `schema` (or its subschemas) that the library would not enforce, as `keyword at
+    path`; None when there is none."""
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{key!r} at {path}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"'allOf' with {len(schema['allOf'])} subschemas at {path}"
+    subs = [(f"{path}/{k}/{name}", v) for k in _SUB_MAPS if isinstance(schema.get(k), dict)
+            for name, v in schema[k].items()]
+    subs += [(f"{path}/{k}", schema[k]) for k in _SUB_ONE if k in schema]
+    subs += [(f"{path}/{k}/{i}", v) for k in _SUB_LISTS if isinstance(schema.get(k), list)
+             for i, v in enumerate(schema[k])]
+    for where, sub in subs:
+        found = unenforced_keyword(sub, where)
+        if found:
+            return found
+    return None
+
+
+def check_schema(schema: Any, where: str) -> None:
+    found = unenforced_keyword(schema)
+    if found:
+        raise bad_request(f"{where}: the JSON schema keyword {found} is not supported (xgrammar, the structured-"
+                          "output library, does not enforce it)", param=where.split(".")[0],
+                          code="unsupported_schema_keyword")
+
+
 def _schema_text(value: Union[str, dict, bool], where: str) -> str:
     """A JSON schema given as an object or as JSON text -> its JSON text (checked to be JSON: the library checks
     that it is a schema)."""
@@ -53,6 +96,7 @@ def _schema_text(value: Union[str, dict, bool], where: str) -> str:
     if not isinstance(value, (dict, bool)):
         raise bad_request(f"{where} must be a JSON schema (an object), got {type(value).__name__}",
                           param=where.split(".")[0])
+    check_schema(value, where)
     return json.dumps(value, ensure_ascii=False)
 
 
