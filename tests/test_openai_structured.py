@@ -381,3 +381,36 @@ def test_the_refused_keywords_are_the_ones_xgrammar_ignores(keyword):
         validator(schema).validate(json.loads(doc))
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     assert xgr.testing._is_grammar_accept_string(grammar, doc)
+
+
+def test_string_lengths_are_sent_as_patterns_without_control_characters():
+    """xgrammar 0.2.8 lets raw control characters into a string with minLength / maxLength (invalid JSON); the
+    guide sent carries the equivalent pattern instead, which it enforces."""
+    import xgrammar as xgr
+
+    from triton_vlm.openai.structured import string_lengths_as_patterns
+
+    def accepts(schema, doc):
+        return xgr.testing._is_grammar_accept_string(
+            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), doc)
+
+    schema = {"type": "object", "required": ["t"], "properties": {"t": {"type": "string", "minLength": 1,
+                                                                        "maxLength": 3}}}
+    assert accepts(schema, '{"t": "a\x1f"}')  # the library's bug: not JSON
+    sent = json.loads(guide_of(guided_json=schema)[1])
+    assert sent == string_lengths_as_patterns(schema) and "maxLength" not in json.dumps(sent)
+    for doc, ok in (('{"t": "a\x1f"}', False), ('{"t": ""}', False), ('{"t": "abcd"}', False), ('{"t": "é✓a"}', True),
+                    ('{"t": "a\\"b"}', False)):
+        assert accepts(sent, doc) == ok, doc
+        if ok:
+            jsonschema.validate(json.loads(doc), schema)
+    nested = {"anyOf": [{"type": ["string", "null"], "maxLength": 2}], "$defs": {"s": {"type": "string",
+                                                                                      "minLength": 4}}}
+    out = string_lengths_as_patterns(nested)
+    assert out["anyOf"][0]["pattern"].endswith("{0,2}$") and out["$defs"]["s"]["pattern"].endswith("{4,}$")
+    assert nested["anyOf"][0] == {"type": ["string", "null"], "maxLength": 2}  # the request's schema untouched
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        assert "maxLength" not in plan_tools(chat(tools=[tool], tool_choice=choice), None).guide.guide
+    refused(lambda: guide_of(guided_json={"type": "string", "pattern": "^a+$", "maxLength": 3}),
+            "'maxLength' beside 'pattern' at #")

@@ -18,8 +18,14 @@ What only the library can judge (an invalid schema or regex) comes back from the
 xgrammar's message: a 400 with that message (`errors.from_triton`). Keywords xgrammar 0.2.8 accepts but does not
 enforce (`UNENFORCED`: checked by compiling each with a document that breaks it) are refused here with a 400
 naming the keyword and where it is, as vLLM refuses them for xgrammar: an answer that looks constrained but can
-break the schema would be worse than an error. `oneOf` is accepted: xgrammar enforces disjoint branches (a
-discriminated union) exactly and reads overlapping ones as `anyOf`.
+break the schema would be worse than an error (so is `minLength` / `maxLength` beside `pattern` or `format`,
+where xgrammar drops the lengths). `oneOf` is accepted: xgrammar enforces disjoint branches (a discriminated
+union) exactly and reads overlapping ones as `anyOf`.
+
+xgrammar 0.2.8 compiles a string's `minLength` / `maxLength` to "any characters but `"`, `\\` and newlines",
+which lets raw control characters into the string (invalid JSON; seen live: `"tag": "( red\x1f"`). Such a
+string is sent as the equivalent `pattern` `^[^"\\\x00-\x1f]{min,max}$` (`string_lengths_as_patterns`): the
+same lengths, no control characters; the answers are a subset of the schema's (no escape sequences).
 """
 from __future__ import annotations
 
@@ -65,6 +71,10 @@ def unenforced_keyword(schema: Any, path: str = "#") -> Optional[str]:
             return f"{key!r} at {path}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' with {len(schema['allOf'])} subschemas at {path}"
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    with_ = [k for k in ("pattern", "format") if k in schema]
+    if lengths and with_:
+        return f"{lengths[0]!r} beside {with_[0]!r} at {path}"
     subs = [(f"{path}/{k}/{name}", v) for k in _SUB_MAPS if isinstance(schema.get(k), dict)
             for name, v in schema[k].items()]
     subs += [(f"{path}/{k}", schema[k]) for k in _SUB_ONE if k in schema]
@@ -75,6 +85,33 @@ def unenforced_keyword(schema: Any, path: str = "#") -> Optional[str]:
         if found:
             return found
     return None
+
+
+def _is_string(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "string" or (isinstance(t, list) and "string" in t)
+
+
+def string_lengths_as_patterns(schema: Any) -> Any:
+    """A copy of `schema` where each string's minLength / maxLength is the equivalent pattern without control
+    characters, quotes or backslashes (see the module's doc)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: string_lengths_as_patterns(v) for name, v in out[k].items()}
+    for k in _SUB_ONE:
+        if k in out:
+            out[k] = string_lengths_as_patterns(out[k])
+    for k in _SUB_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [string_lengths_as_patterns(v) for v in out[k]]
+    if _is_string(out) and ("minLength" in out or "maxLength" in out) and "pattern" not in out \
+            and "format" not in out:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (low, "" if high is None else int(high))
+    return out
 
 
 def check_schema(schema: Any, where: str) -> None:
@@ -97,7 +134,7 @@ def _schema_text(value: Union[str, dict, bool], where: str) -> str:
         raise bad_request(f"{where} must be a JSON schema (an object), got {type(value).__name__}",
                           param=where.split(".")[0])
     check_schema(value, where)
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(string_lengths_as_patterns(value), ensure_ascii=False)
 
 
 def _choice(value: list[str], where: str) -> str:

@@ -28,7 +28,7 @@ from typing import Optional
 
 from .errors import bad_request
 from .schemas import ChatCompletionRequest, NamedToolChoice, Tool, ToolCall
-from .structured import Guide, check_schema
+from .structured import Guide, check_schema, string_lengths_as_patterns
 from .tool_parsers import ParsedCall, ToolParser, get_parser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -80,7 +80,7 @@ def plan_tools(body: ChatCompletionRequest, parser_name: Optional[str]) -> ToolP
     if choice == "required":
         for k, t in enumerate(tools):
             check_schema(_parameters(t), f"tools[{k}].function.parameters")
-        schema = json.dumps(required_schema(tools), ensure_ascii=False)
+        schema = json.dumps(string_lengths_as_patterns(required_schema(tools)), ensure_ascii=False)
         return ToolPlan("required", rendered, Guide("json_schema", schema, "tool_choice"))
     assert isinstance(choice, NamedToolChoice)
     tool = next((t for t in tools if t.function.name == choice.function.name), None)
@@ -88,7 +88,7 @@ def plan_tools(body: ChatCompletionRequest, parser_name: Optional[str]) -> ToolP
         raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
                           f"({', '.join(names)})", param="tool_choice")
     check_schema(_parameters(tool), f"tools[{names.index(tool.function.name)}].function.parameters")
-    schema = json.dumps(_parameters(tool), ensure_ascii=False)
+    schema = json.dumps(string_lengths_as_patterns(_parameters(tool)), ensure_ascii=False)
     return ToolPlan("named", rendered, Guide("json_schema", schema, "tool_choice"), name=tool.function.name)
 
 
