@@ -259,3 +259,38 @@ def test_params_from_inputs():
                             ({"guided_decoding_guide_type": "regex"}, "guided_decoding_guide is empty")]:
         with pytest.raises(InvalidArgument, match=message):
             GenerationParams.from_inputs({"max_tokens": 4, **values})
+
+
+def test_guided_greedy_steps_batched_and_leaves_its_step_mates_bit_for_bit(ckpt, eng):
+    """Guided greedy rows step in `greedy_step` with the unconstrained ones: one bitmask for the constrained rows;
+    the unconstrained rows' tokens and log probs are those of the same step without them, bit for bit."""
+    from triton_vlm.engine.decoder import Decoder
+    from triton_vlm.engine.greedy import GreedySearch, greedy_step
+
+    model, _, _ = ckpt
+    V = model.config.text_config.vocab_size
+    grammar = eng.guide_compiler().compile(GuidedDecoding("regex", GUIDES["regex"]))
+    dec = Decoder(GenerationParams(max_tokens=8, guided=GuidedDecoding("regex", GUIDES["regex"])), [1, 5],
+                  eos_ids=[EOS], vocab_size=V, grammar=grammar)
+    assert dec.batched_greedy
+
+    def plain():
+        return GreedySearch(max_new_tokens=8, eos_ids=[EOS], min_new_tokens=0)
+
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0)) * 5
+    guided = [GreedySearch(max_new_tokens=8, eos_ids=[EOS], min_new_tokens=0, matcher=xgr.GrammarMatcher(grammar))
+              for _ in range(2)]
+    mixed = [plain(), guided[0], plain(), guided[1], plain()]
+    out = greedy_step(mixed, logits)
+    alone_searches = [plain(), plain(), plain()]
+    alone = greedy_step(alone_searches, logits[[0, 2, 4]])
+    assert [out[i] for i in (0, 2, 4)] == alone
+    assert [(mixed[i].tokens, mixed[i].log_probs) for i in (0, 2, 4)] == \
+        [(s.tokens, s.log_probs) for s in alone_searches]  # floats compared exactly
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask, 0)
+    for s, row in zip(guided, (1, 3)):  # the best token the grammar allows (the regex's first character)
+        ref = logits[row:row + 1].clone()
+        xgr.apply_token_bitmask_inplace(ref, bitmask)
+        assert s.tokens == [int(ref.argmax())] and eng.tokenizer.decode(s.tokens)[0] in "abc"
+        assert s.log_probs == [float(torch.log_softmax(logits[row], -1)[s.tokens[0]])]  # of the raw logits

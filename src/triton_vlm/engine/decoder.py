@@ -38,7 +38,7 @@ from ..params import GenerationParams, Sequence_
 from . import beam_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
-from .guided import GrammarGuide
+from .guided import GrammarGuide, new_matcher
 from .logits import LogitsPipeline, StopCriteria
 from .sampling import Sampler, resolve_seed
 from .sampling_batch import SampleSearch, sample_step
@@ -69,7 +69,7 @@ class Decoder:
         guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
                                                           vocab_size=vocab_size)
         self._guided = guide is not None
-        batchable = guide is None
+        batchable = guide is None  # sampling and beam search: guided ones step per request
         beam = params.beam_width > 1
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
@@ -84,9 +84,10 @@ class Decoder:
         stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
                             vocab_size=vocab_size)
         self._search: Search
-        if batchable and GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy`
+        if GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy` (guided too)
             self._search = GreedySearch(max_new_tokens=params.max_tokens, eos_ids=eos_ids,
-                                        min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids)
+                                        min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids,
+                                        matcher=None if grammar is None else new_matcher(grammar, eos_ids))
         elif beam:
             seed = resolve_seed(params.seed) if sampling else None
             spec = None

@@ -7,7 +7,8 @@ every such row of a decode step at once over the [rows, vocab] logits block (one
 rows still inside min_new_tokens, one argmax, one amax, one log_softmax, one gather) and reads them back with ONE
 `.tolist()` of a [rows, 3] float64 tensor (token ids < 2**53 and fp32 log probs are exact in float64). Stopping
 (end ids, max tokens, stop words) is decided on the host from the token lists, as `logits.StopCriteria` does on
-the device.
+the device. Guided rows (a grammar's `matcher`) get their grammar's mask after min_new_tokens: one bitmask for
+all of them, one masked fill (`guided.mask_rows`); the other rows are not touched.
 
 The results equal `sampling.Sampler`'s greedy path bit for bit: the same ops on the same fp32 values, row-wise
 (argmax and log_softmax of a row do not depend on the other rows; ties go to the first index in both), so it
@@ -23,6 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..params import GenerationParams, Sequence_
+from . import guided
 from .search import NoTokenLeft
 
 StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
@@ -58,7 +60,8 @@ class GreedySearch:
                 and not any(len(w) for w in bad_words_ids))
 
     def __init__(self, *, max_new_tokens: int, eos_ids: Sequence[int], min_new_tokens: int,
-                 stop_words_ids: Sequence[Sequence[int]] = ()):
+                 stop_words_ids: Sequence[Sequence[int]] = (), matcher=None):
+        self.matcher = matcher  # guided decoding: the row's xgrammar GrammarMatcher (`guided.mask_rows`)
         self.max_new = max_new_tokens
         self.eos = [int(e) for e in eos_ids]
         self.min_new = int(min_new_tokens) if self.eos else 0  # as LogitsPipeline: no end id, nothing to hold
@@ -82,6 +85,8 @@ class GreedySearch:
         return out
 
     def _advance(self, token: int, log_prob: float) -> StepOut:
+        if self.matcher is not None:
+            guided.accept(self.matcher, token)
         self.tokens.append(token)
         self.log_probs.append(log_prob)
         self.done = self._stopped()
@@ -121,6 +126,9 @@ def greedy_step(searches: list[GreedySearch], logits: torch.Tensor) -> list[Unio
         at = to_device(held, raw.device)  # [held, 2] (row, end id)
         scores = raw.clone()
         scores[at[:, 0], at[:, 1]] = -math.inf
+    guided_rows = [i for i, s in enumerate(searches) if s.matcher is not None]
+    if guided_rows:  # the grammars (after min_new_tokens, as HF runs a generate() logits_processor): one bitmask
+        scores = guided.mask_rows(scores, guided_rows, [searches[i].matcher for i in guided_rows], raw.shape[-1])
     tokens = torch.argmax(scores, dim=-1)  # [rows]
     stuck = ~torch.isfinite(scores.amax(dim=-1))  # [rows] no finite score: NaN, +inf or every token excluded
     chosen = torch.nn.functional.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0]  # [rows]

@@ -19,9 +19,14 @@ Matcher state per row: a row's state is a function of the tokens it generated, s
 (the sequence minus its last token) forked and fed the last token. Beams that are reordered, forked or dropped,
 and sampled rows that finish, need no bookkeeping from the search: the states follow the tokens. The matcher's
 stop tokens are the request's end ids, so a grammar that is complete allows only them (a finished grammar forces
-the end token). Each step fills one bitmask [rows, ceil(V / 32)] for all the request's rows and applies it with
-one masked fill; a row the grammar leaves no token for is an ordinary `NoTokenLeft` of the search (the request
+the end token). A row the grammar leaves no token for is an ordinary `NoTokenLeft` of the search (the request
 ends with an error naming the grammar), never a device assert.
+
+Batching: guided greedy requests without other processors step in `greedy.greedy_step` with every other greedy
+row of the step; there `mask_rows` fills ONE bitmask [rows, ceil(V / 32)] for all the constrained rows of the
+step (xgrammar's `BatchGrammarMatcher`) and applies it with one masked fill over their indices: unconstrained
+rows are not touched. Guided sampling and beam search run on the per-request paths (`sampling.Sampler`,
+`beam.BeamSearch`), where `GrammarGuide` masks all of the request's rows with one bitmask and one fill.
 """
 from __future__ import annotations
 
@@ -111,14 +116,52 @@ class GuideCompiler:
                               f"got {guide_type!r}")
 
 
+_local = threading.local()
+
+
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    """One per thread (an engine steps on its own thread)."""
+    b = getattr(_local, "batch", None)
+    if b is None:
+        b = _local.batch = xgr.BatchGrammarMatcher(max_threads="auto")
+    return b
+
+
+def mask_rows(scores: torch.Tensor, rows: Sequence[int], matchers: Sequence[xgr.GrammarMatcher],
+              vocab_size: int) -> torch.Tensor:
+    """What matchers[j] forbids set to -inf in row rows[j] of scores [R, V], the other rows untouched: one bitmask
+    [R, ceil(V / 32)] filled for every constrained row in one call, applied in one masked fill. Returns a new
+    tensor (the caller's scores, e.g. the raw logits the log probs come from, stay as they were)."""
+    bitmask = xgr.allocate_token_bitmask(scores.shape[0], vocab_size)
+    _batch_matcher().batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+    scores = scores.contiguous().clone()
+    if scores.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab_size, indices=list(rows), backend="cpu")
+    else:  # plain torch ops: no kernel compiled at run time, no device assert
+        xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True), vocab_size=vocab_size,
+                                        indices=list(rows), backend="torch_native")
+    return scores
+
+
+def new_matcher(compiled: xgr.CompiledGrammar, end_ids: Sequence[int]) -> xgr.GrammarMatcher:
+    """A matcher whose stop tokens are the request's end ids: a complete grammar allows only them."""
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=[int(e) for e in end_ids] or None)
+
+
+def accept(matcher: xgr.GrammarMatcher, token: int) -> None:
+    if not matcher.accept_token(int(token)):  # the masked scores chose it: a bug, not a request's fault
+        raise AssertionError(f"the grammar refused token {token} it allowed")
+
+
 class GrammarGuide:
-    """One request's grammar: masks the scores of its rows (a processor of `LogitsPipeline`)."""
+    """One request's grammar as a processor of `LogitsPipeline` (sampling, beam search, greedy with penalties):
+    masks the scores of the request's rows, each row by the matcher of its own generated tokens."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, *, prompt_len: int, end_ids: Sequence[int],
                  vocab_size: int):
         self.prompt_len = prompt_len
         self.vocab_size = vocab_size
-        self.root = xgr.GrammarMatcher(compiled, override_stop_tokens=[int(e) for e in end_ids] or None)
+        self.root = new_matcher(compiled, end_ids)
         self._states: dict[tuple[int, ...], xgr.GrammarMatcher] = {(): self.root}
 
     def _matcher(self, gen: tuple[int, ...], previous: dict) -> xgr.GrammarMatcher:
@@ -126,31 +169,19 @@ class GrammarGuide:
         if m is not None:
             return m
         parent = previous.get(gen[:-1]) if gen else None
-        if parent is None:  # not a one-token extension of a live row (e.g. resumed): replay the tokens
-            m = self.root.fork()
-            m.reset()
-            todo = gen
+        if parent is None:  # not a one-token extension of a live row: replay its tokens from the start
+            m, todo = self.root.fork(), gen
         else:
             m, todo = parent.fork(), gen[-1:]
         for t in todo:
-            if not m.accept_token(int(t)):
-                raise AssertionError(f"the grammar refused token {t} it allowed")  # masked scores chose it
+            accept(m, t)
         return m
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """input_ids [rows, L] (prompt + generated), scores [rows, V] -> scores with what the grammar forbids at
-        -inf (a new tensor: the caller's raw logits stay as they were)."""
+        """input_ids [rows, L] (prompt + generated), scores [rows, V] -> a new tensor of scores with what the
+        grammar forbids at -inf."""
         gens = [tuple(r) for r in input_ids[:, self.prompt_len:].tolist()]
         previous = self._states
         matchers = [self._matcher(g, previous) for g in gens]
         self._states = dict(zip(gens, matchers))
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        scores = scores.contiguous().clone()
-        if scores.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=self.vocab_size, backend="cpu")
-        else:  # plain torch ops: no kernel compiled at run time, no device assert
-            xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True),
-                                            vocab_size=self.vocab_size, backend="torch_native")
-        return scores
+        return mask_rows(scores, range(len(matchers)), matchers, self.vocab_size)

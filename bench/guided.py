@@ -1,0 +1,110 @@
+"""What grammar-constrained decoding costs: 16 concurrent requests guided vs the same unguided, in-process engine.
+
+    python -m bench.guided                  # the bench model, 16 requests x 48 tokens, 3 rounds per mode
+
+Modes (each round: 16 greedy requests submitted at once, the engine stepped until all finish; tok/s = new tokens
+of all 16 / wall time, the prefill included, medians over the rounds):
+- `none`: unconstrained, `min_tokens = max_tokens` (every request generates max_tokens);
+- `regex`: guided by a regex that never forces the end (`[a-z ,.]+`), also `min_tokens = max_tokens`: the same
+  token count as `none`, so the difference is the guide's cost (a matcher per row, one bitmask fill and one masked
+  fill per request and step, the per-request decode path instead of the batched one);
+- `json_schema`: a small schema (an object of an enum, an integer and a short string), compact JSON; requests end
+  when their document completes, so tok/s counts the tokens they generated.
+Compile time: the first compilation of each guide (a fresh `GuideCompiler`, the tokenizer info built first and
+timed on its own) vs the same guide again (the LRU's hit), medians of 20 cached calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from .machine import describe as describe_machine, line
+from .model import describe, ensure_bench_model
+
+PROMPT = "USER: Describe the image as JSON. ASSISTANT:"
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"shape": {"enum": ["circle", "square", "triangle"]},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "note": {"type": "string", "maxLength": 24}},
+    "required": ["shape", "count", "note"], "additionalProperties": False})
+GUIDES = {"none": None, "regex": ("regex", "[a-z ,.]+"), "json_schema": ("json_schema", SCHEMA)}
+
+
+def one_round(engine, mode: str, n: int, max_tokens: int, tag: str) -> tuple[int, float]:
+    """-> (new tokens of all n requests, wall seconds)."""
+    from triton_vlm.params import GenerationParams, GenerationRequest, GuidedDecoding  # noqa: PLC0415
+
+    ids = engine.tokenizer(PROMPT)["input_ids"]
+    guide = GUIDES[mode]
+    min_tokens = 0 if mode == "json_schema" else max_tokens
+    params = GenerationParams(max_tokens=max_tokens, min_tokens=min_tokens,
+                              guided=None if guide is None else GuidedDecoding(*guide))
+    reqs = [GenerationRequest(f"{tag}-{i}", list(ids) + [7 + i], params) for i in range(n)]  # distinct prompts
+    t0 = time.perf_counter()
+    out = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    tokens = 0
+    for r in reqs:
+        last = out[r.request_id][-1]
+        if last.error is not None:
+            raise RuntimeError(f"{r.request_id}: {last.error}")
+        tokens += len(last.sequences[0].token_ids)
+    return tokens, wall
+
+
+def compile_times(engine) -> dict:
+    from triton_vlm.engine.guided import GuideCompiler  # noqa: PLC0415
+    from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    compiler = GuideCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_ids)
+    out = {"tokenizer_info_s": time.perf_counter() - t0}
+    guides = {"json_schema": SCHEMA, "regex": "[a-z ,.]+", "ebnf_grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"',
+              "json": ""}
+    for kind, guide in guides.items():
+        g = GuidedDecoding(kind, guide)
+        t0 = time.perf_counter()
+        compiler.compile(g)
+        first = time.perf_counter() - t0
+        cached = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            compiler.compile(g)
+            cached.append(time.perf_counter() - t0)
+        out[kind] = {"first_ms": first * 1e3, "cached_ms": statistics.median(cached) * 1e3}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    model_dir = ensure_bench_model()
+    print(describe(model_dir))
+    print(line({"machine": describe_machine()}))
+    engine = Engine(model_dir, EngineConfig(max_rows=max(32, args.requests), kv_cache_tokens=8192))
+    print(f"vocabulary {engine.model_config.vocab_size} tokens")
+    print(json.dumps(compile_times(engine), indent=1))
+    one_round(engine, "none", 2, 4, "warm")
+    one_round(engine, "regex", 2, 4, "warm-g")
+    results = {m: [] for m in GUIDES}
+    for r in range(args.rounds):
+        for mode in GUIDES:  # interleaved: the machine's drift falls on every mode alike
+            results[mode].append(one_round(engine, mode, args.requests, args.max_tokens, f"{mode}-{r}"))
+    base = None
+    for mode, runs in results.items():
+        tok_s = statistics.median(t / w for t, w in runs)
+        base = base or tok_s
+        print(f"{mode:12s} {args.requests} concurrent: {statistics.median(t for t, _ in runs):5.0f} tokens, "
+              f"{tok_s:8.1f} tok/s ({tok_s / base:.2f} x unconstrained)")
+
+
+if __name__ == "__main__":
+    main()
