@@ -181,15 +181,17 @@ def test_a_kernel_slower_than_torch_here_is_not_used(fresh_gemv, monkeypatch, ca
     assert kernel is not None and not kernel.chosen
     assert "decode gemv kernel not used: slower than oneDNN here (2.000 ms vs oneDNN 1.000 ms)" in caplog.text
     assert _products_to_kernel(kernel, monkeypatch) == []
-    monkeypatch.setenv(gemv.ENV, "1")
-    assert kernel.chosen and _products_to_kernel(kernel, monkeypatch) == [1]
-    monkeypatch.delenv(gemv.ENV)
-    gemv._once.reset()
 
     def no_second_race(k, pack):
         raise AssertionError("raced again")
 
     monkeypatch.setattr(gemv, "race", no_second_race)
+    monkeypatch.setenv(gemv.ENV, "1")  # decided at load: a load with the switch at "1" uses it
+    gemv._once.reset()
+    forced = gemv.kernel(gemm.pack)
+    assert forced.chosen and _products_to_kernel(forced, monkeypatch) == [1]
+    monkeypatch.delenv(gemv.ENV)
+    gemv._once.reset()
     again = gemv.kernel(gemm.pack)
     assert again is not None and not again.chosen and again.race == cbuild.Race(0.002, 0.001)
 
@@ -235,5 +237,5 @@ def test_the_whole_forward_is_raced_on_the_model(tmp_path, monkeypatch, caplog):
         return
     assert m.c_forward() is None
     assert "C decode forward not used: slower than the layer-by-layer path here (500.000 ms vs layer by layer" in caplog.text
-    monkeypatch.setenv(cpu_forward.ENV, "1")
-    assert m.c_forward() is not None
+    monkeypatch.setenv(cpu_forward.ENV, "1")  # decided once per model: a model loaded with "1" takes it
+    assert LlamaModel.from_pretrained(tmp_path / "m").c_forward() is not None

@@ -199,15 +199,12 @@ def cached_race(lib: Path, key: str, measure: Callable[[], Race]) -> Race:
 
 
 class Chosen:
-    """For a checked kernel: `chosen` says whether to use it now: its switch is "1", or "auto" and it won the race
-    `load_checked` ran at load (read at each use, so a test or a comparison can switch it in-process)."""
+    """For a checked kernel: `chosen` says whether to use it: its switch was "1" at load, or "auto" and it won the
+    race `load_checked` ran. Decided once at load: it is read by every decode-sized product, where even an
+    environment lookup (~3 us for an unset variable) would cost a one-stream step 4%."""
     env = ""
     race: Optional[Race] = None
-
-    @property
-    def chosen(self) -> bool:
-        m = mode(self.env)
-        return m == "1" or (m == "auto" and self.race is not None and self.race.faster)
+    chosen = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +233,7 @@ def load_checked(build: Callable[[], Path], make: Callable[[ctypes.CDLL], T], ch
         if reason is None and timing is not None:
             stage = "timing"
             kernel.env, kernel.race = spec.env, cached_race(lib, spec.what, lambda: timing(kernel))
+            kernel.chosen = mode(spec.env) == "1" or kernel.race.faster
     except Exception as e:  # noqa: BLE001 - module doc: any failure leaves the torch path
         reason = f"{stage} failed: {type(e).__name__}: {e}"
     if reason is not None:

@@ -184,7 +184,7 @@ class LlamaModel:
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
         self.attention = attention.Attention(self.cos, self.sin_rot, c.num_heads, c.num_kv_heads)
         self._c_forward: Optional[cpu_forward.Forward] | bool = False  # False: not built yet (`c_forward`)
-        self._c_forward_race: Optional[cbuild.Race] = None  # its race on this model, once run (`c_forward`)
+        self._c_forward_use: Optional[bool] = None  # whether decode steps take it, decided once (`c_forward`)
         if packed:  # built and checked at load, not inside the first request's step
             self.c_forward()
 
@@ -264,7 +264,7 @@ class LlamaModel:
     def c_forward(self) -> Optional[cpu_forward.Forward]:
         """The C decode forward for this model where it is to be used, else None: built and checked (bit for bit
         against the layer-by-layer path on a scratch cache) at first use, then used where its switch is "1" or
-        it won its race against the layer-by-layer path on this model (`_race_c_forward`)."""
+        it won its race against the layer-by-layer path on this model (`_race_c_forward`), decided once."""
         if self._c_forward is False:
             self._c_forward = None
             try:  # an optional speed path: any failure leaves the layer-by-layer path (cbuild)
@@ -276,12 +276,11 @@ class LlamaModel:
                 log.warning("C decode forward not used: %s; decode steps run layer by layer", reason)
             elif built is not None:
                 self._c_forward = built
-        built = self._c_forward
-        if built is None or cpu_forward.mode() == "1":
-            return built
-        if self._c_forward_race is None:
-            self._c_forward_race = self._race_c_forward(built)
-        return built if self._c_forward_race.faster and cpu_forward.mode() == "auto" else None
+        if self._c_forward_use is None:  # decided once: this runs at every decode step
+            built = self._c_forward
+            self._c_forward_use = built is not None and (
+                cpu_forward.mode() == "1" or self._race_c_forward(built).faster)
+        return self._c_forward if self._c_forward_use else None
 
     def _race_c_forward(self, built: cpu_forward.Forward) -> cbuild.Race:
         """The one call against the layer-by-layer path on this model (one row at position 1), timed at the
