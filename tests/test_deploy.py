@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tomllib
-import types
 
 import dockerfile
 import jsonschema
@@ -20,6 +19,7 @@ import yaml
 
 from deploy_support import (CPU_RENDERS, CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, compose_value,
                             crd_schemas, epp_config, one, published_ports, render, server_container, validate)
+from metrics_support import fake_llm_metrics
 from triton_vlm.paths import REPO_ROOT
 from triton_vlm.server.repository import check_parameters
 
@@ -299,33 +299,14 @@ def test_endpoint_picker_config_is_one_epp_accepts():
 
 # --- the KV-cache gauge ----------------------------------------------------------------------------------------
 def test_kv_cache_usage_gauge_is_a_fraction_of_the_blocks(monkeypatch):
-    from triton_vlm.engine.engine import EngineStats
     from triton_vlm.triton import metrics as M
 
-    series = {}
-
-    class Family:
-        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
-
-        def __init__(self, name, description, kind):
-            self.name = name
-
-        def Metric(self, labels, buckets=None):  # noqa: N802 - the python backend's spelling
-            m = types.SimpleNamespace(labels=labels, value=None)
-            m.set = lambda v: setattr(m, "value", v)
-            series[self.name] = m
-            return m
-
-    monkeypatch.setattr(M, "pb_utils", types.SimpleNamespace(MetricFamily=Family))
-    fields = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
-    now = {"stats": EngineStats(**{**fields, "kv_blocks_used": 0, "kv_blocks_total": 0})}
-    metrics = M.LLMMetrics(lambda: now["stats"])
-    metrics.update_gauges()
-    assert series[M.KV_USAGE].value == 0.0 and series[M.KV_USAGE].labels == {"model": "llm"}
-    now["stats"] = EngineStats(**{**fields, "kv_blocks_used": 48, "kv_blocks_total": 64})
-    metrics.update_gauges()
-    assert series[M.KV_USAGE].value == 0.75
-    assert series["triton_vlm_engine_kv_blocks_used"].value == 48.0
+    fake = fake_llm_metrics(monkeypatch)
+    fake.show()
+    assert fake.value(M.KV_USAGE) == 0.0 and fake.series[M.KV_USAGE].labels == {"model": "llm"}
+    fake.show(kv_blocks_used=48, kv_blocks_total=64)
+    assert fake.value(M.KV_USAGE) == 0.75
+    assert fake.value("triton_vlm_engine_kv_blocks_used") == 48.0
 
 
 # --- images ----------------------------------------------------------------------------------------------------

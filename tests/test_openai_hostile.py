@@ -15,7 +15,6 @@ import select
 import socket
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -23,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from metrics_support import fake_llm_metrics
 from triton_vlm.openai.aio import gather_all
 from triton_vlm.openai.choices import Choice, StopMatcher
 from triton_vlm.openai.errors import APIError, install_handlers
@@ -373,31 +373,12 @@ def test_image_parts_are_counted_before_any_fetch(image_server):
 # --- the gauge admission reads ----------------------------------------------------------------------------------
 def test_reserved_kv_gauge_is_what_admission_sees(monkeypatch):
     import triton_vlm.triton.metrics as M
-    from triton_vlm.engine.engine import EngineStats
 
-    series = {}
-
-    class Family:
-        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
-
-        def __init__(self, name, description, kind):
-            self.name = name
-
-        def Metric(self, labels, buckets=None):  # noqa: N802 - the python backend's spelling
-            m = types.SimpleNamespace(labels=labels, value=None)
-            m.set = lambda v: setattr(m, "value", v)
-            series[self.name] = m
-            return m
-
-    monkeypatch.setattr(M, "pb_utils", types.SimpleNamespace(MetricFamily=Family))
-    fields = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
-    now = {"stats": EngineStats(**fields)}
-    metrics = M.LLMMetrics(lambda: now["stats"])
-    metrics.update_gauges()
-    assert series[M.KV_RESERVED].value == 0.0 and series[M.KV_RESERVED].labels == {"model": "llm"}
+    fake = fake_llm_metrics(monkeypatch)
+    fake.show()
+    assert fake.value(M.KV_RESERVED) == 0.0 and fake.series[M.KV_RESERVED].labels == {"model": "llm"}
     # every block reserved by admitted requests' worst cases, few held yet: admission is full, the held
     # fraction alone reads nearly idle
-    now["stats"] = EngineStats(**{**fields, "kv_blocks_used": 6, "kv_blocks_reserved": 64, "kv_blocks_total": 64})
-    metrics.update_gauges()
-    assert series[M.KV_RESERVED].value == 1.0 and series[M.KV_USAGE].value == 6 / 64
-    assert series["triton_vlm_engine_kv_blocks_reserved"].value == 64.0
+    fake.show(kv_blocks_used=6, kv_blocks_reserved=64, kv_blocks_total=64)
+    assert fake.value(M.KV_RESERVED) == 1.0 and fake.value(M.KV_USAGE) == 6 / 64
+    assert fake.value("triton_vlm_engine_kv_blocks_reserved") == 64.0
