@@ -414,3 +414,17 @@ def test_string_lengths_are_sent_as_patterns_without_control_characters():
         assert "maxLength" not in plan_tools(chat(tools=[tool], tool_choice=choice), None).guide.guide
     refused(lambda: guide_of(guided_json={"type": "string", "pattern": "^a+$", "maxLength": 3}),
             "'maxLength' beside 'pattern' at #")
+
+
+def test_the_launcher_and_the_front_end_take_the_same_parsers(capsys):
+    from triton_vlm.openai.cli import config_from_args, parser
+    from triton_vlm.openai.tool_parsers import PARSERS
+    from triton_vlm.server.cli import main
+
+    args = parser().parse_args(["--tool-call-parser", "mistral"])
+    assert config_from_args(args).tool_call_parser == "mistral"
+    assert config_from_args(parser().parse_args([])).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        main(["--tool-call-parser", "nope"])
+    err = capsys.readouterr().err
+    assert "--tool-call-parser" in err and all(p in err for p in PARSERS)

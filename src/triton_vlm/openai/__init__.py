@@ -7,7 +7,9 @@ Modules: `app` (the application and its start-up), `routers/` (one per endpoint:
 health + metrics), `schemas` (request bodies), `params` (sampling fields -> ensemble inputs), `chat_template`
 (messages -> prompt), `media` (image URLs -> bytes), `triton` (the gRPC client), `generate` / `choices` (one
 generation's choices, stop strings, log probs), `service` (one body or Server-Sent Events), `responses`
-(OpenAI's response shapes), `served` (model ids, adapters, the checkpoint's facts), `metrics`, `errors`.
+(OpenAI's response shapes), `served` (model ids, adapters, the checkpoint's facts), `structured` (structured
+outputs -> the guided-decoding inputs), `tools` / `tool_parsers` (tool_choice -> constraint, answers ->
+tool_calls), `metrics`, `errors`.
 """
 from .config import FrontendConfig
 

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                          "'triton-grpc-protocol-authorization'); README: Security")
     ap.add_argument("--served-model-name", default=None,
                     help="the base model's id in the OpenAI API (default: the checkpoint folder's name)")
+    ap.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                    help="the OpenAI API's parser of the model's tool calls (tool_choice 'auto'; README: Tools)")
     ap.add_argument("--cuda-pool-mb", type=int, default=None,
                     help="Triton's CUDA memory pool per GPU in MiB (default: sized for image_embeds traffic)")
     args = ap.parse_args(argv)
@@ -167,6 +169,8 @@ def _start_frontend(args, server: TritonServer, model: Path, run_dir: Path) -> O
     extra: list[str] = []  # the API key travels in the environment (TRITON_VLM_API_KEY), not on a command line
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
+    if args.tool_call_parser:
+        extra += ["--tool-call-parser", args.tool_call_parser]
     frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{args.metrics_port}/metrics", str(model),
                               port=args.openai_port, lora_dir=args.lora_dir, extra_args=tuple(extra),
                               log_file=run_dir / "openai.log", api_key=args.api_key)
