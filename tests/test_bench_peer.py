@@ -107,3 +107,48 @@ def test_stop_ends_the_whole_process_group(tmp_path):
     peer.stop(proc, grace=5)
     assert proc.returncode is not None
     assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1  # none left
+
+
+def test_cpu_split_labels_and_per_token_table(tmp_path):
+    from bench import peer_procs
+    from triton_vlm.server.procs import Proc
+
+    stub = Proc(1, 0, ("/x/backends/python/triton_python_backend_stub", "/r/model_repository/llm/1/model.py"), 0)
+    assert peer_procs.label(stub) == "stub llm"
+    assert peer_procs.label(Proc(2, 0, ("VLLM::EngineCore",), 0)) == "VLLM::EngineCore"
+    assert peer_procs.label(Proc(3, 0, ("/v/python", "-m", "triton_vlm.openai", "--port", "1"), 0)) == "triton_vlm.openai"
+    assert peer_procs.label(Proc(4, 0, ("/v/python", "-m", "vllm.entrypoints.cli.main", "serve", "/m"), 0)) == \
+        "vllm.entrypoints.cli.main serve"
+    before = {10: peer_procs.Usage(10, "stub llm", 5.0, 3), 11: peer_procs.Usage(11, "tritonserver", 1.0, 40)}
+    after = {10: peer_procs.Usage(10, "stub llm", 9.0, 3), 11: peer_procs.Usage(11, "tritonserver", 1.5, 40),
+             12: peer_procs.Usage(12, "stub llm", 0.25, 3)}  # started during the run: all its time counts
+    assert peer_procs.split(before, after) == {"stub llm": 4.25, "tritonserver": 0.5}
+    p = _point("ours", 16, 400.0, 100.0, 30.0)
+    p.duration_s, p.cpu_s = 2.0, {"stub llm": 1.6, "tritonserver": 0.4, "idle": 0.0}  # 800 tokens
+    lines = peer.cpu_table([p])
+    assert lines[-1] == "- ours, concurrency 16, round 1 (2.50 wall ms/token): stub llm 2.00, tritonserver 0.50"
+    assert peer.cpu_table([_point("ours", 1, 1.0, 1.0, 1.0)]) == []
+
+
+def test_descendants_and_cpu_seconds_of_a_live_tree(tmp_path):
+    from bench import peer_procs
+
+    proc = peer.start([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                       "'import time\\nwhile time.process_time() < 0.3: pass\\ntime.sleep(120)'], "
+                       "start_new_session=True); print('up', flush=True); time.sleep(120)"], tmp_path / "log", env={})
+    try:
+        deadline = time.monotonic() + 30
+        while len(peer_procs.descendants(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tree = peer_procs.descendants(proc.pid)
+        assert len(tree) == 2  # the child left the process group, not the tree
+        kid = tree[-1].pid
+        while peer_procs.snapshot(proc.pid)[kid].cpu_s < 0.28 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the child's busy loop: 0.3 s of CPU, however long that takes on a shared machine
+        child = peer_procs.snapshot(proc.pid)[kid]
+        assert 0.28 <= child.cpu_s < 2.0 and child.threads == 1  # /proc counts in clock ticks (10 ms)
+    finally:
+        killed = peer.stop(proc, grace=5, reap_s=1)
+    # the child had a session of its own (SIGTERM to the group missed it): killed as a descendant, and said
+    assert [k.split()[1] for k in killed] == ["python"] and int(killed[0].split()[0]) == tree[-1].pid
+    assert all(not peer.procs_alive(p) for p in tree)
