@@ -69,10 +69,27 @@ def test_each_constraint_maps_to_its_guide(kw, expected):
         assert (g.type, g.guide) == expected and g.type in N.GUIDE_TYPES
 
 
-def test_structural_tag_passes_the_object_through():
-    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
-           "triggers": ["<f>"]}
+def test_structural_tags_reach_the_library_in_its_form():
+    import xgrammar as xgr
+
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                 "content": {"type": "json_schema", "json_schema": SCHEMA}}}
     assert json.loads(guide_of(response_format=tag)[1]) == tag
+    assert json.loads(guide_of(structured_outputs={"structural_tag": json.dumps(tag)})[1]) == tag
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+              "triggers": ["<f>"]}  # vLLM's older form, which xgrammar 0.2.8 no longer compiles
+    sent = guide_of(response_format=legacy)[1]
+    grammar = xgr.Grammar.from_structural_tag(sent)
+    assert xgr.testing._is_grammar_accept_string(grammar, 'text <f>{"color": "red"}</f> more')
+    assert not xgr.testing._is_grammar_accept_string(grammar, 'text <f>{"color": "pink"}</f>')
+    bounded = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>", "content": {
+        "type": "json_schema", "json_schema": {"type": "string", "maxLength": 2}}}}
+    assert "pattern" in guide_of(response_format=bounded)[1] and "maxLength" not in guide_of(response_format=bounded)[1]
+    bounded["format"]["content"]["json_schema"] = {"not": {}}
+    refused(lambda: guide_of(response_format=bounded), "'not' at #")
+    refused(lambda: guide_of(response_format={"type": "structural_tag", "structures": [{"begin": "<f>"}]}),
+            "structures[0] needs begin, schema and end")
+    refused(lambda: guide_of(structured_outputs={"structural_tag": "{nope"}), "structural_tag is not valid JSON")
 
 
 def test_guide_becomes_the_ensemble_inputs():

@@ -141,6 +141,12 @@ def test_choice_regex_grammar_and_json_object(client):
     for body in ({"structured_outputs": {"regex": pattern}}, {"guided_regex": pattern}):
         r = chat(client, temperature=1.0, seed=2, n=4, extra_body=body)
         assert all(re.fullmatch(pattern, c.message.content) for c in r.choices), [c.message.content for c in r.choices]
+    # (a structural tag's JSON content takes any white space: the library has no compact option there)
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "},
+        {"type": "tag", "begin": "<f>", "end": "</f>", "content": {"type": "regex", "pattern": "[a-z]{1,6}"}}]}}
+    for c in chat(client, response_format=tag, temperature=1.0, seed=6, n=3).choices:
+        assert re.fullmatch(r"Answer: <f>[a-z]{1,6}</f>", c.message.content), c.message.content
     grammar = 'root ::= "ok " ("yes" | "no") "!"'
     r = chat(client, temperature=1.0, seed=4, n=4, extra_body={"structured_outputs": {"grammar": grammar}})
     assert all(c.message.content in ("ok yes!", "ok no!") for c in r.choices)

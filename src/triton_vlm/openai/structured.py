@@ -10,10 +10,12 @@ sampled token, every beam included, so each returned text is in the constraint's
 | `structured_outputs.regex` / `guided_regex` | `regex` | the pattern |
 | `structured_outputs.choice` / `guided_choice` (a list of strings) | `choice` | the list as JSON |
 | `structured_outputs.grammar` / `guided_grammar` (EBNF, xgrammar's dialect) | `ebnf_grammar` | the grammar |
-| `response_format: {"type": "structural_tag", ...}`, `structured_outputs.structural_tag` | `structural_tag` | as JSON |
+| `response_format: {"type": "structural_tag", ...}`, `structured_outputs.structural_tag` | `structural_tag` | see below |
 | `tool_choice` `required` / a named function (`tools.py`) | `json_schema` | the tools' schema |
 
-`response_format: {"type": "text"}` is no constraint. One constraint per request: several -> 400 naming them.
+A structural tag is xgrammar's (`{"type": "structural_tag", "format": {...}}`), sent as it is; vLLM's older
+form (`structures` of `begin` / `schema` / `end`, and `triggers`) is rewritten to it (`triggered_tags`), since
+the library no longer compiles that form. `response_format: {"type": "text"}` is no constraint. One constraint per request: several -> 400 naming them.
 What only the library can judge (an invalid schema or regex) comes back from the engine as INVALID_ARG with
 xgrammar's message: a 400 with that message (`errors.from_triton`). Keywords xgrammar 0.2.8 accepts but does not
 enforce (`UNENFORCED`: checked by compiling each with a document that breaks it) are refused here with a 400
@@ -137,6 +139,45 @@ def _schema_text(value: Union[str, dict, bool], where: str) -> str:
     return json.dumps(string_lengths_as_patterns(value), ensure_ascii=False)
 
 
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise bad_request(f"{where} is not valid JSON: {e}", param=where.split(".")[0]) from None
+
+
+def structural_tag(tag: Any, where: str) -> str:
+    """A structural tag as xgrammar compiles it: vLLM's older `structures` + `triggers` form rewritten to a
+    `triggered_tags` format (each structure's schema checked and sent as for json_schema)."""
+    if not isinstance(tag, dict):
+        raise bad_request(f"{where} must be a JSON object", param=where.split(".")[0])
+    if "structures" in tag and "format" not in tag:
+        tags = []
+        for k, item in enumerate(tag["structures"] if isinstance(tag["structures"], list) else []):
+            if not isinstance(item, dict) or not {"begin", "schema", "end"} <= item.keys():
+                raise bad_request(f"{where}.structures[{k}] needs begin, schema and end",
+                                  param=where.split(".")[0])
+            tags.append({"begin": item["begin"], "end": item["end"],
+                         "content": {"type": "json_schema", "json_schema": item["schema"]}})
+        tag = {"type": "structural_tag",
+               "format": {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}}
+    return json.dumps(_tag_schemas(tag, where), ensure_ascii=False)
+
+
+def _tag_schemas(node: Any, where: str) -> Any:
+    """A structural tag with each `{"type": "json_schema", "json_schema": S}` checked and S sent as for
+    json_schema (string lengths as patterns)."""
+    if isinstance(node, list):
+        return [_tag_schemas(x, where) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _tag_schemas(v, where) for k, v in node.items() if k != "json_schema"}
+    if "json_schema" in node:
+        check_schema(node["json_schema"], f"{where} (a json_schema content)")
+        out["json_schema"] = string_lengths_as_patterns(node["json_schema"])
+    return out
+
+
 def _choice(value: list[str], where: str) -> str:
     if not value:
         raise bad_request(f"{where} must list at least one string", param=where.split(".")[0])
@@ -159,7 +200,7 @@ def _from_response_format(fmt) -> Optional[Guide]:
                               param="response_format")
         return Guide("json_schema", _schema_text(schema, "response_format.json_schema.schema"), "response_format")
     if isinstance(fmt, StructuralTagFormat):
-        return Guide("structural_tag", json.dumps(fmt.model_dump(), ensure_ascii=False), "response_format")
+        return Guide("structural_tag", structural_tag(fmt.model_dump(), "response_format"), "response_format")
     return None  # {"type": "text"}
 
 
@@ -176,8 +217,8 @@ def _from_structured_outputs(so: StructuredOutputs) -> list[Guide]:
     if so.json_object:
         out.append(Guide("json", "", f"{where}.json_object"))
     if so.structural_tag is not None:
-        out.append(Guide("structural_tag", _text(so.structural_tag, f"{where}.structural_tag"),
-                         f"{where}.structural_tag"))
+        tag = f"{where}.structural_tag"
+        out.append(Guide("structural_tag", structural_tag(_json(_text(so.structural_tag, tag), tag), tag), tag))
     return out
 
 
