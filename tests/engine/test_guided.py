@@ -35,6 +35,9 @@ GUIDES = {
     "choice": json.dumps(["yes", "no", "maybe so"]),
     "ebnf_grammar": 'root ::= "(" num (op num)* ")"\nnum ::= [1-9] [0-9]?\nop ::= "+" | "-" | "*"',
     "json": "",
+    "structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": json.loads(SCHEMA)}}}),
 }
 
 
@@ -70,6 +73,8 @@ def ref_grammar(compiler, kind: str, guide: str):
         return compiler.compile_regex(guide)
     if kind == "choice":
         return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(guide)))
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(guide)
     if kind == "json":  # any object, compact
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     return compiler.compile_grammar(guide)
@@ -142,6 +147,8 @@ def test_guided_greedy_and_sampling_equal_hf_with_xgrammar_processor(ckpt, eng, 
     text = tok.decode(final(out[f"{kind}-g"])[0].token_ids, skip_special_tokens=True)
     if kind == "choice":
         assert text in json.loads(GUIDES["choice"])
+    if kind == "structural_tag":
+        assert text.startswith('<f>{"color": "'), text
     if kind == "json_schema" and final(out[f"{kind}-g"])[0].token_ids[-1] == EOS:  # complete: a valid document
         doc = json.loads(text)
         assert set(doc) == {"color", "n"} and doc["color"] in ("red", "green", "blue") and 0 <= doc["n"] <= 99
