@@ -219,12 +219,27 @@ def test_tool_results_in_the_history_go_through_the_template(client, start):
     r = chat(client, history, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls in (None, [])
     assert r.usage.prompt_tokens > chat(client, tools=[WEATHER], tool_choice="none").usage.prompt_tokens
+    # the client's own message object of a call, sent back with the tool's result (as applications do)
+    call = chat(client, tools=[WEATHER], tool_choice="required").choices[0].message
+    follow = HELLO + [call, {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "rain"}]
+    assert chat(client, follow, tools=[WEATHER], tool_choice="none").choices[0].finish_reason in ("stop", "length")
     status, body = status_of(lambda: chat(client, tools=[WEATHER]))  # auto without --tool-call-parser
     assert status == 400 and "--tool-call-parser" in body["message"]
     hermes = start(tool_call_parser="hermes").client()
     r = chat(hermes, tools=[WEATHER])  # auto: the demo model writes no <tool_call>, so its text is the content
     assert r.choices[0].message.content == " hello" and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in chat(hermes, tools=[WEATHER], stream=True) if c.choices]
+    assert "".join(pieces) == " hello"
+
+
+def test_the_ensemble_route_constrains_too(start):
+    ens = start(route="ensemble").client()
+    msgs = image_message(png("square", "yellow", 6), "Describe the image.")
+    for c in chat(ens, msgs, response_format=FORMAT, temperature=1.0, seed=3, n=3).choices:
+        valid(c.message.content, SHAPE)
+    r = chat(ens, tools=[WEATHER, ALARM], tool_choice={"type": "function", "function": {"name": "alarm"}})
+    assert [name for name, _ in _calls(r.choices[0].message)] == ["alarm"]
 
 
 # --- errors --------------------------------------------------------------------------------------------

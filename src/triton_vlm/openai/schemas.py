@@ -70,6 +70,7 @@ class ChatMessage(_Strict):
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls (rendered by the template)
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
     refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None  # an earlier answer sent back as it came: accepted, ignored
 
 
 # --- structured outputs and tools (mapped to the ensemble's guided_decoding inputs by structured.py) -----
