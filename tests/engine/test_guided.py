@@ -301,3 +301,11 @@ def test_guided_greedy_steps_batched_and_leaves_its_step_mates_bit_for_bit(ckpt,
         xgr.apply_token_bitmask_inplace(ref, bitmask)
         assert s.tokens == [int(ref.argmax())] and eng.tokenizer.decode(s.tokens)[0] in "abc"
         assert s.log_probs == [float(torch.log_softmax(logits[row], -1)[s.tokens[0]])]  # of the raw logits
+
+
+def test_the_transformers_baseline_refuses_guided_requests(demo_model):
+    from triton_vlm.hf_generate import HFGenerator
+
+    req = GenerationRequest("g", [1, 5, 6], GenerationParams(max_tokens=4, guided=GuidedDecoding("regex", "a+")))
+    with pytest.raises(InvalidArgument, match="does not constrain decoding; serve with backend 'engine'"):
+        HFGenerator(demo_model).submit(req, lambda r: None)
