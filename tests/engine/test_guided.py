@@ -309,3 +309,23 @@ def test_the_transformers_baseline_refuses_guided_requests(demo_model):
     req = GenerationRequest("g", [1, 5, 6], GenerationParams(max_tokens=4, guided=GuidedDecoding("regex", "a+")))
     with pytest.raises(InvalidArgument, match="does not constrain decoding; serve with backend 'engine'"):
         HFGenerator(demo_model).submit(req, lambda r: None)
+
+
+def test_preempted_guided_requests_resume_with_their_grammar_state(ckpt, eng):
+    """max_utilization on a cache of one full context: six guided requests (greedy, seeded sampling, beams) start
+    together, some are preempted and recomputed, and each answers as alone (its matchers kept their states)."""
+    _, _, path = ckpt
+    small = Engine(path, EngineConfig(max_rows=32, kv_cache_tokens=128, block_size=4, prefill_chunk=16,
+                                      scheduler_policy="max_utilization"))
+    modes = [{}, {"do_sample": True, "temperature": 1.2, "seed": 5}, {"beam_width": 2, "num_return_sequences": 2}]
+    reqs = [GenerationRequest(f"p{i}", prompt(8 + i % 3, 90 + i), GenerationParams(
+        max_tokens=36, min_tokens=36, guided=GuidedDecoding("regex", "[a-z ,.]+"), **modes[i % 3]))
+        for i in range(6)]
+    alone = {r.request_id: [s.token_ids for s in final(eng.generate([r])[r.request_id])] for r in reqs}
+    together = small.generate(reqs)
+    assert small.stats().preemptions > 0
+    for r in reqs:
+        got = [s.token_ids for s in final(together[r.request_id])]
+        assert got == alone[r.request_id], r.request_id
+        assert all(len(t) == 36 and set(small.tokenizer.decode(t)) <= set("abcdefghijklmnopqrstuvwxyz ,.")
+                   for t in got)
