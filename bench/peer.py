@@ -57,6 +57,8 @@ class Point:
     tpot_median_ms: float
     tpot_p99_ms: float
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (label) during the run
+    triton: dict[str, dict[str, float]] = field(default_factory=dict)  # ours: per model, Triton's counters
+    stages_ms: dict[str, float] = field(default_factory=dict)  # ours: mean ms of the front end's and llm's timers
 
 
 def parse_result(data: dict, engine: str, round_: int) -> Point:
@@ -168,19 +170,20 @@ def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dic
         port = free_port()
         proc = start(peer_vllm.server_command(py, hub, port), log,
                      env | {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)})
-        marker = None
+        marker, metrics = None, None
     else:
         ports = {k: free_port() for k in ("http", "grpc", "metrics", "openai")}
         port = ports["openai"]
         proc = start(ours_command(hub, ports), log, env)
         marker = "triton-vlm: serving"  # after the launcher's own smoke request
+        metrics = (f"http://127.0.0.1:{ports['metrics']}/metrics", f"http://127.0.0.1:{ports['openai']}/metrics")
     url = f"http://127.0.0.1:{port}"
     points = []
     try:
         print(f"peer: {engine} ready in {wait_ready(proc, url, log, args.timeout, marker):.0f} s", flush=True)
         for r in range(1, args.rounds + 1):
             for c in args.levels:
-                points.append(drive(engine, r, c, args, py, hub, (proc.pid, url), work, env))
+                points.append(drive(engine, r, c, args, py, hub, (proc.pid, url, metrics), work, env))
         threads = {u.label: u.threads for u in peer_procs.snapshot(proc.pid).values()}
         print(f"peer: {engine} threads per process: {threads}", flush=True)
     finally:
@@ -189,20 +192,27 @@ def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dic
     return points
 
 
-def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path, server: tuple[int, str],
-          work: Path, env: dict[str, str]) -> Point:
-    """One client run against the server (root pid, URL); the CPU seconds each of its processes spent."""
-    root, url = server
+def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path,
+          server: tuple[int, str, tuple[str, str] | None], work: Path, env: dict[str, str]) -> Point:
+    """One client run against the server (root pid, URL, Triton's metrics URL or None); the CPU seconds each of
+    its processes spent, and (ours: the metrics URLs of Triton and of the front end) Triton's per-model times and
+    the stage timers."""
+    root, url, metrics = server
     prompts = max(args.min_prompts, args.prompts_factor * concurrency)
     name = f"{engine}-r{round_}-c{concurrency}.json"
     cmd = peer_vllm.bench_command(py, url, hub, concurrency, prompts, work, name, seed=round_)
     before, client0 = peer_procs.snapshot(root), peer_procs.children_cpu_s()
+    triton0 = peer_procs.scrape_triton(metrics[0]) if metrics else {}
+    stages0 = peer_procs.scrape_histograms(*metrics) if metrics else {}
     with open(work / f"{engine}-client.log", "a") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
     cpu = peer_procs.split(before, peer_procs.snapshot(root))
     cpu[CLIENT] = round(peer_procs.children_cpu_s() - client0, 3)
     p = parse_result(json.loads((work / name).read_text()), engine, round_)
     p.cpu_s = cpu
+    if metrics:
+        p.triton = peer_procs.triton_per_request(triton0, peer_procs.scrape_triton(metrics[0]))
+        p.stages_ms = peer_procs.stage_means_ms(stages0, peer_procs.scrape_histograms(*metrics))
     print(f"peer: {engine:5s} round {round_} c={concurrency:2d}: {p.output_tok_s:7.1f} tok/s, TTFT median "
           f"{p.ttft_median_ms:7.1f} ms, TPOT median {p.tpot_median_ms:6.1f} ms ({p.completed} done, {p.failed} "
           f"failed)", flush=True)
@@ -277,6 +287,14 @@ def cpu_table(points: list[Point]) -> list[str]:
         parts = ", ".join(f"{k} {1000 * v / tokens:.2f}" for k, v in p.cpu_s.items() if v >= 0.005 * tokens / 1000)
         out.append(f"- {LABELS[p.engine]}, concurrency {p.concurrency}, round {p.round} ({1000 / p.output_tok_s:.2f} "
                    f"wall ms/token): {parts}")
+        if p.stages_ms:
+            out.append(f"  - mean ms: client TTFT {p.ttft_mean_ms:.1f}, " + ", ".join(
+                f"{k} {v:.1f}" for k, v in p.stages_ms.items()))
+        for model, t in p.triton.items():
+            out.append(f"  - Triton `{model}`: {t['requests']:.0f} requests in {t['executions']:.0f} executions, per "
+                       f"request: queue {t.get('queue_ms', 0):.2f} ms, compute {t.get('compute_input_ms', 0):.2f} + "
+                       f"{t.get('compute_infer_ms', 0):.2f} + {t.get('compute_output_ms', 0):.2f} ms (input + infer + "
+                       f"output), request {t.get('request_ms', 0):.2f} ms")
     return out if len(out) > 3 else []
 
 

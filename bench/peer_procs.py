@@ -77,3 +77,92 @@ def split(before: dict[int, Usage], after: dict[int, Usage]) -> dict[str, float]
         spent = u.cpu_s - (before[pid].cpu_s if pid in before else 0.0)
         out[u.label] = round(out.get(u.label, 0.0) + spent, 3)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_exec_count", "nv_inference_request_duration_us",
+                   "nv_inference_queue_duration_us", "nv_inference_compute_input_duration_us",
+                   "nv_inference_compute_infer_duration_us", "nv_inference_compute_output_duration_us")
+
+
+def parse_triton_metrics(text: str) -> dict[str, dict[str, float]]:
+    """model -> counter -> value, for Triton's per-model inference counters (Prometheus text format)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in TRITON_COUNTERS or 'model="' not in rest:
+            continue
+        model = rest.split('model="', 1)[1].split('"', 1)[0]
+        value = float(line.rsplit(" ", 1)[1])
+        out.setdefault(model, {})[name] = out.get(model, {}).get(name, 0.0) + value
+    return out
+
+
+def scrape_triton(url: str) -> dict[str, dict[str, float]]:
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return parse_triton_metrics(r.read().decode())
+    except OSError:
+        return {}
+
+
+def triton_per_request(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per model, over the requests between two scrapes: requests, executions, and mean ms per request of the
+    request (Triton's view: queue + compute; for a decoupled model until its last response), queue and compute
+    (input, infer, output) times."""
+    out = {}
+    for model, now in after.items():
+        was = before.get(model, {})
+        d = {k: v - was.get(k, 0.0) for k, v in now.items()}
+        n = d.get("nv_inference_request_success", 0.0)
+        if n <= 0:
+            continue
+        out[model] = {"requests": n, "executions": d.get("nv_inference_exec_count", 0.0)} | {
+            k.removeprefix("nv_inference_").removesuffix("_duration_us") + "_ms": round(v / n / 1000, 3)
+            for k, v in d.items() if k.endswith("_duration_us")}
+    return out
+
+
+STAGES = {  # histogram -> the stage it times (ours: the front end's and the llm model's own histograms)
+    "triton_vlm_openai_time_to_first_token_seconds": "front end TTFT",
+    "triton_vlm_time_to_first_token_seconds": "llm TTFT",
+    "triton_vlm_queue_seconds": "llm queue",
+    "triton_vlm_time_per_output_token_seconds": "llm TPOT",
+}
+
+
+def parse_histogram_sums(text: str) -> dict[str, tuple[float, float]]:
+    """stage -> (sum, count) of the `STAGES` histograms in Prometheus text, summed over their labels."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for suffix, i in (("_sum", 0), ("_count", 1)):
+            if name.endswith(suffix) and (stage := STAGES.get(name.removesuffix(suffix))):
+                got = list(out.get(stage, (0.0, 0.0)))
+                got[i] += float(line.rsplit(" ", 1)[1])
+                out[stage] = (got[0], got[1])
+    return out
+
+
+def scrape_histograms(*urls: str) -> dict[str, tuple[float, float]]:
+    import urllib.request  # noqa: PLC0415
+
+    out: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                out |= parse_histogram_sums(r.read().decode())
+        except OSError:
+            continue
+    return out
+
+
+def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """stage -> mean ms over the observations between two scrapes."""
+    out = {}
+    for stage, (s, n) in after.items():
+        s0, n0 = before.get(stage, (0.0, 0.0))
+        if n > n0:
+            out[stage] = round(1000 * (s - s0) / (n - n0), 2)
+    return out

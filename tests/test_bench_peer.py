@@ -152,3 +152,43 @@ def test_descendants_and_cpu_seconds_of_a_live_tree(tmp_path):
     # the child had a session of its own (SIGTERM to the group missed it): killed as a descendant, and said
     assert [k.split()[1] for k in killed] == ["python"] and int(killed[0].split()[0]) == tree[-1].pid
     assert all(not peer.procs_alive(p) for p in tree)
+
+
+def test_triton_counters_per_request():
+    from bench import peer_procs
+
+    def text(n, queue_us, infer_us):
+        return (f'# HELP nv_inference_request_success Number of successful inference requests\n'
+                f'nv_inference_request_success{{model="vision",version="1"}} {n}\n'
+                f'nv_inference_exec_count{{model="vision",version="1"}} {n // 2}\n'
+                f'nv_inference_queue_duration_us{{model="vision",version="1"}} {queue_us}\n'
+                f'nv_inference_compute_infer_duration_us{{model="vision",version="1"}} {infer_us}\n'
+                f'nv_inference_request_success{{model="llm",version="1"}} 7\n'
+                f'nv_cpu_utilization 0.5\n')
+    before, after = peer_procs.parse_triton_metrics(text(10, 5000, 20000)), peer_procs.parse_triton_metrics(
+        text(30, 45000, 80000))
+    assert before["vision"]["nv_inference_queue_duration_us"] == 5000 and "nv_cpu_utilization" not in str(before)
+    got = peer_procs.triton_per_request(before, after)
+    assert got == {"vision": {"requests": 20, "executions": 10, "queue_ms": 2.0, "compute_infer_ms": 3.0}}  # llm idle
+    p = _point("ours", 16, 400.0, 100.0, 30.0)
+    p.cpu_s, p.triton = {"stub vision": 0.1}, got
+    assert "  - Triton `vision`: 20 requests in 10 executions, per request: queue 2.00 ms, compute 0.00 + 3.00 + 0.00" \
+        in "\n".join(peer.cpu_table([p]))
+
+
+def test_stage_timers_mean_over_a_run():
+    from bench import peer_procs
+
+    def text(ttft_sum, ttft_n, q_sum):
+        return (f'triton_vlm_openai_time_to_first_token_seconds_bucket{{le="0.1"}} 3\n'
+                f'triton_vlm_openai_time_to_first_token_seconds_sum {ttft_sum}\n'
+                f'triton_vlm_openai_time_to_first_token_seconds_count {ttft_n}\n'
+                f'triton_vlm_queue_seconds_sum{{model="llm"}} {q_sum}\ntriton_vlm_queue_seconds_count{{model="llm"}} 2\n'
+                f'triton_vlm_queue_seconds_sum{{model="other"}} {q_sum}\ntriton_vlm_queue_seconds_count{{model="other"}} 2\n')
+    before = peer_procs.parse_histogram_sums(text(1.0, 10, 0.5))
+    assert before == {"front end TTFT": (1.0, 10.0), "llm queue": (1.0, 4.0)}  # labels summed, buckets ignored
+    got = peer_procs.stage_means_ms(before, peer_procs.parse_histogram_sums(text(3.0, 30, 0.5)))
+    assert got == {"front end TTFT": 100.0}  # no new queue observations: no queue figure
+    p = _point("ours", 1, 100.0, 40.0, 8.0)
+    p.cpu_s, p.stages_ms = {"stub llm": 0.1}, got
+    assert f"  - mean ms: client TTFT {SAMPLE['mean_ttft_ms']:.1f}, front end TTFT 100.0" in peer.cpu_table([p])
