@@ -23,7 +23,9 @@ temperature, top-k and top-p (`sampling_batch.SampleSearch.eligible`) is stepped
 `step_samples` (the processors row-wise over all rows, each request's draw from its own seeded `torch.Generator`
 as transformers draws from `torch.manual_seed(seed)`, one read-back for all). Other beam searches and sampling
 (penalties, no-repeat-ngram, bad words: processors that need each row's context) step per request with one
-read-back each.
+read-back each. Guided decoding (`guided.py`): greedy rows keep an xgrammar matcher and step in `step_greedy`
+(one bitmask for all constrained rows of the step); guided sampling and beam search step per request, the
+grammar a processor of their `LogitsPipeline`.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ class Decoder:
         self.params = params
         self.vocab_size = vocab_size
         self._bad_words = len(bad_words_ids)
-        # grammar: an xgrammar CompiledGrammar (guided decoding): the per-request paths, the grammar a processor
+        # grammar: an xgrammar CompiledGrammar (guided decoding). Greedy: the row's matcher, stepped batched in
+        # `step_greedy`; sampling and beam search: a processor of the pipeline, on the per-request paths
         guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
                                                           vocab_size=vocab_size)
         self._guided = guide is not None
@@ -99,7 +102,7 @@ class Decoder:
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
                 pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
-        elif batchable and SampleSearch.eligible(params, bad_words_ids):  # batched across requests by `step_samples`
+        elif batchable and SampleSearch.eligible(params, bad_words_ids):  # batched by `step_samples`
             self._search = SampleSearch(
                 num_rows=params.num_return_sequences, max_new_tokens=params.max_tokens, eos_ids=eos_ids,
                 min_new_tokens=params.min_tokens, temperature=params.temperature, top_k=params.top_k,

@@ -30,12 +30,11 @@ rows are not touched. Guided sampling and beam search run on the per-request pat
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
 from typing import Sequence
-
-import json
 
 import torch
 import xgrammar as xgr
