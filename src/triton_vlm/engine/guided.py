@@ -5,8 +5,8 @@ tokenizer (its `TokenizerInfo` built once, with the model's vocabulary size, whi
 Compilation runs at `Engine.submit`, on the caller's thread, never on the engine's step; compiled grammars are
 kept in an LRU cache keyed by (guide_type, guide). JSON (`json`: any object, `json_schema`) is compact: no
 whitespace beyond the separators ", " and ": " (vLLM's `disable-any-whitespace`), so that a model cannot stall
-in free whitespace between tokens (a model that knows no JSON otherwise fills max_tokens with newlines). A guide the library cannot compile is refused with
-`InvalidArgument` carrying the library's own message.
+in free whitespace between tokens (a model that knows no JSON otherwise fills max_tokens with newlines). A guide
+the library cannot compile is refused with `InvalidArgument` carrying the library's own message.
 
 `GrammarGuide` is the per-request logits processor. It runs in `LogitsPipeline` where transformers runs a
 `logits_processor` passed to `generate()`: `_merge_criteria_processor_list` appends custom processors after the
