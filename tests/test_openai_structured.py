@@ -416,7 +416,8 @@ def test_string_lengths_are_sent_as_patterns_without_control_characters():
     assert accepts(schema, '{"t": "a\x1f"}')  # the library's bug: not JSON
     sent = json.loads(guide_of(guided_json=schema)[1])
     assert sent == string_lengths_as_patterns(schema) and "maxLength" not in json.dumps(sent)
-    for doc, ok in (('{"t": "a\x1f"}', False), ('{"t": ""}', False), ('{"t": "abcd"}', False), ('{"t": "é✓a"}', True),
+    for doc, ok in (('{"t": "a\x1f"}', False), ('{"t": ""}', False), ('{"t": "abcd"}', False),
+                    ('{"t": "é✓a"}', True),
                     ('{"t": "a\\"b"}', False)):
         assert accepts(sent, doc) == ok, doc
         if ok:

@@ -250,7 +250,8 @@ def test_invalid_constraints_are_400_with_the_librarys_message(client):
         (dict(extra_body={"guided_regex": "(ab"}), "parenthesis is not closed"),
         (dict(extra_body={"structured_outputs": {"grammar": "root ::= missing"}}), "missing"),
         (dict(extra_body={"guided_json": {"type": "array", "uniqueItems": True}}), "'uniqueItems' at #"),
-        (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "response_format, guided_regex"),
+        (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
+         "response_format, guided_regex"),
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope'"),
     ]
     for kw, needle in cases:

@@ -5,8 +5,9 @@ Field names are OpenAI's, plus vLLM's extra sampling parameters with vLLM's name
 not know is refused (400 "unrecognized request argument", as OpenAI answers); fields OpenAI defines that would
 change the answer but that we do not have (`functions`, `logit_bias`, ...) are accepted by the parser and
 refused by `unsupported_fields` with a 400 that names them; structured outputs (`response_format`, vLLM's
-`structured_outputs` and `guided_*`) and `tools` are checked here and mapped by `structured.py` / `tools.py`; bookkeeping fields (`user`, `metadata`, ...) are
-accepted and ignored. Responses are built as plain dicts (`responses.py`): cheaper than models on the hot path.
+`structured_outputs` and `guided_*`) and `tools` are checked here and mapped by `structured.py` / `tools.py`;
+bookkeeping fields (`user`, `metadata`, ...) are accepted and ignored. Responses are built as plain dicts
+(`responses.py`): cheaper than models on the hot path.
 """
 from __future__ import annotations
 

@@ -5,17 +5,18 @@ sampled token, every beam included, so each returned text is in the constraint's
 | request | guide_type | guide |
 |---|---|---|
 | `response_format: {"type": "json_object"}`, `structured_outputs.json_object` | `json` | "" (any JSON object) |
-| `response_format: {"type": "json_schema", "json_schema": {"schema": S}}` (`strict` accepted) | `json_schema` | S as JSON |
+| `response_format: {"type": "json_schema", "json_schema": {"schema": S}}` (`strict` accepted) | `json_schema` | S |
 | `structured_outputs.json` / `guided_json` (a schema, as an object or as JSON text) | `json_schema` | the schema |
 | `structured_outputs.regex` / `guided_regex` | `regex` | the pattern |
 | `structured_outputs.choice` / `guided_choice` (a list of strings) | `choice` | the list as JSON |
 | `structured_outputs.grammar` / `guided_grammar` (EBNF, xgrammar's dialect) | `ebnf_grammar` | the grammar |
-| `response_format: {"type": "structural_tag", ...}`, `structured_outputs.structural_tag` | `structural_tag` | see below |
+| `response_format: {"type": "structural_tag", ...}`, `structured_outputs.structural_tag` | `structural_tag` | below |
 | `tool_choice` `required` / a named function (`tools.py`) | `json_schema` | the tools' schema |
 
 A structural tag is xgrammar's (`{"type": "structural_tag", "format": {...}}`), sent as it is; vLLM's older
 form (`structures` of `begin` / `schema` / `end`, and `triggers`) is rewritten to it (`triggered_tags`), since
-the library no longer compiles that form. `response_format: {"type": "text"}` is no constraint. One constraint per request: several -> 400 naming them.
+the library no longer compiles that form. `response_format: {"type": "text"}` is no constraint. One constraint
+per request: several -> 400 naming them.
 What only the library can judge (an invalid schema or regex) comes back from the engine as INVALID_ARG with
 xgrammar's message: a 400 with that message (`errors.from_triton`). Keywords xgrammar 0.2.8 accepts but does not
 enforce (`UNENFORCED`: checked by compiling each with a document that breaks it) are refused here with a 400
