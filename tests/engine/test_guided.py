@@ -329,3 +329,16 @@ def test_preempted_guided_requests_resume_with_their_grammar_state(ckpt, eng):
         assert got == alone[r.request_id], r.request_id
         assert all(len(t) == 36 and set(small.tokenizer.decode(t)) <= set("abcdefghijklmnopqrstuvwxyz ,.")
                    for t in got)
+
+
+def test_choices_are_matched_literally(ckpt):
+    """Quotes, backslashes, control characters and characters beyond the BMP in a choice are its own text."""
+    model, tok, _ = ckpt
+    c = GuideCompiler(tok, model.config.text_config.vocab_size, [EOS])
+    choices = ['café "x"', "a\\b", "日本", "tab\there", "emoji 😀", "nl\nx"]
+    g = c.compile(GuidedDecoding("choice", json.dumps(choices)))
+    for ch in choices:
+        m = xgr.GrammarMatcher(g)
+        assert m.accept_string(ch) and m.is_completed(), ch
+    m = xgr.GrammarMatcher(g)
+    assert m.accept_string("caf") and not m.accept_string("x")

@@ -62,7 +62,7 @@ def choice_grammar(guide: str) -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a non-empty JSON list of "
                               f"non-empty strings, got {guide[:200]!r}")
-    return "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 class GuideCompiler:
