@@ -297,6 +297,24 @@ def test_streamed_named_call_sends_arguments_as_they_come():
     assert end["finish_reason"] == "tool_calls" and end["delta"] == {}
 
 
+def test_streamed_required_call_sends_arguments_once_its_name_is_written():
+    plan = plan_tools(chat(tools=[WEATHER, TIME], tool_choice="required"), None)
+    fmt = ChatFormat("m", "id", ToolOutput(plan))
+    assert fmt.chunk(0, role=True)["choices"][0]["delta"] == {"role": "assistant"}
+    assert fmt.chunk(0, text='{"name": "wea') is None
+    first = fmt.chunk(0, text='ther", "arguments": {"ci')["choices"][0]["delta"]["tool_calls"][0]
+    assert first["id"].startswith("call_") and first["function"] == {"name": "weather", "arguments": '{"c'}
+    second = fmt.chunk(0, text='ty": "Oslo"}}')["choices"][0]["delta"]["tool_calls"]
+    assert second == [{"index": 0, "function": {"arguments": 'ity": "Oslo"}'}}]  # the outer brace held back
+    end = fmt.chunk(0, finish_reason="stop")["choices"][0]
+    assert end == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+    cut = ChatFormat("m", "id", ToolOutput(plan))
+    cut.chunk(0, text='{"name": "time", "arguments": {')
+    end = cut.chunk(0, finish_reason="length")["choices"][0]
+    assert end["finish_reason"] == "length" and end["delta"] == {"tool_calls": [{"index": 0, "function": {
+        "arguments": "{"}}]}  # a cut call is sent as far as it got
+
+
 def test_auto_streams_content_and_holds_back_a_possible_marker():
     plan = plan_tools(chat(tools=[WEATHER]), "hermes")
     fmt = ChatFormat("m", "id", ToolOutput(plan))

@@ -13,13 +13,15 @@ read back as `tool_calls`.
   expects calls, and answering them with unparsed text would hide that nothing reads them.
 
 Streamed, a named call sends its header (id, type, name) with the first piece and then the arguments as they
-are generated; a required call and auto's calls are sent whole when the answer ends (content before an auto
-call's marker is streamed as it comes). The openai client's stream helpers accumulate both into the same
-`tool_calls` as the unstreamed answer.
+are generated, and so does a required call once its name is written; auto's calls are sent whole when the
+answer ends (content before an auto call's marker is streamed as it comes). The openai client's stream
+helpers accumulate them into the same `tool_calls` as the unstreamed answer (a call cut by `max_tokens` is
+sent as far as it got, where the unstreamed answer returns the text as content).
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 import uuid
@@ -159,7 +161,21 @@ class ToolOutput:
         return self._streams[index]
 
 
+# a required call's answer up to its arguments (the constraint writes `name` first: the schema's order)
+_REQUIRED_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+def required_head(text: str) -> Optional[tuple[str, int]]:
+    """(the call's name, where its arguments start) once the answer has written them."""
+    m = _REQUIRED_HEAD.match(text)
+    if m is None:
+        return None
+    return json.loads(m.group(1)), m.end()
+
+
 def parse_required(text: str) -> Optional[ParsedCall]:
+    """A required call's answer `{"name": N, "arguments": {...}}` -> the call, its arguments the text the model
+    wrote (so the streamed pieces join to it), or None when the answer is not such an object (cut short)."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -167,6 +183,14 @@ def parse_required(text: str) -> Optional[ParsedCall]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"),
                                                                                           dict):
         return None
+    head, end = required_head(text), len(text.rstrip()) - 1  # the outer object's closing brace
+    if head is not None and head[0] == obj["name"]:
+        raw = text[head[1]:end]
+        try:
+            if json.loads(raw) == obj["arguments"]:
+                return ParsedCall(obj["name"], raw)
+        except ValueError:
+            pass
     return ParsedCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
 
 
@@ -180,6 +204,7 @@ class ToolStream:
         self.section: Optional[int] = None  # auto: where the tool-call section starts
         self.header_sent = False
         self.calls_sent = 0
+        self.name: Optional[str] = None  # required: the call's name once written
 
     def feed(self, piece: str) -> dict:
         self.text += piece
@@ -188,7 +213,7 @@ class ToolStream:
                 return {}
             return {"tool_calls": [self._named(piece)]}
         if self.mode == "required":
-            return {}  # sent whole at the end
+            return self._required()
         if self.mode != "auto":
             return {"content": piece} if piece else {}
         if self.section is not None:
@@ -198,12 +223,29 @@ class ToolStream:
         self.section = at
         return self._content(upto)
 
-    def _named(self, piece: str) -> dict:
+    def _named(self, piece: str, name: Optional[str] = None) -> dict:
         if self.header_sent:
             return {"index": 0, "function": {"arguments": piece}}
         self.header_sent, self.calls_sent = True, 1
         return {"index": 0, "id": call_id(), "type": "function",
-                "function": {"name": self.out.plan.name, "arguments": piece}}
+                "function": {"name": name or self.out.plan.name, "arguments": piece}}
+
+    def _required(self) -> dict:
+        """Once the name is written: the call's header, then its arguments as they come, the answer's last
+        non-blank character held back (it may be the outer object's closing brace)."""
+        if not self.header_sent:
+            head = required_head(self.text)
+            if head is None:
+                return {}
+            self.name, self.sent = head
+            first = True
+        else:
+            first = False
+        upto = max(self.sent, len(self.text.rstrip()) - 1)
+        piece, self.sent = self.text[self.sent:upto], upto
+        if not piece and not first:
+            return {}
+        return {"tool_calls": [self._named(piece, self.name)]}
 
     def _content(self, upto: int) -> dict:
         if upto <= self.sent:
@@ -216,6 +258,17 @@ class ToolStream:
         delta: dict = {}
         if self.mode == "named" and not self.header_sent:
             delta = {"tool_calls": [self._named("")]}
+        elif self.mode == "required" and self.header_sent:
+            call = parse_required(self.text)
+            sent = self.text[required_head(self.text)[1]:self.sent]  # the arguments sent so far
+            if call is None:
+                rest = self.text[self.sent:]  # cut short: what is left
+            else:
+                rest = call.arguments[len(sent):] if call.arguments.startswith(sent) else ""
+            if rest:
+                delta = {"tool_calls": [self._named(rest)]}
+            if call is None:
+                self.calls_sent = 0  # not a complete call: finish_reason stays (length)
         elif self.mode in ("required", "auto"):
             rest = self.text[self.sent:]
             if self.mode == "auto" and self.section is None:
