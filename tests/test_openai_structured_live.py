@@ -209,6 +209,10 @@ def test_streamed_tool_calls_accumulate_to_the_unstreamed_ones(client):
             streamed = stream.get_final_completion().choices[0]
         assert _calls(streamed.message) == _calls(full.message) and streamed.finish_reason == "tool_calls"
         assert streamed.message.content is None
+        deltas = [c.choices[0].delta.tool_calls for c in chat(client, msgs, tools=[WEATHER, ALARM],
+                                                               tool_choice=choice, stream=True)
+                  if c.choices and c.choices[0].delta.tool_calls]
+        assert len(deltas) > 3 and deltas[0][0].id and all(d[0].id is None for d in deltas[1:])  # incremental
 
 
 def test_tool_results_in_the_history_go_through_the_template(client, start):
