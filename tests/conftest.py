@@ -167,3 +167,15 @@ def demo_model_hub(demo_model) -> Path:
     from triton_vlm.demo.hub_layout import ensure_demo_hub_model
 
     return ensure_demo_hub_model()
+
+
+@pytest.fixture(autouse=True)
+def _engine_kernels_wherever_checked(request, monkeypatch):
+    """tests/engine checks the C kernels' results wherever they build and check (switch "1"); whether they are
+    also the faster path on this machine (switch "auto", the default) is tested in test_kernels_anywhere.py. (A
+    conftest.py of its own in tests/engine would shadow this module's name for the tests that import it.)"""
+    if Path(str(request.node.fspath)).parent.name == "engine":
+        from triton_vlm.engine import cpu_decode, cpu_forward, gemv
+
+        for env in (gemv.ENV, cpu_decode.ENV, cpu_forward.ENV):
+            monkeypatch.setenv(env, "1")
