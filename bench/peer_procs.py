@@ -166,3 +166,30 @@ def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tupl
         if n > n0:
             out[stage] = round(1000 * (s - s0) / (n - n0), 2)
     return out
+
+
+def affinity_plan(labels: dict[int, str], cpus: list[int], engine_label: str = "stub llm") -> dict[int, set[int]]:
+    """vLLM's CPU layout for ours (`--pin-llm`): the process labelled `engine_label` on the first CPU, every other
+    one on the rest; {} with fewer than 2 CPUs."""
+    if len(cpus) < 2:
+        return {}
+    first, rest = {cpus[0]}, set(cpus[1:])
+    return {pid: first if label == engine_label else rest for pid, label in labels.items()}
+
+
+def apply_affinity(plan: dict[int, set[int]]) -> int:
+    """Set every thread of each process of `plan` to its CPUs (threads started later inherit them); returns the
+    threads set."""
+    done = 0
+    for pid, cpus in plan.items():
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                done += 1
+            except OSError:
+                pass
+    return done

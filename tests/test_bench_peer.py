@@ -4,6 +4,7 @@ torchvision repair, and the process-group stop that leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -192,3 +193,20 @@ def test_stage_timers_mean_over_a_run():
     p = _point("ours", 1, 100.0, 40.0, 8.0)
     p.cpu_s, p.stages_ms = {"stub llm": 0.1}, got
     assert f"  - mean ms: client TTFT {SAMPLE['mean_ttft_ms']:.1f}, front end TTFT 100.0" in peer.cpu_table([p])
+
+
+def test_pin_llm_plan_and_its_application(tmp_path):
+    from bench import peer_procs
+
+    labels = {10: "stub llm", 11: "tritonserver", 12: "stub vision", 13: "triton_vlm.openai"}
+    assert peer_procs.affinity_plan(labels, [0, 1]) == {10: {0}, 11: {1}, 12: {1}, 13: {1}}
+    assert peer_procs.affinity_plan(labels, [2, 5, 7])[11] == {5, 7}
+    assert peer_procs.affinity_plan(labels, [3]) == {}  # one CPU: nothing to separate
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = peer.start([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", env={})
+    try:
+        target = {cpus[-1]}
+        assert peer_procs.apply_affinity({proc.pid: target}) >= 1
+        assert os.sched_getaffinity(proc.pid) == target
+    finally:
+        peer.stop(proc, grace=5, reap_s=1)
