@@ -254,7 +254,7 @@ def test_client_cli_sends_the_key_from_env_or_option(keyed, protocol):
 
 @pytest.mark.server
 def test_deeply_nested_body_without_the_key_is_refused_before_it_is_parsed(keyed):
-    """5 MB of `[` kills tritonserver 2.51 once its JSON parser reads it (README: Security); without the key the
+    """5 MB of `[` kills tritonserver 2.51 once its JSON parser reads it (docs/security.md); without the key the
     request is refused (403) before that: the same tritonserver keeps serving, no restart."""
     before = keyed.tritonserver().pid
     for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/llm/infer"):
@@ -269,7 +269,7 @@ def test_deeply_nested_body_without_the_key_is_refused_before_it_is_parsed(keyed
 @pytest.mark.server
 def test_the_key_is_on_no_command_line_but_tritonservers(keyed):
     """The launcher and the front end get the key from the environment; Triton 2.51 reads its restricted-API
-    options only from its arguments, so its command line is the one that holds it (README: Security)."""
+    options only from its arguments, so its command line is the one that holds it (docs/security.md)."""
     from triton_vlm.server import procs
 
     frontend = [p for p in procs.children(keyed.proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]

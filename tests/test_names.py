@@ -78,7 +78,7 @@ def test_no_triton_imports_outside_adapter():
 
 
 def _readme_table(header: str) -> dict[str, list[str]]:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "interfaces.md").read_text()
     start = text.index(header)
     rows = {}
     for line in text[start:].splitlines()[2:]:
@@ -98,7 +98,7 @@ def _default_text(spec: N.TensorSpec) -> str:
 
 
 def test_readme_interface_tables_match_declared_tensors():
-    """The README's ensemble tables are the declared tensors: name, type, dims, default and meaning."""
+    """docs/interfaces.md's ensemble tables are the declared tensors: name, type, dims, default and meaning."""
     inputs = _readme_table("| input | type | dims | default | meaning |")
     assert list(inputs) == [s.name for s in N.ENSEMBLE_INPUTS]
     for s in N.ENSEMBLE_INPUTS:

@@ -71,7 +71,7 @@ class VLMClient:
 
     def generate(self, prompt: str, images: Iterable[ImageLike] = (), **params: Any) -> GenerateResult:
         """Generate a complete answer. `images`: file paths or encoded bytes, one per `<image>` marker in
-        the prompt; `params`: generation parameters named as the ensemble's inputs (see README), and
+        the prompt; `params`: generation parameters named as the ensemble's inputs (see docs/interfaces.md), and
         `lora_dir`: a LoRA adapter folder whose tensors are sent with `lora_task_id`."""
         wire, imgs = self._wire(params), [load_image(i) for i in images]
         want_lp = bool(wire.get(P.RETURN_LOG_PROBS))

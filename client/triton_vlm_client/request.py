@@ -2,7 +2,7 @@
 files): the gRPC tensors and the JSON body of the HTTP generate extension.
 
 Only the parameters the caller set are sent, so the server's defaults apply to the rest, with two client
-defaults (documented in the README): `max_tokens` (required by the server) defaults to `DEFAULT_MAX_TOKENS`,
+defaults (documented in docs/interfaces.md): `max_tokens` (required by the server) defaults to `DEFAULT_MAX_TOKENS`,
 and `exclude_input_in_output` defaults to True (only the answer is returned; pass False to get prompt +
 answer, or None to leave it to the server's default, False).
 """

@@ -107,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="every port that serves inference requires 'Authorization: Bearer KEY' (also\n"
                          "$TRITON_VLM_API_KEY, which keeps it off this command line): the OpenAI API, and\n"
                          "Triton's HTTP and gRPC for all but health (gRPC metadata\n"
-                         "'triton-grpc-protocol-authorization'); README: Security")
+                         "'triton-grpc-protocol-authorization'); docs/security.md")
     ap.add_argument("--served-model-name", default=None,
                     help="the base model's id in the OpenAI API (default: the checkpoint folder's name)")
     ap.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
-                    help="the OpenAI API's parser of the model's tool calls (tool_choice 'auto'; README: Tools)")
+                    help="the OpenAI API's parser of the model's tool calls (tool_choice 'auto'; docs/interfaces.md: Tools)")
     ap.add_argument("--cuda-pool-mb", type=int, default=None,
                     help="Triton's CUDA memory pool per GPU in MiB (default: sized for image_embeds traffic)")
     args = ap.parse_args(argv)

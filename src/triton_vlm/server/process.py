@@ -109,8 +109,8 @@ class TritonServer:
             # Triton's admin APIs (load/unload models, register shared memory, change log files or tracing) only
             # for clients that send the header `triton-vlm-admin-key: $TRITON_VLM_ADMIN_KEY` (random if unset);
             # with an API key, every other API but health only with `authorization: Bearer KEY` (`auth.py`).
-            # Triton 2.51 reads these only from its command line, where local users can read them (README:
-            # Security): the launcher, the front end and the clients get the keys from the environment.
+            # Triton 2.51 reads these only from its command line, where local users can read them
+            # (docs/security.md): the launcher, the front end and the clients get the keys from the environment.
             *restricted_args(self.admin_key, self.api_key),
         ]
 
