@@ -342,3 +342,46 @@ def test_choices_are_matched_literally(ckpt):
         assert m.accept_string(ch) and m.is_completed(), ch
     m = xgr.GrammarMatcher(g)
     assert m.accept_string("caf") and not m.accept_string("x")
+
+
+@pytest.mark.parametrize("kind,schema,message", [
+    ("json_schema", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+     "keyword 'not' at #/properties/a is not supported"),
+    ("json_schema", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     "keyword 'uniqueItems' at # is not supported"),
+    ("json_schema", {"allOf": [{"type": "integer"}, {"minimum": 5}]}, "keyword 'allOf' with 2 subschemas at #"),
+    ("structural_tag", None, "keyword 'maxLength' beside 'pattern' at #/properties/s"),
+])
+def test_schemas_with_keywords_the_library_ignores_are_refused_at_submit(eng, kind, schema, message):
+    """For every entry point (the engine compiles them): an unenforced keyword is an InvalidArgument naming it
+    and where it is, never a grammar that lets a breaking document through."""
+    if kind == "structural_tag":
+        inner = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}
+        guide = json.dumps({"type": "structural_tag", "format": {
+            "type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": inner}, "end": "</f>"}})
+    else:
+        guide = json.dumps(schema)
+    req = GenerationRequest("bad", prompt(5, 1), GenerationParams(max_tokens=4, guided=GuidedDecoding(kind, guide)))
+    with pytest.raises(InvalidArgument) as e:
+        eng.submit(req, lambda r: None)
+    assert message in e.value.message and e.value.message.startswith("guided_decoding_guide: "), e.value.message
+
+
+def test_bounded_strings_compile_without_control_characters(ckpt):
+    """xgrammar 0.2.8 lets raw control characters into a string with minLength / maxLength; the engine compiles
+    such a string as the equivalent control-character-free pattern (direct Triton clients included)."""
+    model, tok, _ = ckpt
+    c = GuideCompiler(tok, model.config.text_config.vocab_size, [EOS])
+    schema = {"type": "object", "required": ["t"], "properties": {"t": {"type": "string", "minLength": 1,
+                                                                        "maxLength": 3}}}
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert xgr.testing._is_grammar_accept_string(raw, '{"t": "a\x1f"}')  # the library's bug, unchanged
+    for kind, guide in (("json_schema", json.dumps(schema)),
+                        ("structural_tag", json.dumps({"type": "structural_tag", "format": {
+                            "type": "tag", "begin": "", "content": {"type": "json_schema", "json_schema": schema},
+                            "end": ""}}))):
+        g = c.compile(GuidedDecoding(kind, guide))
+        for doc, ok in (('{"t": "a\x1f"}', False), ('{"t": ""}', False), ('{"t": "abcd"}', False),
+                        ('{"t": "é✓a"}', True)):
+            m = xgr.GrammarMatcher(g)
+            assert (m.accept_string(doc) and m.is_completed()) == ok, (kind, doc)

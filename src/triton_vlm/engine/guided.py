@@ -3,7 +3,10 @@
 `GuideCompiler` turns a request's `GuidedDecoding` into an xgrammar `CompiledGrammar` for the checkpoint's
 tokenizer (its `TokenizerInfo` built once, with the model's vocabulary size, which may exceed the tokenizer's).
 Compilation runs at `Engine.submit`, on the caller's thread, never on the engine's step; compiled grammars are
-kept in an LRU cache keyed by (guide_type, guide). JSON (`json`: any object, `json_schema`) is compact: no
+kept in an LRU cache keyed by (guide_type, guide). A json_schema (and each json_schema content of a structural tag)
+goes through `guided_schema.enforceable` first: keywords xgrammar 0.2.8 would not enforce are refused with
+`InvalidArgument` naming the keyword and where it is, and bounded strings are compiled as control-character-free
+patterns, for every entry point alike. JSON (`json`: any object, `json_schema`) is compact: no
 whitespace beyond the separators ", " and ": " (vLLM's `disable-any-whitespace`), so that a model cannot stall
 in free whitespace between tokens (a model that knows no JSON otherwise fills max_tokens with newlines). A guide
 the library cannot compile is refused with `InvalidArgument` carrying the library's own message.
@@ -42,6 +45,7 @@ import xgrammar as xgr
 from .. import names as N
 from ..errors import InvalidArgument
 from ..params import GuidedDecoding
+from .guided_schema import UnenforcedKeyword, enforceable_tag, enforceable_text
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
 ANY_OBJECT = '{"type": "object"}'  # guide type `json`: any JSON object
@@ -63,6 +67,16 @@ def choice_grammar(guide: str) -> str:
         raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a non-empty JSON list of "
                               f"non-empty strings, got {guide[:200]!r}")
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+
+
+def _enforceable_tag_text(guide: str) -> str:
+    """A structural tag's json_schema contents as `guided_schema.enforceable` (text that is not JSON is left to
+    the library's parser)."""
+    try:
+        tag = json.loads(guide)
+    except ValueError:
+        return guide
+    return json.dumps(enforceable_tag(tag), ensure_ascii=False)
 
 
 class GuideCompiler:
@@ -97,17 +111,20 @@ class GuideCompiler:
             if guide_type == "json":
                 return c.compile_json_schema(ANY_OBJECT, any_whitespace=False)
             if guide_type == "json_schema":
-                return c.compile_json_schema(guide, any_whitespace=False)
+                return c.compile_json_schema(enforceable_text(guide), any_whitespace=False)
             if guide_type == "regex":
                 return c.compile_regex(guide)
             if guide_type == "ebnf_grammar":
                 return c.compile_grammar(guide)
             if guide_type == "structural_tag":
-                return c.compile_structural_tag(guide)
+                return c.compile_structural_tag(_enforceable_tag_text(guide))
             if guide_type == "choice":
                 return c.compile_grammar(choice_grammar(guide))
         except InvalidArgument:
             raise
+        except UnenforcedKeyword as e:
+            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE}: the JSON schema keyword {e} is not supported "
+                                  "(xgrammar, the guided decoding library, does not enforce it)") from None
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
             raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} is not a valid {guide_type}: "
                                   f"{library_message(e)}") from None

@@ -18,17 +18,11 @@ form (`structures` of `begin` / `schema` / `end`, and `triggers`) is rewritten t
 the library no longer compiles that form. `response_format: {"type": "text"}` is no constraint. One constraint
 per request: several -> 400 naming them.
 What only the library can judge (an invalid schema or regex) comes back from the engine as INVALID_ARG with
-xgrammar's message: a 400 with that message (`errors.from_triton`). Keywords xgrammar 0.2.8 accepts but does not
-enforce (`UNENFORCED`: checked by compiling each with a document that breaks it) are refused here with a 400
-naming the keyword and where it is, as vLLM refuses them for xgrammar: an answer that looks constrained but can
-break the schema would be worse than an error (so is `minLength` / `maxLength` beside `pattern` or `format`,
-where xgrammar drops the lengths). `oneOf` is accepted: xgrammar enforces disjoint branches (a discriminated
-union) exactly and reads overlapping ones as `anyOf`.
-
-xgrammar 0.2.8 compiles a string's `minLength` / `maxLength` to "any characters but `"`, `\\` and newlines",
-which lets raw control characters into the string (invalid JSON; seen live: `"tag": "( red\x1f"`). Such a
-string is sent as the equivalent `pattern` `^[^"\\\x00-\x1f]{min,max}$` (`string_lengths_as_patterns`): the
-same lengths, no control characters; the answers are a subset of the schema's (no escape sequences).
+xgrammar's message: a 400 with that message (`errors.from_triton`). The engine refuses the keywords xgrammar
+0.2.8 does not enforce and compiles bounded strings as control-character-free patterns
+(`engine.guided_schema`, for every entry point); this module calls the same functions first, so an OpenAI
+client gets a 400 naming the keyword and where it is (code `unsupported_schema_keyword`) before anything is
+sent, and sends the rewritten schema. `oneOf` is accepted (xgrammar enforces disjoint branches).
 """
 from __future__ import annotations
 
@@ -37,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .. import names as N
+from ..engine.guided_schema import UNENFORCED, string_lengths_as_patterns, unenforced_keyword  # noqa: F401
 from .errors import bad_request
 from .schemas import (JSONObjectFormat, JSONSchemaResponseFormat, StructuralTagFormat, StructuredOutputs,
                       _Structured)
@@ -53,68 +48,6 @@ class Guide:
 
     def inputs(self) -> dict[str, str]:
         return {N.GUIDED_DECODING_GUIDE_TYPE: self.type, N.GUIDED_DECODING_GUIDE: self.guide}
-
-
-# Schema keywords xgrammar compiles without enforcing (allOf: only with one subschema)
-UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
-              "contains", "minContains", "maxContains", "unevaluatedItems")
-_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUB_ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "contains", "not", "if",
-            "then", "else")
-_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def unenforced_keyword(schema: Any, path: str = "#") -> Optional[str]:
-    """The first keyword of `schema` (or its subschemas) that the library would not enforce, as `keyword at
-    path`; None when there is none."""
-    if not isinstance(schema, dict):
-        return None
-    for key in UNENFORCED:
-        if key in schema and not (key == "uniqueItems" and schema[key] is False):
-            return f"{key!r} at {path}"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return f"'allOf' with {len(schema['allOf'])} subschemas at {path}"
-    lengths = [k for k in ("minLength", "maxLength") if k in schema]
-    with_ = [k for k in ("pattern", "format") if k in schema]
-    if lengths and with_:
-        return f"{lengths[0]!r} beside {with_[0]!r} at {path}"
-    subs = [(f"{path}/{k}/{name}", v) for k in _SUB_MAPS if isinstance(schema.get(k), dict)
-            for name, v in schema[k].items()]
-    subs += [(f"{path}/{k}", schema[k]) for k in _SUB_ONE if k in schema]
-    subs += [(f"{path}/{k}/{i}", v) for k in _SUB_LISTS if isinstance(schema.get(k), list)
-             for i, v in enumerate(schema[k])]
-    for where, sub in subs:
-        found = unenforced_keyword(sub, where)
-        if found:
-            return found
-    return None
-
-
-def _is_string(schema: dict) -> bool:
-    t = schema.get("type")
-    return t == "string" or (isinstance(t, list) and "string" in t)
-
-
-def string_lengths_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` where each string's minLength / maxLength is the equivalent pattern without control
-    characters, quotes or backslashes (see the module's doc)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for k in _SUB_MAPS:
-        if isinstance(out.get(k), dict):
-            out[k] = {name: string_lengths_as_patterns(v) for name, v in out[k].items()}
-    for k in _SUB_ONE:
-        if k in out:
-            out[k] = string_lengths_as_patterns(out[k])
-    for k in _SUB_LISTS:
-        if isinstance(out.get(k), list):
-            out[k] = [string_lengths_as_patterns(v) for v in out[k]]
-    if _is_string(out) and ("minLength" in out or "maxLength" in out) and "pattern" not in out \
-            and "format" not in out:
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (low, "" if high is None else int(high))
-    return out
 
 
 def check_schema(schema: Any, where: str) -> None:
