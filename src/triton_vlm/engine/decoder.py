@@ -72,7 +72,7 @@ class Decoder:
         guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
                                                           vocab_size=vocab_size)
         self._guided = guide is not None
-        batchable = guide is None  # sampling and beam search: guided ones step per request
+        batchable = guide is None  # beam search: guided ones step per request (mask after log_softmax)
         beam = params.beam_width > 1
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
@@ -102,12 +102,12 @@ class Decoder:
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
                 pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
-        elif batchable and SampleSearch.eligible(params, bad_words_ids):  # batched by `step_samples`
+        elif SampleSearch.eligible(params, bad_words_ids):  # batched by `step_samples` (guided too)
             self._search = SampleSearch(
                 num_rows=params.num_return_sequences, max_new_tokens=params.max_tokens, eos_ids=eos_ids,
                 min_new_tokens=params.min_tokens, temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, seed=params.seed, top_log_probs=params.top_log_probs,
-                stop_words_ids=stop_words_ids)
+                stop_words_ids=stop_words_ids, grammar=grammar)
         else:
             self._search = Sampler(
                 prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,

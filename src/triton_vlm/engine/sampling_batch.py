@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..params import GenerationParams, Sequence_
+from . import guided
 from .sampling import resolve_seed
 from .search import NoTokenLeft
 
@@ -67,8 +68,10 @@ class SampleSearch:
 
     def __init__(self, *, num_rows: int, max_new_tokens: int, eos_ids: Sequence[int], min_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: Optional[int] = None, top_log_probs: int = 0,
-                 stop_words_ids: Sequence[Sequence[int]] = ()):
+                 stop_words_ids: Sequence[Sequence[int]] = (), grammar=None):
         self.n = num_rows
+        # guided decoding: one xgrammar matcher per row (of n), fed that row's tokens on the host
+        self.matchers = None if grammar is None else [guided.new_matcher(grammar, eos_ids) for _ in range(num_rows)]
         self.max_new = max_new_tokens
         self.eos = [int(e) for e in eos_ids]
         self.min_new = int(min_new_tokens) if self.eos else 0  # as LogitsPipeline: no end id, nothing to hold
@@ -104,6 +107,8 @@ class SampleSearch:
         for i, (r, row) in enumerate(zip(self.alive, rows)):
             self.tokens[r].append(int(row[0]))
             self.log_probs[r].append(row[2])
+            if self.matchers is not None:
+                guided.accept(self.matchers[r], int(row[0]))
             if self.k:
                 kmax = (len(row) - 3) // 2
                 self.top_lp[r].append(row[3:3 + self.k])
@@ -162,9 +167,11 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return _on(device, values, torch.float32)[:, None]  # [R, 1]
 
 
-def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor) -> torch.Tensor:
+def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor,
+             row_ids: Optional[list[int]] = None) -> torch.Tensor:
     """`LogitsPipeline` for sampling without context processors, row-wise: raw [R, V] fp32, row_of[j] = the search
-    of row j -> processed scores [R, V]."""
+    of row j, row_ids[j] its row among the search's n (its alive rows, in order, by default) -> processed scores
+    [R, V]."""
     V, dev = raw.shape[-1], raw.device
     scores = raw
     held = [(j, e) for j, b in enumerate(row_of) if searches[b].t < searches[b].min_new for e in searches[b].eos]
@@ -172,6 +179,12 @@ def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor)
         rows, cols = zip(*held)
         scores = raw.clone()
         scores[_on(dev, list(rows)), _on(dev, list(cols))] = -math.inf
+    constrained = [j for j, b in enumerate(row_of) if searches[b].matchers is not None]
+    if constrained:  # the grammars (after min_new_tokens, before the warpers): one bitmask, one fill, one apply
+        if row_ids is None:
+            row_ids = [searches[b].alive[j - row_of.index(b)] for j, b in enumerate(row_of)]
+        matchers = [searches[row_of[j]].matchers[row_ids[j]] for j in constrained]
+        scores = guided.mask_rows(scores, constrained, matchers, V)
     temps = [searches[b].temperature for b in row_of]
     if any(t != 1.0 for t in temps):  # TemperatureLogitsWarper
         if dev.type == "cuda":  # CUDA's `a / python_float`: a * (1.0f / float32(t))
@@ -240,7 +253,7 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
     if any(s.done for s in searches):
         raise ValueError("sample_step() needs unfinished sampling searches")
     dev = logits.device
-    idx, row_of, pos, off, all_alive = [], [], [], 0, True
+    idx, row_of, row_ids, pos, off, all_alive = [], [], [], [], 0, True
     for b, (s, st) in enumerate(zip(searches, starts)):
         if s.generator is None:
             s.generator = torch.Generator(device=dev)
@@ -248,6 +261,7 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
         rows = [st] * s.n if s.t == 0 else [st + i for i in range(len(s.alive))]  # first step: HF's n copies
         idx += rows
         row_of += [b] * len(rows)
+        row_ids += list(s.alive)  # at the first step every one of the n rows is alive
         pos += [off + r for r in s.alive]
         all_alive &= len(s.alive) == s.n
         off += s.n
@@ -255,7 +269,7 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
         raw = logits.to(torch.float32)  # [R, V]
     else:
         raw = logits.index_select(0, _on(dev, idx)).to(torch.float32)  # [R, V]
-    scores = _process(searches, row_of, raw)
+    scores = _process(searches, row_of, raw, row_ids)
     stuck = ~torch.isfinite(scores.amax(dim=-1))  # [R] no finite score: NaN, +inf or every token excluded
     scores = torch.where(stuck[:, None], 0.0, scores)  # a valid distribution; the request fails below
     tokens = _draw(searches, scores, None if all_alive else pos)  # [R]
