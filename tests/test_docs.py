@@ -1,4 +1,4 @@
-"""README.md stays short, and every relative link in it and in docs/*.md reaches an existing file and heading."""
+"""README.md stays short, and every relative link in it, docs/*.md and the other READMEs reaches an existing file and heading."""
 
 import re
 from pathlib import Path
@@ -12,7 +12,8 @@ FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 
 def _documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "client" / "README.md",
+            *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _slug(heading: str) -> str:
