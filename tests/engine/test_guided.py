@@ -385,3 +385,57 @@ def test_bounded_strings_compile_without_control_characters(ckpt):
                         ('{"t": "é✓a"}', True)):
             m = xgr.GrammarMatcher(g)
             assert (m.accept_string(doc) and m.is_completed()) == ok, (kind, doc)
+
+
+def test_guided_sampling_and_beams_step_batched_with_unguided_ones(ckpt, eng, reference_compiler):
+    """Guided sampling and beam requests step in `sample_step` / `beam_step` with the unguided ones of the step
+    (one bitmask fill and one apply for their constrained rows): each equals HF with xgrammar's processor, the
+    unguided ones answer as alone."""
+    from triton_vlm.engine.decoder import Decoder
+
+    model, _, _ = ckpt
+    V = model.config.text_config.vocab_size
+    grammar = eng.guide_compiler().compile(GuidedDecoding("regex", GUIDES["regex"]))
+    sampled = dict(do_sample=True, temperature=1.3, top_k=50, seed=21, num_return_sequences=2)
+    beams = dict(beam_width=3, num_return_sequences=2, length_penalty=0.7)
+    for kw, flag in ((sampled, "batched_sampling"), (beams, "beam_key")):
+        dec = Decoder(GenerationParams(max_tokens=8, guided=GuidedDecoding("regex", GUIDES["regex"]), **kw),
+                      [1, 5], eos_ids=[EOS], vocab_size=V, grammar=grammar)
+        assert getattr(dec, flag), flag
+    reqs = [request("gs", prompt(7, 4), "regex", max_tokens=12, **sampled),
+            request("us", prompt(9, 5), None, max_tokens=12, **sampled),
+            request("gb", prompt(8, 6), "json_schema", max_tokens=12, **beams),
+            request("ub", prompt(6, 7), None, max_tokens=12, **beams)]
+    out = eng.generate(reqs)
+    got = {r.request_id: [s.token_ids for s in final(out[r.request_id])] for r in reqs}
+    assert got["gs"] == hf(model, reqs[0], XgrHFProcessor(ref_grammar(reference_compiler, "regex", GUIDES["regex"])))
+    assert got["gb"] == hf(model, reqs[2], RowMatchers(ref_grammar(reference_compiler, "json_schema",
+                                                                   GUIDES["json_schema"]), len(reqs[2].input_ids)))
+    for r in (reqs[1], reqs[3]):
+        assert got[r.request_id] == [s.token_ids for s in final(eng.generate([r])[r.request_id])], r.request_id
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=True, temperature=1.2, top_k=40, seed=8, num_return_sequences=2),
+                                  dict(beam_width=3, num_return_sequences=3)])
+def test_guided_requests_with_penalties_equal_hf(ckpt, eng, reference_compiler, mode):
+    """The per-request paths (a penalty needs each row's context): the grammar after the penalty, the rows'
+    matchers from the tokens held on the host."""
+    model, _, _ = ckpt
+    regex = "[a-z ,.]+"  # never complete: every row runs to max_tokens (HF pads finished rows)
+    r = GenerationRequest("pen", prompt(8, 9), GenerationParams(max_tokens=14, repetition_penalty=1.3,
+                                                              guided=GuidedDecoding("regex", regex), **mode))
+    got = [s.token_ids for s in final(eng.generate([r])["pen"])]
+    grammar = ref_grammar(reference_compiler, "regex", regex)
+    p = r.params
+    ids = torch.tensor([r.input_ids])
+    kw = dict(max_new_tokens=p.max_tokens, num_beams=p.beam_width, num_return_sequences=p.num_return_sequences,
+              eos_token_id=EOS, pad_token_id=0, do_sample=p.do_sample, repetition_penalty=1.3,
+              length_penalty=p.length_penalty, early_stopping=p.early_stopping,
+              logits_processor=[RowMatchers(grammar, ids.shape[1])])
+    if p.do_sample:
+        kw.update(temperature=p.temperature, top_k=p.top_k)
+        torch.manual_seed(p.seed)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)[:, ids.shape[1]:].tolist()
+    ref = [row[:next((i + 1 for i, t in enumerate(row) if t == EOS), len(row))] for row in ref]
+    assert got == ref and all(len(t) == 14 for t in got)

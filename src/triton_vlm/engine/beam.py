@@ -87,6 +87,7 @@ class BeamSearch:
         self._init = False
         self._stable: list[int] = []  # the stable prefix found so far (`stable_prefix`)
         self.spec = batch_spec  # a `beam_batch.BatchSpec`: may be stepped batched by `beam_batch.beam_step`
+        self.guide_gens: list[tuple[int, ...]] = [()] * num_beams  # guided: each running row's tokens (host)
         self.group: Optional[tuple[Any, int]] = None  # (BeamGroup, index) while its state lives there
         self._norm_row: Optional[torch.Tensor] = None  # [max_new + 1] fp32 length ** length_penalty, on the host
 
@@ -182,11 +183,20 @@ class BeamSearch:
             raise NoTokenLeft(self.t, nonfinite_logits=not bool(torch.isfinite(logits).all()))
         if self.done:
             return [], [], True
-        return ([0] * self.nb if first else parents_l), tokens_l, False
+        parents_l = [0] * self.nb if first else parents_l
+        self.track(parents_l, tokens_l)
+        return parents_l, tokens_l, False
+
+    def track(self, parents: list[int], tokens: list[int]) -> None:
+        """Guided: the next running rows' generated tokens, from the step's parents and tokens (host lists)."""
+        if self.pipeline.guide is not None:
+            self.guide_gens = [self.guide_gens[p] + (t,) for p, t in zip(parents, tokens)]
 
     def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> processed log-probs [nb, V] and accumulated beam scores [1, nb * V]."""
         log_probs = nn.functional.log_softmax(logits, dim=-1)  # [nb, V]
+        if self.pipeline.guide is not None:  # the rows' tokens from the host: no read-back for the grammar
+            self.pipeline.guide.rows = list(self.guide_gens)
         log_probs = self.pipeline(self.seqs[:, :self.Lp + self.t], log_probs)  # [nb, V]
         V = log_probs.shape[-1]
         scores = (log_probs.view(1, self.nb, V) + self.running_scores[:, :, None]).reshape(1, self.nb * V)

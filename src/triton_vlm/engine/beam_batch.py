@@ -21,7 +21,9 @@ per request is a tensor here:
 - end ids (padded with -1), stop words (right-aligned in [B, words, M] with a mask) and min_new_tokens.
 
 Eligible (`eligible`): beam search without sampling whose only score processor is min_new_tokens (a -inf mask of
-the end ids, applied with `masked_fill`: the same -inf as `LogitsPipeline`'s `torch.where`). Repetition /
+the end ids, applied with `masked_fill`: the same -inf as `LogitsPipeline`'s `torch.where`), guided or not: the
+guided members' grammars mask their rows after it (`BeamGroup._grammars`: one bitmask, one fill, one apply for
+all of them; each row's matcher from its tokens on the host, `BeamSearch.guide_gens`). Repetition /
 presence / frequency penalties, no-repeat-ngram and bad words need each request's full context and keep the
 per-request path, as does beam sampling (each request's own `torch.Generator` stream, as in HF).
 
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from ..params import GenerationParams
+from . import guided
 from .beam import BeamSearch, BeamState
 from .search import NoTokenLeft
 
@@ -176,6 +179,7 @@ class BeamGroup:
         if any(s.t < m for s, m in zip(self.members, self.min_new_host)):  # MinNewTokensLengthLogitsProcessor
             held = (self.t < self.min_new)[:, None] & self._eos_mask(V)  # [B, V] end ids of members still held
             log_probs.masked_fill_(held[:, None, :], -math.inf)  # the same -inf as `torch.where` (a fresh tensor)
+        log_probs = self._grammars(log_probs)
         flat = log_probs.view(B, nb * V)
         scores = (log_probs + self.run[:, :, None]).view(B, nb * V)  # [B, nb * V]
         stuck = ~torch.isfinite(scores.amax(dim=-1))  # [B]
@@ -199,6 +203,20 @@ class BeamGroup:
         self.t = self.t + 1
         flags = self._flags(stopped, stuck)  # [B, 4]
         return torch.cat((flags, parents, tokens), dim=1)
+
+    def _grammars(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """Guided members' grammars on their rows of the processed log-probs [B, nb, V] (after min_new_tokens, as
+        HF runs a generate() logits_processor on beam search's log-softmaxed scores): one bitmask, one fill, one
+        apply for every constrained row; the matchers from each member's host rows (`BeamSearch.guide_gens`)."""
+        B, nb, V = log_probs.shape
+        rows, matchers = [], []
+        for i, s in enumerate(self.members):
+            if s.pipeline.guide is not None:
+                rows += range(i * nb, (i + 1) * nb)
+                matchers += s.pipeline.guide.matchers(s.guide_gens)
+        if not rows:
+            return log_probs
+        return guided.mask_rows(log_probs.view(B * nb, V), rows, matchers, V).view(B, nb, V)
 
     def _grow(self, t_max: int) -> None:
         """Widen the histories (zeros on the right) when column t_max is not there yet."""
@@ -288,5 +306,7 @@ def beam_step(searches: list[BeamSearch], logits: torch.Tensor,
         elif s.done:
             out.append(([], [], True))
         else:
-            out.append(([0] * nb if first else row[4:4 + nb], row[4 + nb:4 + 2 * nb], False))
+            parents, tokens = [0] * nb if first else row[4:4 + nb], row[4 + nb:4 + 2 * nb]
+            s.track(parents, tokens)
+            out.append((parents, tokens, False))
     return out

@@ -23,9 +23,9 @@ temperature, top-k and top-p (`sampling_batch.SampleSearch.eligible`) is stepped
 `step_samples` (the processors row-wise over all rows, each request's draw from its own seeded `torch.Generator`
 as transformers draws from `torch.manual_seed(seed)`, one read-back for all). Other beam searches and sampling
 (penalties, no-repeat-ngram, bad words: processors that need each row's context) step per request with one
-read-back each. Guided decoding (`guided.py`): greedy rows keep an xgrammar matcher and step in `step_greedy`
-(one bitmask for all constrained rows of the step); guided sampling and beam search step per request, the
-grammar a processor of their `LogitsPipeline`.
+read-back each. Guided decoding (`guided.py`) does not change the path: guided greedy, sampling and beam rows step
+in `step_greedy` / `step_samples` / `step_beams` (one bitmask fill and one apply for the constrained rows of each);
+on the per-request paths the grammar is a processor of their `LogitsPipeline`.
 """
 from __future__ import annotations
 
@@ -67,12 +67,11 @@ class Decoder:
         self.params = params
         self.vocab_size = vocab_size
         self._bad_words = len(bad_words_ids)
-        # grammar: an xgrammar CompiledGrammar (guided decoding). Greedy: the row's matcher, stepped batched in
-        # `step_greedy`; sampling and beam search: a processor of the pipeline, on the per-request paths
+        # grammar: an xgrammar CompiledGrammar (guided decoding). Greedy / batched sampling: the rows' matchers;
+        # beam search and the per-request paths: a processor of the pipeline (`step_beams` uses its matchers)
         guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
                                                           vocab_size=vocab_size)
         self._guided = guide is not None
-        batchable = guide is None  # beam search: guided ones step per request (mask after log_softmax)
         beam = params.beam_width > 1
         sampling = bool(params.do_sample)
         # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
@@ -94,7 +93,7 @@ class Decoder:
         elif beam:
             seed = resolve_seed(params.seed) if sampling else None
             spec = None
-            if batchable and beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`)
+            if beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`, guided too)
                 spec = beam_batch.BatchSpec(
                     eos=tuple(eos_ids), min_new=int(params.min_tokens) if eos_ids else 0,
                     stop_words=tuple(tuple(int(t) for t in w) for w in stop_words_ids if len(w)))

@@ -25,11 +25,18 @@ stop tokens are the request's end ids, so a grammar that is complete allows only
 the end token). A row the grammar leaves no token for is an ordinary `NoTokenLeft` of the search (the request
 ends with an error naming the grammar), never a device assert.
 
-Batching: guided greedy requests without other processors step in `greedy.greedy_step` with every other greedy
-row of the step; there `mask_rows` fills ONE bitmask [rows, ceil(V / 32)] for all the constrained rows of the
-step (xgrammar's `BatchGrammarMatcher`) and applies it with one masked fill over their indices: unconstrained
-rows are not touched. Guided sampling and beam search run on the per-request paths (`sampling.Sampler`,
-`beam.BeamSearch`), where `GrammarGuide` masks all of the request's rows with one bitmask and one fill.
+Batching: each batched step masks all of its constrained rows at once with `mask_rows` (ONE bitmask
+[rows, ceil(V / 32)], ONE fill for every row's matcher with xgrammar's `BatchGrammarMatcher`, ONE apply over
+their indices; unconstrained rows untouched, the matchers fed from tokens held on the host): guided greedy rows
+in `greedy.greedy_step`, guided sampling rows in `sampling_batch.sample_step` (after min_new_tokens, before the
+warpers), guided beam rows in `beam_batch.beam_step` (on the log-softmaxed scores after min_new_tokens). These are
+three calls per decode step at most (one per batched step; beam groups one per (num_beams, K)), not one: the mask
+must come where HF applies it in each path (beams: after log_softmax, whose normalisation the mask would change
+if applied to the raw logits), so no single pre-split apply serves all three. Requests with penalties,
+no-repeat-ngram or bad words (processors that need each row's context) and beam sampling stay on the
+per-request paths (`sampling.Sampler`, `beam.BeamSearch`): `GrammarGuide` masks the request's rows with one
+bitmask, one fill and one apply, its rows' tokens given by the search from its host lists (`GrammarGuide.rows`;
+no device read-back).
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import xgrammar as xgr
@@ -179,6 +186,8 @@ class GrammarGuide:
         self.vocab_size = vocab_size
         self.root = new_matcher(compiled, end_ids)
         self._states: dict[tuple[int, ...], xgr.GrammarMatcher] = {(): self.root}
+        # the next call's rows' generated tokens, set by a search that holds them on the host (no read-back)
+        self.rows: Optional[list[tuple[int, ...]]] = None
 
     def _matcher(self, gen: tuple[int, ...], previous: dict) -> xgr.GrammarMatcher:
         m = previous.get(gen)
@@ -193,11 +202,20 @@ class GrammarGuide:
             accept(m, t)
         return m
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """input_ids [rows, L] (prompt + generated), scores [rows, V] -> a new tensor of scores with what the
-        grammar forbids at -inf."""
-        gens = [tuple(r) for r in input_ids[:, self.prompt_len:].tolist()]
+    def matchers(self, gens: Sequence[tuple[int, ...]]) -> list[xgr.GrammarMatcher]:
+        """The matcher of each row of this step, given each row's generated tokens (the live states become
+        these rows')."""
         previous = self._states
         matchers = [self._matcher(g, previous) for g in gens]
         self._states = dict(zip(gens, matchers))
+        return matchers
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """input_ids [rows, L] (prompt + generated), scores [rows, V] -> a new tensor of scores with what the
+        grammar forbids at -inf. The rows' generated tokens are `rows` when the search set them (host lists),
+        else read back from input_ids."""
+        gens = self.rows if self.rows is not None else [tuple(r) for r in input_ids[:, self.prompt_len:].tolist()]
+        self.rows = None
+        assert len(gens) == scores.shape[0], "a guide's rows and its scores disagree"
+        matchers = self.matchers(gens)
         return mask_rows(scores, range(len(matchers)), matchers, self.vocab_size)

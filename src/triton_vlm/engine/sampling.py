@@ -84,6 +84,8 @@ class Sampler:
         if first:
             raw = raw.expand(self.n, -1)
         alive = torch.tensor(self.alive, dtype=torch.long, device=raw.device)  # [rows]
+        if self.pipeline.guide is not None:  # the rows' tokens from the host: no read-back for the grammar
+            self.pipeline.guide.rows = [tuple(self.generated[r]) for r in self.alive]
         scores = self.pipeline(self.seqs[alive, :L], raw)  # [rows, V]
         stuck = ~torch.isfinite(scores.amax(dim=-1))  # [rows] no finite score: NaN, +inf or every token excluded
         if self.do_sample:

@@ -25,6 +25,10 @@ numbers its `multinomial` call would draw) and the division and argmax run once 
 (a row with no finite score draws from uniform scores, as in `Sampler`, and its request fails after the step).
 Finished rows of a request (num_return_sequences n > 1) get uniform probabilities so that its block stays [n, V].
 
+Guided requests (`grammar`: one xgrammar matcher per row, fed the row's tokens on the host) get their grammar's
+mask after min_new_tokens and before the warpers, as HF runs a `logits_processor`: one bitmask, one fill and one
+apply for every constrained row of the step (`guided.mask_rows`); the other rows are not touched.
+
 Log probs are log_softmax of the raw logits, the chosen token's and (top_log_probs = k) one `topk` per distinct k
 (the order of exact ties in `topk` may depend on k). Everything comes back in ONE `.tolist()` of a
 [R, 3 + 2 max k] float64 tensor (ids < 2**53 and fp32 values are exact in float64); stopping (end ids, max tokens,
