@@ -7,11 +7,13 @@ of all 16 / wall time, the prefill included, medians over the rounds):
 - `none`: unconstrained, `min_tokens = max_tokens` (every request generates max_tokens);
 - `regex`: guided by a regex that never forces the end (`[a-z ,.]+`), also `min_tokens = max_tokens`: the same
   token count as `none`, so the difference is the guide's cost (a matcher per row, one bitmask fill and one masked
-  fill per request and step, the per-request decode path instead of the batched one);
+  fill for all the guided rows of the step, in the batched greedy step);
 - `json_schema`: a small schema (an object of an enum, an integer and a short string), compact JSON; requests end
   when their document completes, so tok/s counts the tokens they generated.
 Step cost: `greedy_step` alone over [16, V] logits, every row guided vs none (min of 50), the guide's own cost in
 a decode step without the model's noise.
+Guided sampling step cost: 16 guided sampling requests stepped per request (`Sampler` + `GrammarGuide`, the path
+guided sampling took before it was batched) vs in one `sample_step`, alternated (`sampling_step_cost`).
 Compile time: the first compilation of each guide (a fresh `GuideCompiler`, the tokenizer info built first and
 timed on its own) vs the same guide again (the LRU's hit), medians of 20 cached calls. The ratio to unconstrained
 is taken per round (modes interleaved) and its median printed: on a shared machine the absolute tok/s drift.
@@ -108,11 +110,83 @@ def step_cost(engine, rows: int, repeats: int = 50) -> dict:
     return {f"greedy_step_{rows}_rows_ms": out}
 
 
+def sampling_step_cost(engine, rows: int, steps: int = 8, repeats: int = 15) -> dict:
+    """Guided sampling's own cost per decode step, without the model: `rows` requests (one row each, json_schema,
+    temperature 1.3, top-k 50) stepped `steps` times over [rows, V] logits, (a) each on the per-request path
+    (`sampling.Sampler` with `guided.GrammarGuide` in its pipeline: one bitmask fill, one apply and one read-back
+    per request and step; guided sampling's path before it was batched) and (b) all in one `sample_step` (one
+    bitmask, one fill, one apply for every constrained row, one read-back). The two alternate within each repeat
+    (a shared machine's drift falls on both); per step, minimum and median over the repeats. Also the grammar's
+    mask alone for the same rows: one `mask_rows` per request vs one for all (`mask_*`)."""
+    import torch  # noqa: PLC0415
+
+    from triton_vlm.engine.guided import GrammarGuide  # noqa: PLC0415
+    from triton_vlm.engine.logits import LogitsPipeline, StopCriteria  # noqa: PLC0415
+    from triton_vlm.engine.sampling import Sampler  # noqa: PLC0415
+    from triton_vlm.engine.sampling_batch import SampleSearch, sample_step  # noqa: PLC0415
+    from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
+
+    V, eos = engine.model_config.vocab_size, list(engine.eos_ids)
+    grammar = engine.guide_compiler().compile(GuidedDecoding("json_schema", SCHEMA))
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(rows, V, generator=gen) * 4 for _ in range(steps)]
+    sampling = dict(temperature=1.3, top_k=50, top_p=1.0)
+
+    def per_request() -> float:
+        searches = [Sampler(prompt_ids=prompt, num_rows=1, max_new_tokens=64, do_sample=True, seed=i,
+                            pipeline=LogitsPipeline(prompt_len=len(prompt), eos_ids=eos, vocab_size=V,
+                                                    sampling=True, **sampling,
+                                                    guide=GrammarGuide(grammar, prompt_len=len(prompt),
+                                                                       end_ids=eos, vocab_size=V)),
+                            stop=StopCriteria(eos_ids=eos, max_new_tokens=64, vocab_size=V, stop_words_ids=()))
+                    for i in range(rows)]
+        t0 = time.perf_counter()
+        for x in logits:
+            for i, s in enumerate(searches):
+                s.step(x[i:i + 1])
+        return (time.perf_counter() - t0) / steps
+
+    def batched() -> float:
+        searches = [SampleSearch(num_rows=1, max_new_tokens=64, eos_ids=eos, min_new_tokens=0, seed=i,
+                                 grammar=grammar, **sampling) for i in range(rows)]
+        t0 = time.perf_counter()
+        for x in logits:
+            sample_step(searches, x, list(range(rows)))
+        return (time.perf_counter() - t0) / steps
+
+    from triton_vlm.engine.guided import mask_rows, new_matcher  # noqa: PLC0415
+
+    matchers = [new_matcher(grammar, eos) for _ in range(rows)]
+
+    def masks_per_request() -> float:  # the grammar alone: a bitmask, a fill and an apply per request
+        t0 = time.perf_counter()
+        for i in range(rows):
+            mask_rows(logits[0][i:i + 1], [0], matchers[i:i + 1], V)
+        return time.perf_counter() - t0
+
+    def masks_batched() -> float:  # one bitmask, one fill, one apply for every row
+        t0 = time.perf_counter()
+        mask_rows(logits[0], range(rows), matchers, V)
+        return time.perf_counter() - t0
+
+    pairs = ((("per_request", per_request), ("batched", batched)),
+             (("mask_per_request", masks_per_request), ("mask_batched", masks_batched)))
+    times: dict[str, list[float]] = {name: [] for pair in pairs for name, _ in pair}
+    for r in range(repeats):
+        for pair in pairs:
+            for name, f in (pair if r % 2 == 0 else pair[::-1]):  # alternated
+                times[name].append(f())
+    return {f"guided_sampling_step_{rows}_requests_ms": {
+        k: {"min": min(v) * 1e3, "median": statistics.median(v) * 1e3} for k, v in times.items()}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps-only", action="store_true", help="the step costs and compile times, no rounds")
     args = ap.parse_args(argv)
     from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
 
@@ -121,7 +195,10 @@ def main(argv=None) -> None:
     print(line({"machine": describe_machine()}))
     engine = Engine(model_dir, EngineConfig(max_rows=max(32, args.requests), kv_cache_tokens=8192))
     print(f"vocabulary {engine.model_config.vocab_size} tokens")
-    print(json.dumps(compile_times(engine) | step_cost(engine, args.requests), indent=1))
+    print(json.dumps(compile_times(engine) | step_cost(engine, args.requests)
+                     | sampling_step_cost(engine, args.requests), indent=1))
+    if args.steps_only:
+        return
     one_round(engine, "none", 2, 4, "warm")
     one_round(engine, "regex", 2, 4, "warm-g")
     results = {m: [] for m in GUIDES}
