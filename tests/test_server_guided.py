@@ -38,7 +38,12 @@ def generate(server, guide_type=None, guide=None, **params):
                                                            np.int32)]
     ins.append(inp("exclude_input_in_output", True, "BOOL", np.bool_))
     for k, v in params.items():
-        ins.append(inp(k, v, "INT32", np.int32))
+        if isinstance(v, float):
+            ins.append(inp(k, v, "FP32", np.float32))
+        elif k == "seed":
+            ins.append(inp(k, v, "UINT64", np.uint64))
+        else:
+            ins.append(inp(k, v, "INT32", np.int32))
     if guide_type is not None:
         ins.append(inp("guided_decoding_guide_type", guide_type, "BYTES", object))
     if guide is not None:
@@ -83,6 +88,11 @@ def test_regex_choice_and_any_json(triton_server):
     ("regex", "a(b", "guided_decoding_guide is not a valid regex: Regex parsing error"),
     ("ebnf_grammar", "root ::= foo", 'Rule "foo" is not defined'),
     ("xml", "<a/>", "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar"),
+    ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                "dependentRequired": {"a": ["b"]}}),
+     "guided_decoding_guide: the JSON schema keyword 'dependentRequired' at # is not supported"),
+    ("json_schema", json.dumps({"type": "object", "properties": {"l": {"type": "array", "uniqueItems": True}}}),
+     "keyword 'uniqueItems' at #/properties/l is not supported"),
     (None, "a+", "guided_decoding_guide needs guided_decoding_guide_type"),
 ])
 def test_invalid_guides_are_invalid_arg(triton_server, guide_type, guide, needle):
@@ -98,3 +108,18 @@ def test_invalid_guides_are_invalid_arg(triton_server, guide_type, guide, needle
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=120)
     assert e.value.code == 400 and needle in json.loads(e.value.read())["error"]
+
+
+def test_bounded_string_answers_hold_no_control_characters(triton_server):
+    """A direct Triton client's schema with string lengths (xgrammar 0.2.8 alone lets raw control characters
+    into such strings): the engine compiles them as patterns, so sampled answers are strict JSON."""
+    schema = {"type": "object", "required": ["tag", "note"], "additionalProperties": False,
+              "properties": {"tag": {"type": "string", "minLength": 2, "maxLength": 8},
+                             "note": {"type": "string", "maxLength": 12}}}
+    for seed in range(4):
+        (text,), err = generate(triton_server, "json_schema", json.dumps(schema), max_tokens=40,
+                                temperature=1.5, seed=seed)
+        assert err is None, err
+        assert not any(ord(ch) < 0x20 for ch in text), (seed, text)
+        if text.endswith("}"):  # complete (not cut at max_tokens): strict JSON, valid
+            jsonschema.validate(json.loads(text), schema)
