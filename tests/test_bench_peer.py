@@ -128,7 +128,8 @@ def test_cpu_split_labels_and_per_token_table(tmp_path):
     stub = Proc(1, 0, ("/x/backends/python/triton_python_backend_stub", "/r/model_repository/llm/1/model.py"), 0)
     assert peer_procs.label(stub) == "stub llm"
     assert peer_procs.label(Proc(2, 0, ("VLLM::EngineCore",), 0)) == "VLLM::EngineCore"
-    assert peer_procs.label(Proc(3, 0, ("/v/python", "-m", "triton_vlm.openai", "--port", "1"), 0)) == "triton_vlm.openai"
+    front = Proc(3, 0, ("/v/python", "-m", "triton_vlm.openai", "--port", "1"), 0)
+    assert peer_procs.label(front) == "triton_vlm.openai"
     assert peer_procs.label(Proc(4, 0, ("/v/python", "-m", "vllm.entrypoints.cli.main", "serve", "/m"), 0)) == \
         "vllm.entrypoints.cli.main serve"
     before = {10: peer_procs.Usage(10, "stub llm", 5.0, 3), 11: peer_procs.Usage(11, "tritonserver", 1.0, 40)}
@@ -195,8 +196,10 @@ def test_stage_timers_mean_over_a_run():
         return (f'triton_vlm_openai_time_to_first_token_seconds_bucket{{le="0.1"}} 3\n'
                 f'triton_vlm_openai_time_to_first_token_seconds_sum {ttft_sum}\n'
                 f'triton_vlm_openai_time_to_first_token_seconds_count {ttft_n}\n'
-                f'triton_vlm_queue_seconds_sum{{model="llm"}} {q_sum}\ntriton_vlm_queue_seconds_count{{model="llm"}} 2\n'
-                f'triton_vlm_queue_seconds_sum{{model="other"}} {q_sum}\ntriton_vlm_queue_seconds_count{{model="other"}} 2\n')
+                f'triton_vlm_queue_seconds_sum{{model="llm"}} {q_sum}\n'
+                f'triton_vlm_queue_seconds_count{{model="llm"}} 2\n'
+                f'triton_vlm_queue_seconds_sum{{model="other"}} {q_sum}\n'
+                f'triton_vlm_queue_seconds_count{{model="other"}} 2\n')
     before = peer_procs.parse_histogram_sums(text(1.0, 10, 0.5))
     assert before == {"front end TTFT": (1.0, 10.0), "llm queue": (1.0, 4.0)}  # labels summed, buckets ignored
     got = peer_procs.stage_means_ms(before, peer_procs.parse_histogram_sums(text(3.0, 30, 0.5)))
