@@ -117,13 +117,16 @@ def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
     body = json.dumps({"text_input": "USER: Say hello. ASSISTANT:", "max_tokens": 450, "min_tokens": 450,
                        "beam_width": 4, "exclude_input_in_output": True}).encode()  # 4 rows: seconds, not one refresh
     url = f"http://{triton_server.http_url}/v2/models/ensemble/generate"
-    done, answers = threading.Event(), []
+    done, enough, answers = threading.Event(), threading.Event(), []
 
-    def one():
-        try:
-            with urllib.request.urlopen(urllib.request.Request(
-                    url, body, {"Content-Type": "application/json"}), timeout=120) as r:
-                answers.append(r.read())
+    def requests():  # one after another until the gauges caught one running (a fast machine may finish one
+        try:         # request between two refreshes of the gauges, 0.5 s apart)
+            for _ in range(8):
+                with urllib.request.urlopen(urllib.request.Request(
+                        url, body, {"Content-Type": "application/json"}), timeout=120) as r:
+                    answers.append(r.read())
+                if enough.is_set():
+                    break
         except Exception as e:  # noqa: BLE001 - reported below
             answers.append(repr(e))
         finally:
@@ -133,7 +136,7 @@ def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
     while metric(scrape(triton_server), "triton_vlm_engine_running_requests") > 0:
         assert time.monotonic() < deadline, "the engine never went idle"
         time.sleep(0.1)
-    threading.Thread(target=one, daemon=True).start()
+    threading.Thread(target=requests, daemon=True).start()
     seen = []
     while not done.is_set():
         values = scrape(triton_server)
@@ -141,6 +144,8 @@ def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
             seen.append((metric(values, "triton_vlm_engine_kv_cache_reserved_perc", model="llm"),
                          metric(values, "triton_vlm_engine_kv_cache_usage_perc", model="llm"),
                          metric(values, "triton_vlm_engine_kv_blocks_reserved")))
+            if seen[-1][0] > seen[-1][1] > 0:
+                enough.set()
         time.sleep(0.05)
     assert seen, f"the request was never seen running: {answers}"
     assert all(reserved >= used for reserved, used, _ in seen), seen
