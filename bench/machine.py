@@ -57,8 +57,9 @@ def describe() -> dict:
 def line(meta: dict) -> str:
     """`- cpu: AMD EPYC ... (x86_64 avx512f), 2 CPUs; kernels: ...` for a results file."""
     m = meta.get("machine") or {}
-    races = meta.get("kernel_races") or {}
+    races = meta["kernel_races"] if "kernel_races" in meta else kernel_races()
     bw = meta.get("bandwidth") or {}
-    return (f"- cpu: {m.get('cpu_model', '?')} ({m.get('isa', '?')}), {m.get('cpus', '?')} CPUs, measured "
-            f"bandwidth {bw.get('gb_s', 0):.2f} GB/s; kernel switches {m.get('kernel_switches', {})}; "
-            f"kernel races on this machine (kernel vs torch): {races or 'none cached'}")
+    measured = f", measured bandwidth {bw['gb_s']:.2f} GB/s" if "gb_s" in bw else ""
+    return (f"- cpu: {m.get('cpu_model', '?')} ({m.get('isa', '?')}), {m.get('cpus', '?')} CPUs{measured}; kernel "
+            f"switches {m.get('kernel_switches', {})}; kernel races on this machine (kernel vs torch): "
+            f"{races or 'none cached'}")
