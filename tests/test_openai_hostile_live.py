@@ -9,36 +9,17 @@ import json
 import re
 import socket
 import time
-from dataclasses import replace
 
 import openai
 import pytest
 
+from test_openai import base_config, start  # noqa: F401 - fixtures: front ends on the session's server
 from test_openai_hostile import MiB, image_server, post_raw  # noqa: F401 - image_server is a fixture
 
 pytestmark = pytest.mark.server
 
 
 # --- live: the real front end against the session's tritonserver --------------------------------------------------
-@pytest.fixture(scope="module")
-def start(triton_server, demo_model, demo_adapters):
-    from test_openai import Running
-
-    from triton_vlm.openai import FrontendConfig
-
-    base = FrontendConfig(triton=triton_server.grpc_url, model_dir=demo_model, lora_dir=demo_adapters,
-                          triton_metrics_url=f"http://localhost:{triton_server.metrics_port}/metrics")
-    running = []
-
-    def _start(**changes):
-        running.append(Running(replace(base, **changes)))
-        return running[-1]
-
-    yield _start
-    for r in running:
-        r.stop()
-
-
 @pytest.fixture(scope="module")
 def fe(start):
     return start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from typing import Literal
 
 import jsonschema
@@ -14,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_openai import Running, image_message, png, status_of
+from test_openai import base_config, image_message, png, start, status_of  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.server
 MODEL = "demo-v3"
@@ -33,23 +32,6 @@ WEATHER = {"type": "function", "function": {"name": "weather", "description": "t
 ALARM = {"type": "function", "function": {"name": "alarm", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["on"], "properties": {"on": {"type": "boolean"}}}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ALARM)}
-
-
-@pytest.fixture(scope="module")
-def start(triton_server, demo_model, demo_adapters):
-    from triton_vlm.openai import FrontendConfig
-
-    base = FrontendConfig(triton=triton_server.grpc_url, model_dir=demo_model, lora_dir=demo_adapters,
-                          triton_metrics_url=f"http://localhost:{triton_server.metrics_port}/metrics")
-    running = []
-
-    def _start(**changes) -> Running:
-        running.append(Running(replace(base, **changes)))
-        return running[-1]
-
-    yield _start
-    for r in running:
-        r.stop()
 
 
 @pytest.fixture(scope="module")
