@@ -350,3 +350,28 @@ def test_python_instances_counts_the_stubs_of_the_repository(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.pbtxt").write_text(text)
     assert python_instances(tmp_path) == {"a": 2, "b": 1, "d": 4}
+
+
+def test_children_are_the_live_children_and_nothing_else():
+    """`procs.children` (the supervisor's scan, every 0.5 s): exactly this process's live children, a grandchild and
+    a reaped child left out."""
+    import subprocess
+    import sys
+
+    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    grand = subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '30']); "
+                              "time.sleep(30)"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        assert _wait(lambda: len(procs.children(grand.pid)) == 1, 10)
+        found = {p.pid: p for p in procs.children(os.getpid())}
+        assert {k.pid for k in kids} | {grand.pid} <= set(found) and gone.pid not in found
+        assert all(p.ppid == os.getpid() for p in found.values())
+        assert found[kids[0].pid].argv == ("sleep", "30")
+    finally:
+        for p in procs.children(grand.pid):
+            os.kill(p.pid, 9)
+        for k in (*kids, grand):
+            k.kill()
+            k.wait()

@@ -114,8 +114,20 @@ def all_procs() -> list[Proc]:
     return out
 
 
+def _ppid(pid: str) -> int | None:
+    try:
+        stat = (Path("/proc") / pid / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def children(pid: int) -> list[Proc]:
-    return [p for p in all_procs() if p.ppid == pid]
+    """The live children of `pid`: one read (stat) of every process for its parent, the rest read only for the
+    children. The supervisor asks this every 0.5 s, where reading three files of every process on the machine cost
+    ~7.6 ms of CPU a scan (bench.peer's measurement at 89 processes)."""
+    kids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == pid]
+    return [p for k in kids if (p := read_proc(k)) is not None and p.ppid == pid]
 
 
 def stub_model(proc: Proc) -> str | None:
