@@ -1,5 +1,5 @@
 """The machine a figure was measured on, named in every results file: CPU model, the vector ISA the kernels are
-built for, cores, and the C kernels' switches and races (`triton_vlm.engine.cbuild`), so a table read on another
+built for, cores, and the C kernels' switches and races (`triton_vlm.engine.cpu.cbuild`), so a table read on another
 machine says where it came from."""
 from __future__ import annotations
 

@@ -96,8 +96,8 @@ def instrument(timers: Timers) -> None:
     from triton_vlm.engine import decoder as dec_mod  # noqa: PLC0415
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
     from triton_vlm.engine import attention as attn_mod  # noqa: PLC0415
-    from triton_vlm.engine import cpu_decode as cpu_attn_mod  # noqa: PLC0415
-    from triton_vlm.engine import cpu_forward as cpu_fwd_mod  # noqa: PLC0415
+    from triton_vlm.engine.cpu import cpu_decode as cpu_attn_mod  # noqa: PLC0415
+    from triton_vlm.engine.cpu import cpu_forward as cpu_fwd_mod  # noqa: PLC0415
     from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
     from triton_vlm.engine import model as model_mod  # noqa: PLC0415
     from triton_vlm.engine import output as out_mod  # noqa: PLC0415

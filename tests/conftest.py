@@ -175,7 +175,7 @@ def _engine_kernels_wherever_checked(request, monkeypatch):
     also the faster path on this machine (switch "auto", the default) is tested in test_kernels_anywhere.py. (A
     conftest.py of its own in tests/engine would shadow this module's name for the tests that import it.)"""
     if Path(str(request.node.fspath)).parent.name == "engine":
-        from triton_vlm.engine import cpu_decode, cpu_forward, gemv
+        from triton_vlm.engine.cpu import cpu_decode, cpu_forward, gemv
 
         for env in (gemv.ENV, cpu_decode.ENV, cpu_forward.ENV):
             monkeypatch.setenv(env, "1")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine import attention, cpu_decode, profile
+from triton_vlm.engine import attention, profile
+from triton_vlm.engine.cpu import cpu_decode
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.engine.kv_cache import blocks_needed
 from triton_vlm.engine.profile import KVBudgetError, MemoryProbe
@@ -71,7 +72,7 @@ def test_activations_of_the_worst_case_are_measured(monkeypatch, ckpt):
 
 
 def test_the_cpu_decode_kernel_needs_no_gathered_keys(monkeypatch, ckpt):
-    """The C decode attention reads the keys in place (`engine/cpu_decode.py`): the profile measures what it
+    """The C decode attention reads the keys in place (`engine/cpu/cpu_decode.py`): the profile measures what it
     actually needs, and the cache gets the difference."""
     if cpu_decode.kernel(attention.decode_torch) is None:  # no C compiler here: torch gathers, as above
         return

@@ -18,7 +18,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     TRITON_VLM_CACHE=/cache HF_HOME=/cache/huggingface
 
 # tritonserver links the system's zlib and libstdc++; torch and onnxruntime use libgomp; the llm's decode kernels
-# (src/triton_vlm/engine/gemv.py, cpu_decode.py, cpu_forward.py) are compiled by gcc at the first start, for the
+# (src/triton_vlm/engine/cpu/: gemv, cpu_decode, cpu_forward; csrc/*.c) are compiled by gcc at the first start, for the
 # CPU the container runs on
 RUN apt-get update \
  && apt-get install -y --no-install-recommends zlib1g libstdc++6 libgomp1 gcc libc6-dev \

@@ -1,4 +1,4 @@
-"""The C decode attention (`engine/cpu_decode.py`): the same attention and the same cache writes as the torch
+"""The C decode attention (`engine/cpu/cpu_decode.py`): the same attention and the same cache writes as the torch
 ops (`attention.decode_torch`), every index checked before memory is touched, decode steps routed to it, and
 torch everywhere it cannot run."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triton_vlm.engine import cbuild, attention, cpu_decode
+from triton_vlm.engine import attention
+from triton_vlm.engine.cpu import cbuild, cpu_decode
 from triton_vlm.engine.model import LlamaModel
 
 

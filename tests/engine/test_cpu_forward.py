@@ -1,4 +1,4 @@
-"""The whole decode forward as one C call (`engine/cpu_forward.py`): bit for bit the layer-by-layer path (logits
+"""The whole decode forward as one C call (`engine/cpu/cpu_forward.py`): bit for bit the layer-by-layer path (logits
 and cache writes) for Llama, Qwen2 (q/k/v biases) and Mistral (a sliding window), taken only by small decode
 steps without adapters, and layer by layer wherever it cannot run."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
-from triton_vlm.engine import cbuild, cpu_forward, gemv
+from triton_vlm.engine.cpu import cbuild, cpu_forward, gemv
 from triton_vlm.engine.lora import LoraBatch, StackCache
 from triton_vlm.engine.model import LlamaModel
 from triton_vlm.lora.format import Adapter, LoraModule

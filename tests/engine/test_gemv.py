@@ -1,4 +1,4 @@
-"""The decode-sized product kernel (`engine/gemv.py`): it reads oneDNN's packed weights, matches a dense product,
+"""The decode-sized product kernel (`engine/cpu/gemv.py`): it reads oneDNN's packed weights, matches a dense product,
 takes exactly the 1-4 row products, and steps aside (oneDNN runs everything) wherever it cannot be used."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.engine import cbuild, gemm, gemv
+from triton_vlm.engine import gemm
+from triton_vlm.engine.cpu import cbuild, gemv
 
 
 def _machine_can_build() -> bool:

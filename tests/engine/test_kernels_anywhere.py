@@ -1,4 +1,4 @@
-"""The CPU kernels on any machine (`engine/cbuild.py`, `csrc/*.c`): the sources compile without a warning for
+"""The CPU kernels on any machine (`engine/cpu/cbuild.py`, `csrc/*.c`): the sources compile without a warning for
 every x86-64 level (no ABI-changing vector returns), an AVX2 machine gets the AVX-512 machine's bits, every
 kernel runs clean under AddressSanitizer + UBSan, the llm loads where the python stub's locale is ASCII and the
 compiler prints bytes it cannot decode, and a kernel is used only where it won its race against torch."""
@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.engine import cbuild, cpu_forward, gemm, gemv
+import triton_vlm
+from triton_vlm.engine import gemm
+from triton_vlm.engine.cpu import cbuild, cpu_forward, gemv
 
 PROBE = Path(__file__).with_name("kernel_probe.py")
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -44,7 +46,7 @@ def _env(tmp_path: Path, **extra: str) -> dict:
     keep = ("PATH", "HOME", "LD_LIBRARY_PATH", "TMPDIR")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(TRITON_VLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(Path(cbuild.__file__).parents[2]), OMP_NUM_THREADS="1")
+               PYTHONPATH=str(Path(triton_vlm.__file__).parents[1]), OMP_NUM_THREADS="1")
     env.update(extra)
     return env
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode
+from .cpu import cpu_decode
 from .kv_cache import AttentionBatch
 
 

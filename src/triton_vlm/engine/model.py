@@ -34,7 +34,8 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import attention, cbuild, cpu_forward, gemm, gemv
+from . import attention, gemm
+from .cpu import cbuild, cpu_forward, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
 from .lora import LoraBatch

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Optional, TypeVar
 
-from ..paths import cache_dir
+from ...paths import cache_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
