@@ -45,8 +45,11 @@ TEXT_MODELS = ("llama", "mistral", "qwen2")
 VISION_TOWERS = ("clip", "siglip")
 
 
-def build_qwen2_tokenizer(texts: Optional[Iterable[str]] = None, vocab_size: int = 512) -> Qwen2Tokenizer:
-    """A Qwen2 tokenizer (the class llava-interleave-qwen ships) over a BPE trained offline on `texts`."""
+def build_qwen2_tokenizer(texts: Optional[Iterable[str]] = None, vocab_size: int = 512,
+                          extra: Optional[list[str]] = None) -> Qwen2Tokenizer:
+    """A Qwen2 tokenizer (the class llava-interleave-qwen ships) over a BPE trained offline on `texts`; `extra`:
+    the added special tokens after Qwen's own (default: llava-interleave-qwen's `<image>`)."""
+    extra = [IMAGE] if extra is None else extra
     texts = list(texts) if texts else list(DEFAULT_TEXTS) + ["<|im_start|>user\nHi<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -59,9 +62,10 @@ def build_qwen2_tokenizer(texts: Optional[Iterable[str]] = None, vocab_size: int
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
               for m in json.loads(tok.to_str())["model"]["merges"]]
     qwen = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-                          pad_token="<|endoftext|>", extra_special_tokens={"image_token": IMAGE},
+                          pad_token="<|endoftext|>",
+                          extra_special_tokens={"image_token": IMAGE} if IMAGE in extra else {},
                           clean_up_tokenization_spaces=False)
-    qwen.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:] + [IMAGE]})
+    qwen.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:] + extra})
     return qwen
 
 
