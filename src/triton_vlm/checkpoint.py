@@ -138,9 +138,15 @@ def _layout(spec: CheckpointSpec, comps: HFComponents, family: Family) -> ImageL
     return layout
 
 
-def _image_token(spec: CheckpointSpec, comps: HFComponents) -> str:
+def _image_token(spec: CheckpointSpec, comps: HFComponents, family: Family) -> str:
     tok = comps.tokenizer
+    if family.image_token is not None:
+        return _checked_token(spec, tok, family.image_token)
     image_token = getattr(comps.processor, "image_token", None) or getattr(tok, "image_token", None) or "<image>"
+    return _checked_token(spec, tok, image_token)
+
+
+def _checked_token(spec: CheckpointSpec, tok: Any, image_token: str) -> str:
     tok_id = tok.convert_tokens_to_ids(image_token)
     if tok_id != spec.image_token_id:
         raise CheckpointError(f"config image_token_id {spec.image_token_id} but the tokenizer maps "
@@ -169,13 +175,13 @@ def _describe(family: Family, model_dir: Path, comps: HFComponents, *, context_l
         raise CheckpointError(f"context length must be positive, got {ctx}; pass context_length")
     return ModelInfo(
         model_dir=str(model_dir), pipeline=family.name, model_class=family.model_class,
-        image_token=_image_token(spec, comps), image_token_id=spec.image_token_id,
-        num_image_tokens=layout.max_tokens, image_size=(layout.tile, layout.tile),
+        image_token=_image_token(spec, comps, family), image_token_id=spec.image_token_id,
+        num_image_tokens=layout.max_tokens, image_size=layout.tile_hw,
         patch_size=spec.vision.patch_size, vision_feature_select_strategy=spec.vision.select_strategy,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=spec.eos_ids,
         pad_token_id=None if pad is None else int(pad),
         add_bos=bos is not None and bool(with_special) and with_special[0] == bos,
-        context_length=ctx, image_start=image_start, image_end=image_end,
+        context_length=ctx, image_start=image_start or family.image_start, image_end=image_end or family.image_end,
         vocab_size=spec.text.vocab_size, hidden_size=spec.text.hidden_size, layout=layout)
 
 

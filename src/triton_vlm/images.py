@@ -197,6 +197,8 @@ class ImageProcessor:
         pv = np.asarray(out["pixel_values"], dtype=np.float32)
         if pv.ndim == 4 and pv.shape[0] == len(images) and pv.shape[1] == 3:  # [n, 3, H, W]
             return [np.array(pv[i:i + 1]) for i in range(len(images))]
+        if pv.ndim == 2 and "image_grid_thw" in out:  # native-resolution patches (Qwen2-VL): [patches, C*T*P*P]
+            return self._patch_rows(pv, np.asarray(out["image_grid_thw"]), images)
         if pv.ndim != 5 or pv.shape[0] != len(images) or pv.shape[2] != 3 or self.layout is None:
             raise ValueError(f"unexpected pixel_values shape {pv.shape} for {len(images)} images")
         sizes = [(im.height, im.width) for im in images]
@@ -207,3 +209,15 @@ class ImageProcessor:
         if max(tiles) > pv.shape[1]:
             raise ValueError(f"the image processor gave {pv.shape[1]} tiles; the layout needs {max(tiles)}")
         return [np.array(pv[i, :k]) for i, k in enumerate(tiles)]  # [tiles_i, 3, H, W]
+
+    def _patch_rows(self, pv: np.ndarray, grids: np.ndarray, images: Sequence[Image.Image]) -> list[np.ndarray]:
+        """Qwen2-VL's rows [patches, 3 * T * P * P] -> each image's [patches_i, 3, T * P, P] (the same bytes),
+        its grid checked against the family's layout."""
+        want = [self.layout.grid((im.height, im.width)) for im in images]
+        got = [tuple(int(x) for x in g) for g in grids]
+        if got != want or pv.shape[0] != sum(t * h * w for t, h, w in got):
+            raise ValueError(f"the image processor gives grids {got} for {len(pv)} patches; the layout {want}")
+        th, tw = self.layout.tile_hw
+        rows = pv.reshape(-1, 3, th, tw)
+        starts = np.cumsum([0] + [t * h * w for t, h, w in got])
+        return [np.array(rows[a:b]) for a, b in zip(starts, starts[1:])]

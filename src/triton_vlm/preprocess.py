@@ -30,6 +30,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from .checkpoint import ModelInfo, load_components
+from .families import get_family
 from . import names as N
 from .errors import InvalidArgument
 from .image_cache import ImageCache, ProcessedImage, image_key
@@ -100,6 +101,8 @@ class Preprocessor:
         self.max_images = max_images
         self.max_pixels = max_pixels
         self.marker = marker
+        # any of these in the prompt takes the next of `images`: `<image>` and the family's own format
+        self.markers = (marker,) + get_family(self.info.pipeline).image_markers
         self.cache = ImageCache(image_cache_size)
         self.max_text_chars = max_text_chars or self.info.context_length * CHARS_PER_TOKEN_BOUND
 
@@ -199,7 +202,7 @@ class Preprocessor:
         budget = info.context_length - max_tokens
 
         parts = split_prompt(text, list(images or ()), image_start=info.image_start, image_end=info.image_end,
-                             marker=self.marker, max_images=self.max_images)
+                             marker=self.markers, max_images=self.max_images)
         n_chars = sum(len(p.text) for p in parts if isinstance(p, TextPart))
         if n_chars > self.max_text_chars:
             raise InvalidArgument(

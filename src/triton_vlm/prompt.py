@@ -61,14 +61,14 @@ class ImagePart:
 Part = Union[TextPart, ImagePart]
 
 
-def _pattern(marker: str) -> re.Pattern:
+def _pattern(markers: tuple[str, ...]) -> re.Pattern:
     alts = [f"(?P<inline>{INLINE_IMAGE.pattern})"]
-    if marker:
-        alts.append(f"(?P<marker>{re.escape(marker)})")
+    if any(markers):
+        alts.append("(?P<marker>" + "|".join(re.escape(m) for m in markers if m) + ")")
     return re.compile("|".join(alts))
 
 
-_PATTERNS: dict[str, re.Pattern] = {}
+_PATTERNS: dict[tuple[str, ...], re.Pattern] = {}
 
 
 def split_prompt(
@@ -77,10 +77,12 @@ def split_prompt(
     *,
     image_start: str = "",
     image_end: str = "",
-    marker: str = IMAGE_MARKER,
+    marker: str | tuple[str, ...] = IMAGE_MARKER,
     max_images: int | None = None,
 ) -> list[Part]:
-    """text (+ images for the markers) -> [TextPart | ImagePart, ...] in prompt order, markers added.
+    """text (+ images for the markers) -> [TextPart | ImagePart, ...] in prompt order, markers added. `marker`:
+    the image marker, or several (a family's own format besides `<image>`: Qwen2-VL's
+    `<|vision_start|><|image_pad|><|vision_end|>`), any of which takes the next image of `images`.
 
     Raises InvalidArgument when the marker count differs from `len(images)` (stating both counts) or when
     the prompt holds more than `max_images` images in total.
@@ -88,7 +90,9 @@ def split_prompt(
     if not isinstance(text, str):
         raise TypeError(f"text must be str, got {type(text).__name__}")
     images = list(images or ())
-    pat = _PATTERNS.setdefault(marker, _pattern(marker))
+    markers = (marker,) if isinstance(marker, str) else tuple(marker)
+    marker = markers[0] if markers else ""
+    pat = _PATTERNS.get(markers) or _PATTERNS.setdefault(markers, _pattern(markers))
     matches = list(pat.finditer(text))
     n_markers = sum(1 for m in matches if m.group("inline") is None)
     n_inline = len(matches) - n_markers

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # Qwen2: Llama with q/k/v biases
+# Qwen2: Llama with q/k/v biases; Qwen2-VL / Qwen2.5-VL's text models: Qwen2 with M-RoPE (`mrope_section`)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 FEATURE_STRATEGIES = ("default", "full")
 VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
 VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
+NATIVE_RESOLUTION_TOWERS = ("qwen2_vl", "qwen2_vl_vision", "qwen2_5_vl_vision")  # patches at the image's own size, no CLS
 
 
 class CheckpointError(ValueError):
@@ -64,6 +66,8 @@ class TextSpec:
     # per layer, the sliding attention window (a query sees the keys q - window < k <= q), 0 = full attention;
     # () when no layer slides (Mistral with sliding_window: every layer; Qwen2: layer_types "sliding_attention")
     layer_windows: tuple[int, ...] = ()
+    # M-RoPE (Qwen2-VL): the rotary frequencies' split between the temporal, height and width positions; () = 1-D
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def kv_groups(self) -> int:
@@ -187,7 +191,18 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
-        layer_windows=_layer_windows(text))
+        layer_windows=_layer_windows(text), mrope_section=_mrope(text))
+
+
+def _mrope(text: Any) -> tuple[int, ...]:
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    section = tuple(int(x) for x in (rope.get("mrope_section") or ()))
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    if section and sum(section) != head_dim // 2:
+        raise CheckpointError(f"mrope_section {list(section)} must add up to head_dim / 2 = {head_dim // 2}")
+    if rope.get("mrope_interleaved"):
+        raise CheckpointError("interleaved M-RoPE (Qwen3-VL) is not supported; Qwen2-VL / Qwen2.5-VL's is")
+    return section
 
 
 def _layer_windows(text: Any) -> tuple[int, ...]:
@@ -206,6 +221,9 @@ def _layer_windows(text: Any) -> tuple[int, ...]:
 
 def _vision_spec(top: Any) -> VisionSpec:
     vision = top.vision_config
+    if vision.model_type in NATIVE_RESOLUTION_TOWERS:  # tokens per image: the family's layout (`families/`)
+        return VisionSpec(model_type=vision.model_type, image_size=0, patch_size=int(vision.patch_size),
+                          feature_layer=-1, select_strategy="full", extra_tokens=0)
     strategy = getattr(top, "vision_feature_select_strategy", "default")
     if strategy not in FEATURE_STRATEGIES:
         raise CheckpointError(f"vision_feature_select_strategy {strategy!r} is unsupported; use one of "

@@ -13,6 +13,8 @@ own for the families served (`transformers/conversion_mapping.py`), applied in i
   llava_next `^image_newline` -> `model.image_newline`;
 - "LlavaModel" (scoped to `model.`), and "legacy"'s duplicate `.model.model`: `model.language_model.model.` and
   `model.language_model.model.model.` -> `model.language_model.`;
+- "Qwen2VLForConditionalGeneration" (Qwen2-VL, Qwen2.5-VL): `^visual` -> `model.visual`, `^model` (unless already
+  `model.language_model` / `model.visual`) -> `model.language_model`;
 - "CLIPVisionModel" (SigLIP and SigLIP2 share it), scoped to the tower: `PrefixChange(prefix_to_remove=
   "vision_model")`, i.e. `model.vision_tower.vision_model.` -> `model.vision_tower.`.
 So the hub's transformers-4 saves (`language_model.model.*`, `language_model.lm_head.*`,
@@ -49,7 +51,14 @@ INNER_RENAMES: tuple[tuple[str, str], ...] = (
 # towers whose transformers class is CLIPVisionModel or shares its mapping (SiglipVisionModel, Siglip2VisionModel)
 TOWERS_WITHOUT_VISION_MODEL = ("clip_vision_model", "siglip_vision_model", "siglip2_vision_model")
 TOWER_RENAME = (r"^model\.vision_tower\.vision_model\.", "model.vision_tower.")
-FAMILY_RENAMES = {"llava": LLAVA_RENAMES, "llava_next": NEXT_RENAMES}
+# transformers' "Qwen2VLForConditionalGeneration" mapping (Qwen2.5-VL shares it): the hub's `visual.*` and
+# `model.*` (its text model) -> `model.visual.*`, `model.language_model.*`; `lm_head` stays
+QWEN_VL_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^visual\.", "model.visual."),
+    (r"^model\.(?!(language_model|visual)\.)", "model.language_model."),
+)
+FAMILY_RENAMES = {"llava": LLAVA_RENAMES, "llava_next": NEXT_RENAMES, "qwen2_vl": QWEN_VL_RENAMES,
+                  "qwen2_5_vl": QWEN_VL_RENAMES}
 
 
 def renames_for(config: dict) -> tuple[tuple[str, str], ...]:
@@ -57,7 +66,7 @@ def renames_for(config: dict) -> tuple[tuple[str, str], ...]:
     family = FAMILY_RENAMES.get(str(config.get("model_type")))
     if family is None:
         return ()
-    rules = family + INNER_RENAMES
+    rules = family + (INNER_RENAMES if family is not QWEN_VL_RENAMES else ())
     tower = (config.get("vision_config") or {}).get("model_type")
     if tower in TOWERS_WITHOUT_VISION_MODEL:
         rules += (TOWER_RENAME,)

@@ -4,6 +4,8 @@
 | --- | --- | --- |
 | `llava` | `llava.py` | `LlavaForConditionalGeneration` (llava-1.5, llava-interleave) |
 | `llava_next` | `llava_next.py` | `LlavaNextForConditionalGeneration` (llava-v1.6) |
+| `qwen2_vl` | `qwen2_vl.py` | `Qwen2VLForConditionalGeneration` (Qwen2-VL) |
+| `qwen2_5_vl` | `qwen2_vl.py` | `Qwen2_5_VLForConditionalGeneration` (Qwen2.5-VL) |
 
 Adding a family (LLaVA-OneVision, Qwen2-VL, ...) is a new module with a `Family` subclass, registered in
 `FAMILIES` below: its checkpoint recognition, `ImageLayout` (tiles and tokens per image), projector and
@@ -17,10 +19,11 @@ from ..spec import CheckpointError, CheckpointSpec
 from .base import Family, ImageLayout, Packer, Size
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT, AnyResLayout
+from .qwen2_vl import QWEN2_5_VL, QWEN2_VL, PatchLayout
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL)}
 
-__all__ = ["FAMILIES", "AnyResLayout", "Family", "ImageLayout", "Packer", "Size", "describe_families",
+__all__ = ["FAMILIES", "AnyResLayout", "PatchLayout", "Family", "ImageLayout", "Packer", "Size", "describe_families",
            "family_for_config", "family_of", "get_family"]
 
 

@@ -48,6 +48,11 @@ class ImageLayout:
         """Features of one tile after the select strategy (`spec.image_token_count`)."""
         return image_token_count((self.tile, self.tile), self.patch, self.extra_tokens, self.strategy)
 
+    @property
+    def tile_hw(self) -> Size:
+        """(H, W) of one `pixel_values` tile."""
+        return (self.tile, self.tile)
+
     def tiles(self, size: Size) -> int:
         return 1
 
@@ -83,6 +88,11 @@ class Family:
     model_type: str = ""  # config.json model_type
     architectures: tuple[str, ...] = ()  # config.json architectures served
     model_class: str = ""  # the transformers class holding the weights (the `hf` baseline loads it)
+    image_token: Optional[str] = None  # the placeholder token (None: the processor's / tokenizer's `image_token`)
+    image_markers: tuple[str, ...] = ()  # prompt text that stands for an image besides `<image>` (its own format)
+    image_start: str = ""  # text the checkpoint's processor writes around each image's placeholders
+    image_end: str = ""
+    mrope = False  # 3-D rotary positions for image tokens (Qwen2-VL's M-RoPE)
     # where the vision tensors live, by their transformers-5 names (`weight_source.TensorSource` maps every saved
     # layout, the hub's `vision_tower.vision_model.` and `multi_modal_projector.` included, to these)
     weight_prefixes: dict[str, tuple[str, ...]] = {
