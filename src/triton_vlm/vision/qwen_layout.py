@@ -1,0 +1,170 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower's configuration and its per-batch layout, host-side (numpy).
+
+`TowerConfig` reads the vision config (a transformers config object or its dict); `tower_aux(grids, config)` is
+everything the graph (`qwen_tower.QwenTowerGraph`) needs that depends on the images' grids, computed once per
+batch, so the graph is static:
+
+- `position_ids` int64 [N, 2]: each patch's (row, column) in its frame, laid out block-major over the merge units
+  as the processor orders the patches (transformers' `get_vision_position_ids`);
+- `segment_ids` int64 [N]: one id per frame (an image, or one temporal step of a video): full attention stays
+  within a frame (transformers' `cu_seqlens` repeats h*w t times);
+- 2.5-VL only, `window_ids` int64 [N]: one id per window of `window_size // patch_size // spatial_merge_size`
+  merged tokens squared within a frame, partial windows at the right and bottom edges (transformers'
+  `get_vision_window_index` pads them, then drops the padding).
+
+N = sum(t * h * w) over the grids, in the grids' order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..spec import CheckpointError
+
+QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
+# the vision config's model_type (transformers' class attribute) -> tower kind; the top-level types are accepted too
+MODEL_TYPES = {"qwen2_vl_vision": QWEN2_VL, "qwen2_vl": QWEN2_VL,
+               "qwen2_5_vl_vision": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL}
+POSITION_IDS, SEGMENT_IDS, WINDOW_IDS = "position_ids", "segment_ids", "window_ids"
+# graph inputs after `patches`, in order; Qwen2-VL (no windowed layers) takes the first two (`aux_names`)
+AUX_NAMES = (POSITION_IDS, SEGMENT_IDS, WINDOW_IDS)
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def is_qwen_vision(vision_config: Any) -> bool:
+    """A Qwen2-VL or Qwen2.5-VL vision config (a transformers config object or its dict)."""
+    return isinstance(vision_config, TowerConfig) or str(_get(vision_config, "model_type")) in MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class TowerConfig:
+    kind: str  # QWEN2_VL or QWEN2_5_VL
+    depth: int
+    width: int  # the blocks' hidden size
+    heads: int
+    mlp_hidden: int
+    out_hidden: int  # the merger's output size (the language model's hidden size)
+    act: str  # the blocks' MLP activation (transformers' ACT2FN name)
+    in_channels: int
+    patch: int
+    temporal_patch: int
+    merge: int  # spatial_merge_size
+    rope_theta: float
+    window_size: int = 0  # pixels (2.5-VL)
+    fullatt: tuple[int, ...] = ()  # 2.5-VL: the blocks with full attention; the others are windowed
+
+    @classmethod
+    def from_config(cls, vc: Any) -> "TowerConfig":
+        if isinstance(vc, TowerConfig):
+            return vc
+        kind = MODEL_TYPES.get(str(_get(vc, "model_type")))
+        if kind is None:
+            raise CheckpointError(f"vision config model_type {_get(vc, 'model_type')!r} is not a Qwen2-VL or "
+                                  f"Qwen2.5-VL tower (one of {sorted(MODEL_TYPES)})")
+        rope = _get(vc, "rope_parameters") or {}
+        common = dict(kind=kind, depth=int(_get(vc, "depth")), heads=int(_get(vc, "num_heads")),
+                      in_channels=int(_get(vc, "in_channels", _get(vc, "in_chans", 3))),
+                      patch=int(_get(vc, "patch_size")), temporal_patch=int(_get(vc, "temporal_patch_size")),
+                      merge=int(_get(vc, "spatial_merge_size")), rope_theta=float(rope.get("rope_theta", 10000.0)))
+        if kind == QWEN2_VL:
+            width = int(_get(vc, "embed_dim"))
+            return cls(width=width, mlp_hidden=int(width * _get(vc, "mlp_ratio")),
+                       out_hidden=int(_get(vc, "hidden_size")), act=str(_get(vc, "hidden_act", "quick_gelu")),
+                       **common)
+        cfg = cls(width=int(_get(vc, "hidden_size")), mlp_hidden=int(_get(vc, "intermediate_size")),
+                  out_hidden=int(_get(vc, "out_hidden_size")), act=str(_get(vc, "hidden_act", "silu")),
+                  window_size=int(_get(vc, "window_size")),
+                  fullatt=tuple(int(i) for i in _get(vc, "fullatt_block_indexes")), **common)
+        if cfg.window_merged < 1:
+            raise CheckpointError(f"vision config window_size {cfg.window_size} is smaller than patch_size * "
+                                  f"spatial_merge_size = {cfg.patch * cfg.merge}")
+        return cfg
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch * self.patch * self.patch
+
+    @property
+    def window_merged(self) -> int:
+        """A window's side in merged tokens (transformers' `vit_merger_window_size`)."""
+        return self.window_size // self.merge // self.patch
+
+    @property
+    def windowed(self) -> bool:
+        return self.kind == QWEN2_5_VL
+
+    def inv_freq(self) -> list[float]:
+        """The rotary inverse frequencies, as transformers computes them (fp32)."""
+        spatial = self.head_dim // 2
+        steps = torch.arange(0, spatial, 2, dtype=torch.float) / spatial
+        return (1.0 / (self.rope_theta ** steps)).tolist()
+
+
+def aux_names(vision_config: Any) -> tuple[str, ...]:
+    """The graph's inputs after `patches` for this tower, in order (a prefix of AUX_NAMES)."""
+    return AUX_NAMES if TowerConfig.from_config(vision_config).windowed else AUX_NAMES[:2]
+
+
+# --- host side: the per-batch layout (numpy) ----------------------------------------------------------------
+def _check_grid(i: int, grid: Sequence[int], merge: int) -> tuple[int, int, int]:
+    if len(grid) != 3:
+        raise ValueError(f"grid {i} is {tuple(grid)}: expected (t, h, w) in patches")
+    t, h, w = (int(v) for v in grid)
+    if t < 1 or h < merge or w < merge or h % merge or w % merge:
+        raise ValueError(f"grid {i} is {(t, h, w)}: t must be >= 1 and h, w positive multiples of "
+                         f"spatial_merge_size {merge}")
+    return t, h, w
+
+
+def _block_major(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's (row, column) in the processor's order: merge units in raster order, patches within each."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    return (rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1),
+            cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1))
+
+
+def _frame_windows(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, int]:
+    """Each patch's window within one frame (processor order) and the frame's number of windows."""
+    mh, mw = h // merge, w // merge
+    per_row = -(-mw // side)
+    units = (np.arange(mh)[:, None] // side) * per_row + np.arange(mw)[None, :] // side  # [mh, mw]
+    return np.repeat(units.reshape(-1), merge * merge), (-(-mh // side)) * per_row
+
+
+def tower_aux(grids: Sequence[Sequence[int]], vision_config: Any) -> dict[str, np.ndarray]:
+    """The graph's inputs after `patches` for these grids ((t, h, w) in patches per image or video, in order):
+    `position_ids` int64 [N, 2], `segment_ids` int64 [N] (one per frame), and for 2.5-VL `window_ids` int64 [N]
+    (one per window of a frame); N = sum(t * h * w)."""
+    cfg = TowerConfig.from_config(vision_config)
+    if len(grids) == 0:
+        raise ValueError("tower_aux needs at least one grid")
+    positions, segments, windows = [], [], []
+    frame, window = 0, 0
+    for i, grid in enumerate(grids):
+        t, h, w = _check_grid(i, grid, cfg.merge)
+        rows, cols = _block_major(h, w, cfg.merge)
+        positions.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
+        segments.append(np.repeat(np.arange(frame, frame + t), h * w))
+        frame += t
+        if cfg.windowed:
+            ids, count = _frame_windows(h, w, cfg.merge, cfg.window_merged)
+            windows.extend(ids + window + k * count for k in range(t))
+            window += t * count
+    out = {POSITION_IDS: np.concatenate(positions).astype(np.int64),
+           SEGMENT_IDS: np.concatenate(segments).astype(np.int64)}
+    if cfg.windowed:
+        out[WINDOW_IDS] = np.concatenate(windows).astype(np.int64)
+    return out

@@ -1,0 +1,252 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower as one static torch graph: exact against transformers, ONNX-exportable.
+
+transformers' towers (`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel`) compute
+their per-image layout inside `forward` with Python loops over `grid_thw` and split attention per image; no
+exporter keeps that dynamic. Here the layout is host-side numpy (`qwen_layout.tower_aux`, once per batch) and
+`QwenTowerGraph` is the same graph for any batch:
+
+- patch embedding: the Conv3d (kernel = stride = the patch) is a MatMul on the processor's flattened patch rows;
+- 2-D rotary from `position_ids` and the fixed inverse frequencies, cos/sin and the rotation in fp32;
+- attention: block-diagonal masks built in the graph from segment ids (`seg[:, None] == seg[None, :]` -> 0 / -inf
+  added to the fp32 scores, softmax in fp32): full-attention blocks by `segment_ids` (a frame), 2.5-VL's windowed
+  blocks by `window_ids` (a window of a frame);
+- norms in fp32 (LayerNorm for Qwen2-VL, RMSNorm as transformers computes it for 2.5-VL); the PatchMerger: each run
+  of `spatial_merge_size**2` consecutive patches concatenated, then its MLP.
+
+2.5-VL's window permutation (transformers reorders the merge units window by window, runs the blocks and undoes
+it after the merger) is left out: every op but attention is per token, the merge units stay whole, and masked
+attention does not depend on the order of the tokens, so the graph runs in the processor's order with the same
+result (up to fp32 summation order). Several images in one call get what each gets alone.
+
+The attention is dense over the call: scores are [heads, N, N] fp32 (N = 4096 patches: 64 MiB per head), so the
+caller bounds a call's patch count N.
+
+`export_tower_onnx` writes it as ONNX (opset 17, TorchScript exporter): inputs `patches` + `aux_names(config)`,
+output `encoder_output` [N / spatial_merge_size**2, out_hidden], dynamic patch and token axes.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..spec import CheckpointError
+from .qwen_layout import (AUX_NAMES, POSITION_IDS, QWEN2_5_VL, QWEN2_VL, SEGMENT_IDS, WINDOW_IDS, TowerConfig,
+                          aux_names, is_qwen_vision, tower_aux)
+
+__all__ = ["AUX_NAMES", "PATCHES", "OUTPUT", "POSITION_IDS", "SEGMENT_IDS", "WINDOW_IDS", "QWEN2_VL", "QWEN2_5_VL",
+           "TowerConfig", "QwenTowerGraph", "aux_names", "export_tower_onnx", "is_qwen_vision", "tower_aux"]
+PATCHES, OUTPUT = "patches", "encoder_output"
+OPSET = 17
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+EPS = 1e-6
+
+
+class _Norm(nn.Module):
+    """LayerNorm (Qwen2-VL) or RMSNorm (2.5-VL), eps 1e-6, computed in fp32 whatever the graph's dtype."""
+
+    def __init__(self, dim: int, rms: bool):
+        super().__init__()
+        self.dim, self.rms = dim, rms
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = None if rms else nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:  # transformers' Qwen2_5_VLRMSNorm: the weight multiplies in the input's dtype
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+            return self.weight * h.to(x.dtype)
+        return F.layer_norm(x.float(), (self.dim,), self.weight.float(), self.bias.float(), EPS).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    return (h * cos + _rotate_half(h) * sin).to(x.dtype)
+
+
+def _segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[N, N] fp32: 0 where two patches share a segment, -inf elsewhere."""
+    same = segments[:, None] == segments[None, :]
+    return torch.where(same, torch.tensor(0.0), torch.tensor(float("-inf")))
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(-1, 3, self.heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)  # [H, N, D]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        probs = torch.softmax(scores.float() + mask, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v).transpose(0, 1).reshape(-1, self.heads * self.head_dim)
+        return self.proj(out)
+
+
+class _Mlp(nn.Module):
+    """Qwen2-VL: fc1, act, fc2; 2.5-VL: SwiGLU-style gate_proj/up_proj/down_proj (with biases)."""
+
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        from transformers.activations import ACT2FN  # noqa: PLC0415 - transformers' exact activations
+
+        self.act = ACT2FN[cfg.act]
+        self.gated = cfg.kind == QWEN2_5_VL
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
+            self.up_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
+            self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.width)
+        else:
+            self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
+            self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        rms = cfg.kind == QWEN2_5_VL
+        self.norm1, self.norm2 = _Norm(cfg.width, rms), _Norm(cfg.width, rms)
+        self.attn = _Attention(cfg)
+        self.mlp = _Mlp(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Merger(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.hidden = cfg.width * cfg.merge * cfg.merge
+        self.ln_q = _Norm(cfg.width, cfg.kind == QWEN2_5_VL)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, cfg.out_hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).reshape(-1, self.hidden))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        kernel = (cfg.temporal_patch, cfg.patch, cfg.patch)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """The Conv3d over one patch per row (kernel = stride = the patch) is a MatMul with the flat kernel."""
+        w = self.proj.weight
+        return torch.matmul(patches.to(w.dtype), w.reshape(w.shape[0], -1).t())
+
+
+class QwenTowerGraph(nn.Module):
+    """The tower: `forward(patches [N, patch_dim], *aux in aux_names order) -> [N / merge**2, out_hidden]`.
+
+    `weights`: the tower's tensors keyed without the `model.visual.` prefix (what `TensorSource.with_prefixes`
+    returns); missing or misshapen tensors are refused with `CheckpointError` naming them, others are ignored."""
+
+    def __init__(self, vision_config: Any, weights: Mapping[str, torch.Tensor]):
+        super().__init__()
+        cfg = TowerConfig.from_config(vision_config)
+        self.config = cfg
+        self.aux_names = aux_names(cfg)
+        self.full_blocks = frozenset(range(cfg.depth)) if not cfg.windowed else frozenset(cfg.fullatt)
+        self.inv_freq = cfg.inv_freq()
+        with torch.device("meta"):  # no random init of weights that are overwritten next
+            self.patch_embed = _PatchEmbed(cfg)
+            self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.depth))
+            self.merger = _Merger(cfg)
+        self.to_empty(device="cpu")
+        self._load(weights)
+        self.eval()
+
+    def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        expected = self.state_dict()
+        missing = [k for k in expected if k not in weights]
+        if missing:
+            raise CheckpointError(f"Qwen vision tower: the checkpoint lacks {len(missing)} tensor(s) "
+                                  f"(after its model.visual. prefix): {', '.join(missing[:10])}"
+                                  + (" ..." if len(missing) > 10 else ""))
+        wrong = [f"{k} {tuple(weights[k].shape)} (config says {tuple(t.shape)})" for k, t in expected.items()
+                 if tuple(weights[k].shape) != tuple(t.shape)]
+        if wrong:
+            raise CheckpointError(f"Qwen vision tower: tensor shapes disagree with the vision config: "
+                                  f"{', '.join(wrong[:10])}")
+        with torch.no_grad():
+            for k, t in expected.items():
+                t.copy_(weights[k])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, head_dim] fp32: transformers' axial rope (h angles, w angles, repeated)."""
+        inv = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)
+        freqs = positions.unsqueeze(-1).float() * inv  # [N, 2, head_dim / 4]
+        half = torch.cat((freqs[:, 0], freqs[:, 1]), dim=-1)
+        emb = torch.cat((half, half), dim=-1)
+        return emb.cos().unsqueeze(0), emb.sin().unsqueeze(0)
+
+    def forward(self, patches: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
+        if len(aux) != len(self.aux_names):
+            raise TypeError(f"QwenTowerGraph takes patches and {self.aux_names}, got {len(aux)} aux tensors")
+        cos, sin = self._rotary(aux[0])
+        full = _segment_mask(aux[1])
+        window = _segment_mask(aux[2]) if self.config.windowed else full
+        x = self.patch_embed(patches)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if i in self.full_blocks else window)
+        return self.merger(x)
+
+
+def example_inputs(graph: QwenTowerGraph, grids: Sequence[Sequence[int]], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random patches for these grids and their aux tensors, in the graph's input order and dtype."""
+    aux = tower_aux(grids, graph.config)
+    n = aux[SEGMENT_IDS].shape[0]
+    g = torch.Generator().manual_seed(seed)
+    patches = torch.randn(n, graph.config.patch_dim, generator=g).to(graph.dtype)
+    return (patches,) + tuple(torch.from_numpy(aux[name]) for name in graph.aux_names)
+
+
+def export_tower_onnx(graph: QwenTowerGraph, out: str | Path, grids_example: Sequence[Sequence[int]],
+                      dtype: str = "float32") -> Path:
+    """Write the graph as ONNX in `dtype` (float16: weights and activations fp16; norms, rotary and softmax fp32;
+    `patches` is then fp16 too): inputs `patches` [N, patch_dim] + `graph.aux_names` (int64, leading axis N),
+    output `encoder_output` [N / merge**2, out_hidden]. Written to a temporary file, then renamed."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if graph.dtype != DTYPES[dtype]:
+        graph = copy.deepcopy(graph).to(DTYPES[dtype])
+    inputs = example_inputs(graph, grids_example)
+    names = (PATCHES,) + graph.aux_names
+    axes = {name: {0: "patches"} for name in names}
+    axes[OUTPUT] = {0: "tokens"}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the aux count check, static per graph
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
+        torch.onnx.export(graph, inputs, str(tmp), opset_version=OPSET, input_names=list(names),
+                          output_names=[OUTPUT], dynamic_axes=axes, dynamo=False)
+    os.replace(tmp, out)
+    return out
