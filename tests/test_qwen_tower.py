@@ -58,9 +58,9 @@ def tower(request, tmp_path_factory):
     _randomize(model.model.visual)
     d = tmp_path_factory.mktemp(kind)
     model.save_pretrained(d)
-    # transformers saves the hub layout (`visual.*`); the loader's canonical name is `model.visual.*`
-    weights = TensorSource(d).with_prefixes(("model.visual.", "visual."))
-    assert weights, "no tower tensors read back from the checkpoint"
+    # transformers saves the hub layout (`visual.*`); the loader renames it to `model.visual.*` as transformers does
+    weights = TensorSource(d).with_prefixes(("model.visual.",))
+    assert "merger.mlp.0.weight" in weights and not any(k.startswith("model.") for k in weights)
     return model, QwenTowerGraph(model.config.vision_config, weights), weights
 
 
