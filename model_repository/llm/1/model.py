@@ -45,6 +45,12 @@ class TritonPythonModel:
                                cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
                                scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict")
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
+            if p.get("kv_events_endpoint"):  # the prefix cache's events for llm-d's KV-cache indexer
+                from triton_vlm.engine import kv_events
+
+                self.kv_events = kv_events.attach(
+                    backend, p["kv_events_endpoint"], replay_endpoint=p.get("kv_events_replay_endpoint") or None,
+                    topic=p.get("kv_events_topic") or kv_events.default_topic(model_dir.name))
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")
@@ -62,6 +68,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
 
 
 def _instances(args) -> int:

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from .prefix_cache import BlockHash, PrefixStats
+from .prefix_cache import BlockEvents, BlockHash, PrefixStats, RequestHasher
 
 
 class CacheFull(RuntimeError):
@@ -91,6 +91,7 @@ class KVCache:
         self._hash_of: dict[int, BlockHash] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; least recently used first
         self.prefix_stats = PrefixStats()
+        self.events: Optional[BlockEvents] = None  # KV-cache events: blocks registered / evicted (kv_events.py)
 
     # --- budget -------------------------------------------------------------------------------------------
     @property
@@ -124,7 +125,10 @@ class KVCache:
             b = self._free.pop()
         elif self._idle:  # evict the least recently used cached block
             b, _ = self._idle.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(b)]
+            h = self._hash_of.pop(b)
+            del self._by_hash[h]
+            if self.events is not None:
+                self.events.removed(h)
         else:
             raise CacheFull(f"all {self.num_blocks} KV blocks are in use")
         self.refcount[b] = 1
@@ -198,13 +202,16 @@ class KVCache:
             st.requests, st.queries, st.hits = st.requests + 1, st.queries + prompt_len, st.hits + row.length
         return row.length
 
-    def register(self, row: RowKV, index: int, h: BlockHash) -> None:
-        """Block `index` of `row` is full, its KV complete, and hashes to `h`: findable from now on. A hash already
-        cached keeps its first block (this one is then freed as usual when its rows let it go)."""
+    def register(self, row: RowKV, index: int, h: BlockHash, hasher: Optional[RequestHasher] = None) -> None:
+        """Block `index` of `row` is full, its KV complete, and hashes to `h` (computed by `hasher`): findable from
+        now on. A hash already cached keeps its first block (this one is then freed as usual when its rows let it
+        go)."""
         b = row.blocks[index]
         if h not in self._by_hash and b not in self._hash_of:
             self._by_hash[h] = b
             self._hash_of[b] = h
+            if self.events is not None and hasher is not None:
+                self.events.stored(h, row.hashes[index - 1] if index else None, hasher)
 
     # --- addressing for one forward ---------------------------------------------------------------------
     def plan(self, rows: list[RowKV], q_len: int) -> AttentionBatch:

@@ -24,6 +24,11 @@ automatic prefix caching).
 `RequestHasher` holds a request's root, image spans and prompt block hashes (computed at submit, off the engine
 thread); `KVCache` (`kv_cache.py`) keeps the hash -> block index, the idle cached blocks in LRU order, and the
 counters (`PrefixStats`).
+
+KV-cache events (`BlockEvents`): when `KVCache.events` is set, the cache reports a block registered (`stored`,
+with its parent's hash and the request's hasher, which remembers every block it hashed: `BlockMeta`, the block's
+token ids and the keys that entered its hash besides them) and a cached block evicted (`removed`); `kv_events.py`
+publishes them in vLLM's format for llm-d's KV-cache indexer.
 """
 from __future__ import annotations
 
@@ -32,13 +37,32 @@ import threading
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
 BlockHash = bytes  # 32 bytes
 _ROOT = hashlib.sha256(b"triton-vlm prefix cache v1").digest()
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What entered a block's hash besides its parent's: its `block_size` token ids, and `extra_keys`, the
+    identifiers (hex) of the image spans with placeholders in it, then for a request's first block its cache
+    salt (vLLM's per-block `extra_keys`, mm identifiers then `cache_salt`). The adapter enters the root: its name
+    is `RequestHasher.lora_name`."""
+
+    tokens: Any  # block_size token ids (a numpy slice of the prompt, or a row's list)
+    extra_keys: tuple[str, ...] = ()
+
+
+class BlockEvents(Protocol):
+    """Receives the prefix cache's changes on the engine thread; must return at once (`kv_events.py`)."""
+
+    def stored(self, block_hash: "BlockHash", parent: "Optional[BlockHash]", hasher: "RequestHasher") -> None: ...
+
+    def removed(self, block_hash: "BlockHash") -> None: ...
 
 
 @dataclass
@@ -122,6 +146,9 @@ class RequestHasher:
     def __init__(self, input_ids: Sequence[int], block_size: int, *, spans: list[ImageSpan],
                  image_token_id: Optional[int], adapter=None, salt: Optional[str] = None):
         self.block_size, self.spans = block_size, spans
+        self.lora_name = None if adapter is None else adapter.name
+        self.salt = salt
+        self.meta: dict[BlockHash, BlockMeta] = {}  # every block hashed here (for KV-cache events)
         self.root = _ROOT if adapter is None else hashlib.sha256(_ROOT + adapter_key(adapter)).digest()
         if salt is not None:  # after the fixed-size root: unambiguous
             self.root = hashlib.sha256(self.root + b"salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
@@ -139,6 +166,7 @@ class RequestHasher:
         """Hash of the full block holding positions [start, start + block_size) with these token ids."""
         h = hashlib.sha256(parent)
         h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+        keys = []
         if self._ph and start < self.prompt_len:
             lo = bisect_left(self._ph, start)
             hi = bisect_left(self._ph, start + self.block_size)
@@ -146,7 +174,12 @@ class RequestHasher:
                 a, b = max(lo, s.first), min(hi, s.first + s.count)
                 if a < b:
                     h.update(b"img" + s.digest + np.array([a - s.first, b - a], dtype=np.int64).tobytes())
-        return h.digest()
+                    keys.append(s.digest.hex())
+        if start == 0 and self.salt is not None:
+            keys.append(self.salt)
+        digest = h.digest()
+        self.meta[digest] = BlockMeta(tokens, tuple(keys))
+        return digest
 
 
 def request_hasher(req, block_size: int, image_token_id: Optional[int]) -> Optional[RequestHasher]:

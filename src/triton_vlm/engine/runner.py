@@ -111,7 +111,7 @@ class ModelRunner:
         resume = kv.resume_ids
         hashes = kv.hasher.prompt_hashes if resume is None else kv.resume_hashes
         for i in range(len(row.hashes), kv.prefilled // bs):
-            self.cache.register(row, i, hashes[i])
+            self.cache.register(row, i, hashes[i], kv.hasher)
             row.hashes.append(hashes[i])
         if kv.prefilled == a.prefill_len:
             row.tokens = list((a.req.input_ids if resume is None else resume)[len(row.hashes) * bs:])
@@ -132,7 +132,7 @@ class ModelRunner:
         if len(row.tokens) == bs:
             i = len(row.hashes)
             h = hasher.block(row.hashes[-1] if row.hashes else hasher.root, i * bs, row.tokens)
-            self.cache.register(row, i, h)
+            self.cache.register(row, i, h, hasher)
             row.hashes.append(h)
             row.tokens = []
 
