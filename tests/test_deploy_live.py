@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from triton_vlm.server.frontend import OpenAIFrontend
 from triton_vlm.server.process import free_port
 
+from bench.routing import KVIndex, Subscriber, run_chats
 from deploy_support import (EndpointMetrics, Spec, epp_config, extract, one, parse_prometheus, pick, render,
                             score, server_container)
 
@@ -136,16 +137,25 @@ SHORT_PROMPT, LONG_NEW_TOKENS, B_BEAMS = "USER: Say hello. ASSISTANT:", 240, 2
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, demo_model, demo_adapters):
+def events_sub():
+    """The picker stand-in's KV-events subscriber (llm-d's central mode: it binds, the replicas connect)."""
+    sub = Subscriber(KVIndex(block_size=16))
+    yield sub
+    sub.close()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, demo_model, demo_adapters, events_sub):
     """Two replicas of the server as shipped, small enough that 4 long requests queue: 2 rows each, 2 LoRA slots,
-    a KV cache of 64 blocks of 16 tokens."""
+    a KV cache of 64 blocks of 16 tokens; each publishes its KV-cache events to the picker stand-in."""
     from conftest import _start_server, _stop_server
 
-    params = {"*": {"lora_dir": str(demo_adapters)}, "llm": REPLICA_PARAMS}
     started = []
     with contextlib.ExitStack() as stack:
         try:
             for name in ("replica-a", "replica-b"):
+                events = {"kv_events_endpoint": events_sub.endpoint, "kv_events_topic": f"kv@{name}@llm"}
+                params = {"*": {"lora_dir": str(demo_adapters)}, "llm": {**REPLICA_PARAMS, **events}}
                 server = _start_server(tmp_path_factory, demo_model, params, name)
                 started.append(server)
                 started[-1] = stack.enter_context(
@@ -298,3 +308,29 @@ def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
     after = {k: scrape(s) for k, s in servers.items()}
     ratio = {k: queue_compute_ratio(before[k], after[k]) for k in servers}
     assert ratio["a"] > 0.2 and ratio["a"] > 4 * ratio["b"], ratio  # the HPA's metric sees a's queue
+
+
+# --- prefix-cache-aware routing ----------------------------------------------------------------------------------
+def test_precise_prefix_routing_keeps_chats_where_their_blocks_are(replicas, events_sub, demo_model):
+    """The picker stand-in, fed by both replicas' KV-cache events, sends every chat's next turn to the replica
+    holding its blocks; over the same kind of multi-chat run the engines' prefix-cache hit rate is higher than
+    with round robin (measured here, side by side on the same two replicas; runs of other seeds share no prefix)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)
+    tokenize = lambda text: tok(text, add_special_tokens=True).input_ids  # noqa: E731 - as preprocess does
+    reps = {name: {"url": f"http://{r.http_url}", "metrics": f"http://localhost:{r.server.metrics_port}/metrics"}
+            for name, r in zip(("replica-a", "replica-b"), replicas)}
+    chats, turns = 5, 4
+    rr = run_chats("round-robin", reps, tokenize, chats=chats, turns=turns, max_tokens=8, seed=11, sub=events_sub)
+    precise = run_chats("precise", reps, tokenize, chats=chats, turns=turns, max_tokens=8, seed=12, sub=events_sub)
+    print(f"\nprefix-cache hit rate over {chats} chats x {turns} turns on 2 replicas: round robin "
+          f"{rr.hit_rate:.3f} ({rr.hits:.0f}/{rr.queries:.0f} tokens), precise {precise.hit_rate:.3f} "
+          f"({precise.hits:.0f}/{precise.queries:.0f}); next turn on the same replica {rr.stayed} vs "
+          f"{precise.stayed} of {chats * (turns - 1)}")
+    assert set(events_sub.seqs) == {"replica-a", "replica-b"}  # both replicas published
+    assert events_sub.index.skipped == 0  # every stored chain's parent was known
+    assert precise.stayed == chats * (turns - 1), precise.placements  # each chat stays where its blocks are
+    assert rr.stayed < chats * (turns - 1)
+    assert precise.queries > 0 and rr.queries > 0
+    assert precise.hit_rate > rr.hit_rate + 0.05, (precise.hit_rate, rr.hit_rate)
