@@ -242,6 +242,7 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(DROPPED_IMAGES, INT32),
     _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
     _in(IMAGE_FEATURE_LENS, INT32, (-1,)),  # optional: without it every image fills image_embeds' T
+    _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional; M-RoPE checkpoints (Qwen2-VL): each image's grid follows from it
 ) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 

@@ -235,6 +235,8 @@ class GenerationRequest:
     dropped_images: int = 0
     adapter: Any = None  # a `lora.format.Adapter` applied to every row of this request, or None (base model)
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared only between requests of one salt
+    image_sizes: Any = None  # [images, 2] (height, width) of the prompt's images: M-RoPE's grids (Qwen2-VL), or None
+    rope: Any = None  # M-RoPE (Qwen2-VL): the prompt's 3-D positions and delta (`engine.mrope.MRopePrompt`), or None
 
     def end_ids(self, limits: ModelLimits) -> tuple[int, ...]:
         return tuple(self.params.end_ids or limits.eos_ids)

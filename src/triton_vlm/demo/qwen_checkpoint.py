@@ -107,6 +107,8 @@ def build_qwen_vl_model(kind: str = "qwen2_vl", *, seed: int = 0, text_hidden: i
                 p.normal_(0.0, 0.05)
             elif "visual" in name and p.dim() >= 2:
                 p.normal_(0.0, 0.1)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):  # sharp attention: positions (M-RoPE) matter
+                p.normal_(0.0, 0.25)
     return model, tok
 
 

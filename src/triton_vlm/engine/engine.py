@@ -52,6 +52,7 @@ from .faults import Backoff, is_device_fault
 from .guided import GuideCompiler
 from .detok import IncrementalDetokenizer
 from .kv_cache import blocks_needed
+from . import mrope
 from .prefix_cache import PrefixStats, request_hasher
 from .model import DTYPES, LlamaModel
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
@@ -152,6 +153,7 @@ class Engine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.tokenizer = tokenizer
         self.image_token_id = mc.image_token_id
+        self.rope = mrope.PromptRope.for_checkpoint(model_dir)  # M-RoPE (Qwen2-VL), None for 1-D positions
         self.eos_ids = mc.eos_token_ids
         self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
@@ -254,6 +256,8 @@ class Engine:
 
     def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
         need = self.validate(req)
+        if self.rope is not None:  # the prompt's 3-D positions, here on the caller's thread
+            req.rope = self.rope(req.input_ids, req.image_sizes)
         if req.adapter is not None:
             self.lora_slots.check(req.adapter)  # larger than the whole device level: it could never run
         p = req.params

@@ -34,7 +34,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import attention, gemm
+from . import attention, gemm, mrope
 from .cpu import cbuild, cpu_forward, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from .kv_cache import AttentionBatch, KVCache
@@ -215,20 +215,23 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
-                adapters: Optional[AdapterBatch] = None, all_logits: bool = False, whole: bool = True) -> torch.Tensor:
+                adapters: Optional[AdapterBatch] = None, all_logits: bool = False, whole: bool = True,
+                rope: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`. A decode step of
         1-4 rows on a CPU runs as one C call, LoRA rows included (`cpu_forward.py`; `whole=False`: layer by
         layer)."""
+        # `rope`: rotary positions that are not the cache positions (M-RoPE, `mrope.py`): int64 [rows, q_len] (1-D:
+        # decode steps after an image prompt) or [3, rows, q_len] (a prompt's 3-D positions: never the C kernels)
         rows, q_len, _ = x.shape
-        kernel = self.attention.kernel_for(q_len)  # the checked C decode step (`cpu_decode.py`), or None
+        kernel = None if rope is not None and rope.dim() == 3 else self.attention.kernel_for(q_len)
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         one_call = (kernel is not None and whole and not all_logits and rows <= gemv.MAX_ROWS
                     and (adapters is None or isinstance(adapters, LoraBatch)) and self.c_forward() is not None)
         if kernel is not None and not (one_call or kernel.chosen):
             kernel = None  # checked, but slower than torch ops here (cbuild: chosen by measurement)
         if kernel is not None:  # the step's rows, checked once for every layer
-            step = self._decode_step(kernel, batch, masks, cache)
+            step = self._decode_step(kernel, batch, masks, cache, rope)
             if one_call:
                 logits = self.c_forward().run(step, x, cache.k, cache.v, adapters)  # [rows, vocab], or None
                 if logits is not None:
@@ -238,7 +241,7 @@ class LlamaModel:
         if kernel is not None:
             add_norm, act = kernel.add_rms_norm, kernel.silu_mul
         else:
-            tables = self.attention.tables(batch.positions)  # cos, sin_rot [rows, q_len, 1, head_dim]
+            tables = self._tables(batch, rope)  # cos, sin_rot [rows, q_len, 1, head_dim]
             add_norm, act = add_rms_norm, silu_mul
         x, h = add_norm(x, None, self.layers[0].input_norm, self.layers[0].eps)  # x, h [rows, q_len, hidden]
         for i, layer in enumerate(self.layers):
@@ -331,10 +334,22 @@ class LlamaModel:
             return "its logits or cache writes differ from the layer-by-layer path"
         return None
 
-    def _decode_step(self, kernel, batch: AttentionBatch, masks: dict[int, torch.Tensor], cache: KVCache):
-        """The C kernels' checked view of a decode batch (`cpu_decode.DecodeStep`)."""
+    def _tables(self, batch: AttentionBatch, rope: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary rows of every new token [rows, q_len, 1, hd] (cos, sin_rot): at the cache positions, at
+        `rope`'s 1-D positions, or M-RoPE's from its 3-D ones."""
+        if rope is None:
+            return self.attention.tables(batch.positions)
+        if rope.dim() == 3:
+            return mrope.tables(self.cos, self.sin_rot, rope.to(self.device), self.config.mrope_section)
+        return self.attention.tables(rope.to(self.device))
+
+    def _decode_step(self, kernel, batch: AttentionBatch, masks: dict[int, torch.Tensor], cache: KVCache,
+                     rope: Optional[torch.Tensor] = None):
+        """The C kernels' checked view of a decode batch (`cpu_decode.DecodeStep`); they read the positions for
+        the rotary rows only (`rope`'s, when given, instead of the cache positions)."""
         rows = batch.positions.shape[0]
-        return kernel.step(batch.positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
+        positions = batch.positions if rope is None else rope
+        return kernel.step(positions.reshape(rows).contiguous(), batch.write_slots.contiguous(),
                            batch.read_slots.contiguous(),  # [rows], [rows], [rows, T]
                            {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
                            self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,

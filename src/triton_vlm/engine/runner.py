@@ -13,6 +13,8 @@
   generated but the last, embedded as decode steps embed them) with the hashes `kv.resume_hashes`; with several
   rows the first is then forked into them and each computes its own tokens (`kv.resume_rows`, one forward of
   [rows, chunk] per chunk). Its logits are not stepped.
+- M-RoPE (Qwen2-VL): a request with image positions (`GenerationRequest.rope`, `mrope.py`) prefills at its
+  prompt's 3-D positions and decodes at cache position + its delta (such steps run eager, not in a CUDA graph).
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -52,7 +54,9 @@ class ModelRunner:
             kv.embeds = self._embeds(a)  # [prefill_len, hidden]
         x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
         adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
-        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)  # [1, vocab]
+        rope = _prompt_rope(a, chunk.start, chunk.length)  # [3, 1, n] (M-RoPE) or None
+        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters,
+                                    rope=rope)  # [1, vocab]
         kv.prefilled = chunk.start + chunk.length
         if kv.hasher is not None:
             self._cache_prompt_blocks(a)
@@ -70,7 +74,9 @@ class ModelRunner:
         ids = [r[first:first + chunk.length] for r in kv.resume_rows]  # [rows, length]
         x = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.model.device))  # [rows, length, hidden]
         adapters = LoraBatch.build([a.lora] * len(kv.rows), self.lora_stacks, self.model.device)
-        logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters)
+        batch = self.cache.plan(kv.rows, chunk.length)
+        delta = _delta(a)
+        logits = self.model.forward(x, batch, self.cache, adapters, rope=batch.positions + delta if delta else None)
         kv.prefilled = chunk.start + chunk.length
         if kv.hasher is not None:
             for row, tokens in zip(kv.rows, ids):
@@ -94,11 +100,15 @@ class ModelRunner:
         rows = [r for a in actives for r in a.kv.rows]
         token_ids = [t for a in actives for t in a.kv.next_tokens]
         row_adapters = [a.lora for a in actives for _ in a.kv.rows]  # every row of a request: its adapter
-        logits = None if self.graphs is None else self.graphs.decode(rows, token_ids, row_adapters)
-        if logits is None:  # eager: no graphs, or a step they do not take
+        deltas = [_delta(a) for a in actives for _ in a.kv.rows]  # M-RoPE: rotary position - cache position
+        shifted = any(deltas)
+        logits = None if self.graphs is None or shifted else self.graphs.decode(rows, token_ids, row_adapters)
+        if logits is None:  # eager: no graphs, or a step they do not take (rows at shifted rotary positions)
             x = self.model.embed(torch.tensor(token_ids, dtype=torch.long))[:, None]  # [rows, 1, hidden]
             adapters = LoraBatch.build(row_adapters, self.lora_stacks, self.model.device)
-            logits = self.model.forward(x, self.cache.plan(rows, 1), self.cache, adapters)  # [rows, vocab]
+            batch = self.cache.plan(rows, 1)
+            rope = batch.positions + torch.tensor(deltas, device=batch.positions.device)[:, None] if shifted else None
+            logits = self.model.forward(x, batch, self.cache, adapters, rope=rope)  # [rows, vocab]
         self._cache_decoded_blocks(actives)
         return logits
 
@@ -149,3 +159,20 @@ class ModelRunner:
             if i not in kept:
                 self.cache.free(r)
         active.kv.rows = new
+
+
+def _delta(a: Active) -> int:
+    """M-RoPE: every token after the prompt is at its cache position + this (0 without image positions)."""
+    return 0 if a.req.rope is None else a.req.rope.delta
+
+
+def _prompt_rope(a: Active, start: int, length: int) -> Optional[torch.Tensor]:
+    """The 3-D rotary positions [3, 1, length] of prefill positions [start, start + length): the prompt's own
+    (`mrope.prompt_positions`), then (resuming after a preemption) cache position + delta; None without M-RoPE."""
+    rope = a.req.rope
+    if rope is None:
+        return None
+    p = rope.positions.shape[1]
+    own = rope.positions[:, start:min(start + length, p)]  # [3, k]
+    later = torch.arange(max(start, p), max(start + length, p)) + rope.delta  # generated tokens computed again
+    return torch.cat([own, later.expand(3, -1)], dim=1)[:, None]  # [3, 1, length]

@@ -181,6 +181,9 @@ class LLMService:
             if not 0 <= n_images <= emb.shape[0]:
                 raise InvalidArgument(f"num_images {n_images} is outside [0, {emb.shape[0]}] (image_embeds rows)")
             emb = emb[:n_images]
+        sizes = tensors.input_array(request, N.IMAGE_SIZES, row)  # [images, 2]: M-RoPE's grids (Qwen2-VL)
+        if sizes is not None:
+            sizes = sizes.reshape(-1, 2)[:n_images if n_images is not None else None]
         lens = tensors.input_array(request, N.IMAGE_FEATURE_LENS, row)
         if emb is not None and lens is not None:
             emb = unpad_images(emb, lens.reshape(-1))  # [features, hidden] when the images' lengths differ
@@ -197,6 +200,7 @@ class LLMService:
             stop_words_ids=[] if stop is None else words_from_flat(stop.reshape(-1)),
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
             cache_salt=tensors.scalar(request, _SALT, row),  # checked by GenerationRequest.validate
+            image_sizes=None if sizes is None else [(int(h), int(w)) for h, w in sizes],
         )
 
     def _adapter(self, request, row=None):

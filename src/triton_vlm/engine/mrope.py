@@ -1,0 +1,143 @@
+"""M-RoPE (Qwen2-VL, Qwen2.5-VL): rotary positions in three axes (time, height, width) for image and video tokens.
+
+A prompt's positions (transformers' `Qwen2VLModel.get_rope_index`, for one sequence): text tokens count up by one
+on all three axes; an image or video of grid (t, h, w) patches takes t*h*w / merge^2 placeholder tokens whose
+positions are `start + (time, row, column)` over the merged grid (t, h / merge, w / merge), time scaled by
+`tokens_per_second * seconds per temporal patch` for a Qwen2.5-VL video (and truncated to an integer), after which
+text continues at `start + max(h, w) / merge`. So a prompt's largest position can be below its length: `delta` =
+largest + 1 - length, and every token after the prompt (decode steps) is at its cache position + delta on every
+axis, where M-RoPE equals the ordinary 1-D rotary embedding (`rope_positions`). A prompt without images has
+delta 0 and needs nothing here.
+
+The rotary tables: `mrope_section` [s_t, s_h, s_w] (summing to head_dim / 2) says which frequencies take which
+axis: `tables` picks, for each frequency, the cos / sin row of that axis's position from the model's 1-D tables
+(the same values transformers computes: position x inv_freq, then cos / sin), in both halves of the head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import InvalidArgument
+
+Grid = tuple[int, int, int]  # (t, h, w) in patches
+
+
+@dataclass(frozen=True)
+class MRopeSpec:
+    section: tuple[int, ...]  # [3] frequencies per axis (time, height, width)
+    image_token_id: int
+    video_token_id: int
+    merge: int  # spatial merge size (2x2 patches -> one token)
+    tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
+
+
+@dataclass
+class MRopePrompt:
+    """A prompt's 3-D positions and the offset of every later token."""
+
+    positions: torch.Tensor  # [3, P] int64
+    delta: int  # decode positions = cache position + delta
+
+
+def _vision_positions(start: int, grid: Grid, merge: int, interval: Optional[torch.Tensor]) -> torch.Tensor:
+    """[3, t * h/m * w/m] positions of one image / video starting at `start` (transformers' order: time, rows,
+    columns)."""
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    time = torch.arange(t)
+    if interval is not None:
+        time = (time * interval).long()
+    tt, hh, ww = torch.meshgrid(time + start, torch.arange(h) + start, torch.arange(w) + start, indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRopeSpec,
+                     seconds: Optional[Sequence[float]] = None) -> MRopePrompt:
+    """The prompt's M-RoPE positions: `grids` are its images' and videos' in prompt order; `seconds` each video's
+    seconds per temporal patch (Qwen2.5-VL). Raises InvalidArgument when the placeholders do not match the grids."""
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+    kinds = torch.zeros_like(ids)
+    kinds[ids == spec.image_token_id] = 1
+    kinds[ids == spec.video_token_id] = 2
+    parts, pos, i, g, v = [], 0, 0, 0, 0
+    n = len(ids)
+    while i < n:
+        if kinds[i] == 0:
+            j = i
+            while j < n and kinds[j] == 0:
+                j += 1
+            parts.append(torch.arange(j - i).expand(3, -1) + pos)
+            pos, i = pos + j - i, j
+            continue
+        if g >= len(grids):
+            raise InvalidArgument(f"input_ids hold more image / video placeholders than the {len(grids)} images' "
+                                  "grids (image_sizes) account for")
+        grid, kind = tuple(int(x) for x in grids[g]), int(kinds[i])
+        count = grid[0] * grid[1] * grid[2] // (spec.merge * spec.merge)
+        if count <= 0 or i + count > n or not bool((kinds[i:i + count] == kind).all()):
+            raise InvalidArgument(f"image {g} of grid {list(grid)} needs {count} adjacent placeholders at position "
+                                  f"{i} of input_ids")
+        interval = None
+        if kind == 2 and spec.tokens_per_second is not None:
+            sec = torch.tensor(float(seconds[v]) if seconds is not None else 1.0, dtype=torch.float32)
+            interval = spec.tokens_per_second * sec
+        parts.append(_vision_positions(pos, grid, spec.merge, interval))
+        pos += max(grid[1], grid[2]) // spec.merge
+        v += kind == 2
+        g, i = g + 1, i + count
+    if g != len(grids):
+        raise InvalidArgument(f"{len(grids)} image grids but placeholders for {g} images in input_ids")
+    positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+    delta = int(positions.max()) + 1 - n if n else 0
+    return MRopePrompt(positions, delta)
+
+
+def tables(cos: torch.Tensor, sin_rot: torch.Tensor, positions: torch.Tensor,
+           section: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin_rot [max_pos, hd] (the model's 1-D tables), positions [3, rows, q_len] -> the M-RoPE rows
+    [rows, q_len, 1, hd] for `attention.attend_torch`."""
+    hd = cos.shape[-1]
+    axis = torch.cat([torch.full((s,), k % 3, dtype=torch.long) for k, s in enumerate(section)])  # [hd / 2]
+    axis = torch.cat([axis, axis]).to(cos.device)  # [hd]: both halves of the head
+    cols = torch.arange(hd, device=cos.device)
+    out = []
+    for table in (cos, sin_rot):
+        per_axis = table[positions]  # [3, rows, q_len, hd]
+        out.append(per_axis[axis, ..., cols].permute(1, 2, 0)[:, :, None])  # [rows, q_len, 1, hd]
+    return out[0], out[1]
+
+
+class PromptRope:
+    """A checkpoint's M-RoPE: a request's input_ids and image sizes -> its `MRopePrompt` (None when the prompt has no
+    image placeholders: text-only positions are the cache positions, delta 0, as transformers has them)."""
+
+    def __init__(self, spec: MRopeSpec, grid_of):
+        self.spec, self.grid_of = spec, grid_of  # grid_of((height, width)) -> (t, h, w): the family's layout
+
+    @classmethod
+    def for_checkpoint(cls, model_dir) -> Optional["PromptRope"]:
+        from ..families import family_of  # noqa: PLC0415
+        from ..spec import CheckpointSpec  # noqa: PLC0415
+
+        spec = CheckpointSpec.load(model_dir)
+        if not spec.text.mrope_section:
+            return None
+        family = family_of(spec)
+        cfg = family.rope_config(spec)
+        return cls(MRopeSpec(spec.text.mrope_section, cfg["image_token_id"], cfg["video_token_id"], cfg["merge"],
+                             cfg["tokens_per_second"]), family.layout(spec).grid)
+
+    def __call__(self, input_ids: Sequence[int], image_sizes) -> Optional[MRopePrompt]:
+        s = self.spec
+        if not any(t in (s.image_token_id, s.video_token_id) for t in input_ids):
+            if image_sizes is not None and len(image_sizes):
+                raise InvalidArgument(f"image_sizes has {len(image_sizes)} rows but input_ids hold no image "
+                                      "placeholders")
+            return None
+        if image_sizes is None:
+            raise InvalidArgument("input 'image_sizes' ([images, 2] height, width) is required: this checkpoint's "
+                                  "image token positions (M-RoPE) depend on each image's size")
+        grids = [self.grid_of((int(h), int(w))) for h, w in image_sizes]
+        return prompt_positions(input_ids, grids, s)
