@@ -89,6 +89,10 @@ class OnnxRuntimeBackend:
 def make_backend(model_dir: str | Path, s: BackendSettings, explicit: Optional[set[str]] = None):
     check_settings(s, explicit or set())
     model_dir = Path(model_dir)
+    if native_resolution(model_dir):  # Qwen2-VL / Qwen2.5-VL: whole images of any size (`qwen_backends.py`)
+        from .qwen_backends import make_qwen_backend  # noqa: PLC0415
+
+        return make_qwen_backend(model_dir, s)
     if s.backend == "torch":
         return TorchBackend(model_dir, s)
     if s.backend == "onnxruntime":
@@ -96,3 +100,11 @@ def make_backend(model_dir: str | Path, s: BackendSettings, explicit: Optional[s
     from .trt import TensorRTBackend  # noqa: PLC0415 - imports tensorrt, GPU machines only
 
     return TensorRTBackend(model_dir, s)
+
+
+def native_resolution(model_dir: str | Path) -> bool:
+    """The checkpoint's tower takes whole images at their own size (Qwen2-VL's), not fixed-size tiles."""
+    from ..spec import NATIVE_RESOLUTION_TOWERS, read_json  # noqa: PLC0415
+
+    vision = read_json(Path(model_dir) / "config.json").get("vision_config") or {}
+    return vision.get("model_type") in NATIVE_RESOLUTION_TOWERS

@@ -36,12 +36,14 @@ def parse_bits(value: str | int | None) -> torch.dtype:
     return _DTYPES[key]
 
 
-def check_pixel_values(pv, image_size: int) -> None:
-    """Raise InvalidArgument unless `pv` is [images, 3, image_size, image_size] of finite values."""
+def check_pixel_values(pv, image_size) -> None:
+    """Raise InvalidArgument unless `pv` is [images, 3, H, W] of finite values, (H, W) = `image_size` (an int: a
+    square)."""
     import numpy as np  # noqa: PLC0415
 
-    want = f"[n, 3, {image_size}, {image_size}]"
-    if pv.ndim != 4 or (pv.shape[0] and tuple(pv.shape[1:]) != (3, image_size, image_size)):
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    want = f"[n, 3, {h}, {w}]"
+    if pv.ndim != 4 or (pv.shape[0] and tuple(pv.shape[1:]) != (3, h, w)):
         raise InvalidArgument(f"input 'pixel_values' must have shape {want} (the checkpoint's image size), "
                               f"got {list(pv.shape)}")
     if pv.size and not np.isfinite(pv).all():

@@ -85,6 +85,12 @@ def export_graph(model_dir: str | Path, dtype: str = "float32") -> EncoderGraph:
 
 
 def export_onnx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    from .backends import native_resolution  # noqa: PLC0415
+
+    if native_resolution(model_dir):  # Qwen2-VL / Qwen2.5-VL: the whole tower with its host-side layout inputs
+        from .qwen_backends import export_qwen_onnx  # noqa: PLC0415
+
+        return export_qwen_onnx(model_dir, out, dtype)
     spec = CheckpointSpec.load(model_dir)
     graph = export_graph(model_dir, dtype)
     size = spec.vision.image_size

@@ -83,6 +83,8 @@ class VisionService:
                  layout: Optional[ImageLayout] = None, packer: Optional[Packer] = None):
         """`layout` / `packer`: the family's (`families/`); None: one tile per image, its features as they are."""
         self.backend, self.image_size, self.tokens, self.hidden = backend, image_size, tokens, hidden
+        self.tile_hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        self.whole_images = hasattr(layout, "grid")  # native resolution (Qwen2-VL): the tower takes whole images
         self.cache, self.out_dtype = cache, out_dtype
         self.layout, self.packer = layout, packer or Packer()
         self.stats = VisionStats()
@@ -131,9 +133,8 @@ class VisionService:
 
     def _images(self, x: VisionInput) -> list[_Image]:
         """Validate one row: its images, each with its tiles and size."""
-        s = self.image_size
-        pixels = np.zeros((0, 3, s, s), np.float32) if x.pixels is None else x.pixels
-        check_pixel_values(pixels, s)
+        pixels = np.zeros((0, 3, *self.tile_hw), np.float32) if x.pixels is None else x.pixels
+        check_pixel_values(pixels, self.tile_hw)
         sizes = _sizes(x.sizes)
         if sizes is None and not self.fixed and (pixels.shape[0] or x.num_images):
             raise InvalidArgument("input 'image_sizes' ([images, 2] height, width) is required: this "
@@ -178,6 +179,8 @@ class VisionService:
         """Every tile of the images to encode, `max_batch` tiles per backend call -> each image's features."""
         if not todo:
             return []
+        if self.whole_images:
+            return self._run_whole(todo)
         allpix = np.ascontiguousarray(np.concatenate([i.tiles for i in todo]), np.float32)  # [tiles, 3, H, W]
         chunks = []
         for start in range(0, len(allpix), self.backend.max_batch):
@@ -195,6 +198,30 @@ class VisionService:
                                f"{self.layout.tokens(img.size)}")
             out.append(feats)
             start += t
+        return out
+
+
+    def _run_whole(self, todo: list[_Image]) -> list[torch.Tensor]:
+        """Native-resolution towers: whole images per backend call (at most `max_batch` images and
+        `max_patches` patches, or one larger image alone) -> each image's features [tokens_i, hidden]."""
+        grids = [self.layout.grid(img.size) for img in todo]
+        out: list[torch.Tensor] = []
+        start = 0
+        while start < len(todo):
+            end, patches = start, 0
+            while end < len(todo) and end - start < self.backend.max_batch and (
+                    end == start or patches + len(todo[end].tiles) <= self.backend.max_patches):
+                patches += len(todo[end].tiles)
+                end += 1
+            part = np.concatenate([img.tiles for img in todo[start:end]])  # [patches, 3, T*P, P]
+            feats = self.backend.encode(part, grids[start:end])  # [tokens, hidden]
+            self.stats.batch_sizes.append(end - start)
+            counts = [self.layout.tokens(img.size) for img in todo[start:end]]
+            if feats.shape[0] != sum(counts):
+                raise Internal(f"the tower gave {feats.shape[0]} features for {counts} tokens")
+            out += list(torch.split(feats, counts))
+            start = end
+        self.stats.images_encoded += len(todo)
         return out
 
 
@@ -282,8 +309,11 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
     cache = None
     if mb > 0:  # the namespace: checkpoint content, backend, dtype
         cache = EmbeddingCache(mb * 2**20, f"{checkpoint_key(model_dir, 'float32')}/{backend.name}/{backend.dtype}")
-    return VisionService(backend, spec.vision.image_size, spec.vision.num_image_tokens, spec.text.hidden_size,
-                         cache, out_dtype=getattr(torch, out_dtype), layout=family.layout(spec),
+    layout = family.layout(spec)
+    whole = hasattr(layout, "grid")  # native resolution (Qwen2-VL): image sizes of every kind, no fixed tile
+    return VisionService(backend, layout.tile_hw if whole else spec.vision.image_size,
+                         layout.max_tokens if whole else spec.vision.num_image_tokens, spec.text.hidden_size,
+                         cache, out_dtype=getattr(torch, out_dtype), layout=layout,
                          packer=family.packer(spec).to(backend.device))
 
 
