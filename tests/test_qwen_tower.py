@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from triton_vlm.spec import CheckpointError
-from triton_vlm.vision.qwen_tower import (AUX_NAMES, OUTPUT, PATCHES, POSITION_IDS, SEGMENT_IDS, WINDOW_IDS,
-                                          QwenTowerGraph, example_inputs, export_tower_onnx, is_qwen_vision,
-                                          tower_aux)
+from triton_vlm.vision.qwen_tower import (ATTN_INDEX, ATTN_SLOT, AUX_NAMES, OUTPUT, PATCHES, POSITION_IDS,
+                                          WINDOW_INDEX, WINDOW_SLOT, QwenTowerGraph, example_inputs,
+                                          export_tower_onnx, is_qwen_vision, tower_aux)
 from triton_vlm.weight_source import TensorSource
 
 TEXT = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
@@ -82,7 +82,7 @@ def test_is_qwen_vision(tower):
     assert is_qwen_vision(model.config.vision_config)
     assert is_qwen_vision(model.config.vision_config.to_dict())
     assert not is_qwen_vision(CLIPVisionConfig())
-    assert graph.aux_names == (AUX_NAMES if graph.config.windowed else AUX_NAMES[:2])
+    assert graph.aux_names == (AUX_NAMES if graph.config.windowed else AUX_NAMES[:3])
 
 
 def test_one_image_matches_transformers(tower):
@@ -111,18 +111,18 @@ def test_batch_matches_transformers_and_each_image_alone(tower):
     assert (start, token) == (inputs[0].shape[0], out.shape[0])
 
 
-def test_masks_matter(tower):
-    """The batch's segments and (2.5-VL) windows change the result: attending across them is not the tower."""
+def test_groups_matter(tower):
+    """The batch's frames and (2.5-VL) windows change the result: attending across them is not the tower."""
     _, graph, _ = tower
-    inputs = list(example_inputs(graph, GRIDS, seed=3))  # patches, position_ids, segment_ids[, window_ids]
-    out = _run(graph, inputs)
-    crossed = list(inputs)
-    crossed[2] = torch.zeros_like(inputs[2])  # one segment: every patch attends to the whole batch
-    assert (_run(graph, crossed) - out).abs().max() > 1e-2
-    if graph.config.windowed:
-        unwindowed = list(inputs)
-        unwindowed[3] = inputs[2]  # windowed blocks attend to the whole frame
-        assert (_run(graph, unwindowed) - out).abs().max() > 1e-2
+    names = (PATCHES,) + graph.aux_names
+    inputs = dict(zip(names, example_inputs(graph, GRIDS, seed=3)))
+    out = _run(graph, inputs.values())
+    n = len(inputs[PATCHES])
+    one_group = dict(inputs, **{ATTN_INDEX: torch.arange(n)[None], ATTN_SLOT: torch.arange(n)})
+    assert (_run(graph, one_group.values()) - out).abs().max() > 1e-2
+    if graph.config.windowed:  # windowed blocks attending to the whole frame
+        unwindowed = dict(inputs, **{WINDOW_INDEX: inputs[ATTN_INDEX], WINDOW_SLOT: inputs[ATTN_SLOT]})
+        assert (_run(graph, unwindowed.values()) - out).abs().max() > 1e-2
 
 
 def test_layout_matches_transformers(tower):
@@ -131,26 +131,28 @@ def test_layout_matches_transformers(tower):
     _, graph, _ = tower
     cfg = graph.config
     aux = tower_aux(GRIDS, cfg)
-    assert {k: (v.dtype, v.shape) for k, v in aux.items()} == {
-        name: (np.dtype(np.int64), (sum(t * h * w for t, h, w in GRIDS),) + ((2,) if name == POSITION_IDS else ()))
-        for name in graph.aux_names}
+    n = sum(t * h * w for t, h, w in GRIDS)
+    assert list(aux) == list(graph.aux_names) and all(v.dtype == np.int64 for v in aux.values())
+    assert aux[POSITION_IDS].shape == (n, 2)
     thw = torch.tensor(GRIDS)
     np.testing.assert_array_equal(aux[POSITION_IDS], get_vision_position_ids(thw, cfg.merge).numpy())
-    np.testing.assert_array_equal(_bounds(aux[SEGMENT_IDS]), get_vision_cu_seqlens(thw).numpy())
+    _check_groups(aux[ATTN_INDEX], aux[ATTN_SLOT], np.arange(n), get_vision_cu_seqlens(thw).numpy())
+    assert aux[ATTN_INDEX].shape == (5 + 3, 84)  # 5 images and a 3-frame video; the longest is 6 x 14 patches
     if cfg.windowed:
-        index, cu = get_vision_window_index(thw, cfg.merge, cfg.window_size, cfg.patch)
-        # transformers' windows are runs of its permuted merge units; ours label merge units in place
-        units = aux[WINDOW_IDS].reshape(-1, cfg.merge ** 2)
-        assert (units == units[:, :1]).all()
-        permuted = units[index.numpy(), 0]
-        np.testing.assert_array_equal(_bounds(permuted) * cfg.merge ** 2, cu.numpy())
-        assert len(np.unique(permuted)) == len(cu) - 1  # each window one run: no id shared by two windows
+        units, cu = get_vision_window_index(thw, cfg.merge, cfg.window_size, cfg.patch)
+        unit = cfg.merge ** 2  # transformers permutes merge units; its window order of the patches:
+        order = (units.numpy()[:, None] * unit + np.arange(unit)).reshape(-1)
+        _check_groups(aux[WINDOW_INDEX], aux[WINDOW_SLOT], order, cu.numpy())
+        assert aux[WINDOW_INDEX].shape[1] == 16  # 56 px windows: 2 x 2 merge units of 2 x 2 patches
 
 
-def _bounds(ids: np.ndarray) -> np.ndarray:
-    """Cumulative boundaries of the runs of equal ids (a cu_seqlens)."""
-    change = np.flatnonzero(np.diff(ids)) + 1
-    return np.concatenate([[0], change, [len(ids)]])
+def _check_groups(index: np.ndarray, slot: np.ndarray, order: np.ndarray, cu: np.ndarray) -> None:
+    """index's groups are transformers' (patches `order`, split at `cu`), in its order; slot is their inverse."""
+    lengths = (index >= 0).sum(1)
+    np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(lengths)]), cu)
+    assert all((row[:k] >= 0).all() and (row[k:] == -1).all() for row, k in zip(index, lengths))
+    np.testing.assert_array_equal(index[index >= 0], order)
+    np.testing.assert_array_equal(index.reshape(-1)[slot], np.arange(len(slot)))
 
 
 @pytest.mark.parametrize("grid", [(1, 3, 4), (0, 4, 4), (1, 4)])

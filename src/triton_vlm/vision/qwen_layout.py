@@ -2,17 +2,22 @@
 
 `TowerConfig` reads the vision config (a transformers config object or its dict); `tower_aux(grids, config)` is
 everything the graph (`qwen_tower.QwenTowerGraph`) needs that depends on the images' grids, computed once per
-batch, so the graph is static:
+batch, so the graph is static. N = sum(t * h * w) patches over the grids, in the grids' order (the processor's):
 
 - `position_ids` int64 [N, 2]: each patch's (row, column) in its frame, laid out block-major over the merge units
   as the processor orders the patches (transformers' `get_vision_position_ids`);
-- `segment_ids` int64 [N]: one id per frame (an image, or one temporal step of a video): full attention stays
-  within a frame (transformers' `cu_seqlens` repeats h*w t times);
-- 2.5-VL only, `window_ids` int64 [N]: one id per window of `window_size // patch_size // spatial_merge_size`
-  merged tokens squared within a frame, partial windows at the right and bottom edges (transformers'
-  `get_vision_window_index` pads them, then drops the padding).
+- attention groups, as an index and its inverse: `attn_index` int64 [G, L]: the patches of each group in order, -1
+  padding the shorter groups to L; `attn_slot` int64 [N]: each patch's flat position g * L + l in it. Full
+  attention's groups are the frames (an image, or one temporal step of a video: transformers' `cu_seqlens` repeats
+  h*w t times), L the longest frame of the batch;
+- 2.5-VL only, `window_index` [W, L_w] and `window_slot` [N], the same for the windowed blocks: a group per window
+  of `window_size // patch_size // spatial_merge_size` merged tokens squared within a frame, its merge units in
+  raster order (transformers' `get_vision_window_index`: windows partial at the right and bottom edges), L_w the
+  full window's patch count (fixed per checkpoint).
 
-N = sum(t * h * w) over the grids, in the grids' order.
+Attention within groups costs G * L^2 per head instead of N^2 for a dense block-diagonal mask: for 2.5-VL's
+windows 64 patches each; for the frames, L is the batch's longest, so batching images of similar sizes wastes
+least.
 """
 from __future__ import annotations
 
@@ -28,9 +33,11 @@ QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
 # the vision config's model_type (transformers' class attribute) -> tower kind; the top-level types are accepted too
 MODEL_TYPES = {"qwen2_vl_vision": QWEN2_VL, "qwen2_vl": QWEN2_VL,
                "qwen2_5_vl_vision": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL}
-POSITION_IDS, SEGMENT_IDS, WINDOW_IDS = "position_ids", "segment_ids", "window_ids"
-# graph inputs after `patches`, in order; Qwen2-VL (no windowed layers) takes the first two (`aux_names`)
-AUX_NAMES = (POSITION_IDS, SEGMENT_IDS, WINDOW_IDS)
+POSITION_IDS, ATTN_INDEX, ATTN_SLOT = "position_ids", "attn_index", "attn_slot"
+WINDOW_INDEX, WINDOW_SLOT = "window_index", "window_slot"
+# graph inputs after `patches`, in order; Qwen2-VL (no windowed blocks) takes the first three (`aux_names`)
+AUX_NAMES = (POSITION_IDS, ATTN_INDEX, ATTN_SLOT, WINDOW_INDEX, WINDOW_SLOT)
+PAD = -1  # an index's padding slots
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -102,6 +109,11 @@ class TowerConfig:
         return self.window_size // self.merge // self.patch
 
     @property
+    def window_patches(self) -> int:
+        """A full window's patch count (`window_index`'s second axis)."""
+        return (self.window_merged * self.merge) ** 2
+
+    @property
     def windowed(self) -> bool:
         return self.kind == QWEN2_5_VL
 
@@ -114,7 +126,7 @@ class TowerConfig:
 
 def aux_names(vision_config: Any) -> tuple[str, ...]:
     """The graph's inputs after `patches` for this tower, in order (a prefix of AUX_NAMES)."""
-    return AUX_NAMES if TowerConfig.from_config(vision_config).windowed else AUX_NAMES[:2]
+    return AUX_NAMES if TowerConfig.from_config(vision_config).windowed else AUX_NAMES[:3]
 
 
 # --- host side: the per-batch layout (numpy) ----------------------------------------------------------------
@@ -144,27 +156,41 @@ def _frame_windows(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, i
     return np.repeat(units.reshape(-1), merge * merge), (-(-mh // side)) * per_row
 
 
+def groups(ids: np.ndarray, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(index [G, L], slot [N]) for patches labelled with group ids 0..G-1 (every id used): each group's patches
+    in their order, PAD after them; L = `length` or the largest group."""
+    counts = np.bincount(ids)
+    length = int(counts.max()) if length is None else length
+    order = np.argsort(ids, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.arange(len(ids)) - starts[ids[order]]
+    index = np.full((len(counts), length), PAD, dtype=np.int64)
+    index[ids[order], rank] = order
+    slot = np.empty(len(ids), dtype=np.int64)
+    slot[order] = ids[order] * length + rank
+    return index, slot
+
+
 def tower_aux(grids: Sequence[Sequence[int]], vision_config: Any) -> dict[str, np.ndarray]:
-    """The graph's inputs after `patches` for these grids ((t, h, w) in patches per image or video, in order):
-    `position_ids` int64 [N, 2], `segment_ids` int64 [N] (one per frame), and for 2.5-VL `window_ids` int64 [N]
-    (one per window of a frame); N = sum(t * h * w)."""
+    """The graph's inputs after `patches` for these grids ((t, h, w) in patches per image or video, in order),
+    by name (`aux_names(vision_config)`): see the module docstring."""
     cfg = TowerConfig.from_config(vision_config)
     if len(grids) == 0:
         raise ValueError("tower_aux needs at least one grid")
-    positions, segments, windows = [], [], []
+    positions, frames, windows = [], [], []
     frame, window = 0, 0
     for i, grid in enumerate(grids):
         t, h, w = _check_grid(i, grid, cfg.merge)
         rows, cols = _block_major(h, w, cfg.merge)
         positions.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
-        segments.append(np.repeat(np.arange(frame, frame + t), h * w))
+        frames.append(np.repeat(np.arange(frame, frame + t), h * w))
         frame += t
         if cfg.windowed:
             ids, count = _frame_windows(h, w, cfg.merge, cfg.window_merged)
             windows.extend(ids + window + k * count for k in range(t))
             window += t * count
-    out = {POSITION_IDS: np.concatenate(positions).astype(np.int64),
-           SEGMENT_IDS: np.concatenate(segments).astype(np.int64)}
+    out = {POSITION_IDS: np.concatenate(positions).astype(np.int64)}
+    out[ATTN_INDEX], out[ATTN_SLOT] = groups(np.concatenate(frames))
     if cfg.windowed:
-        out[WINDOW_IDS] = np.concatenate(windows).astype(np.int64)
+        out[WINDOW_INDEX], out[WINDOW_SLOT] = groups(np.concatenate(windows), cfg.window_patches)
     return out

@@ -7,19 +7,18 @@ exporter keeps that dynamic. Here the layout is host-side numpy (`qwen_layout.to
 
 - patch embedding: the Conv3d (kernel = stride = the patch) is a MatMul on the processor's flattened patch rows;
 - 2-D rotary from `position_ids` and the fixed inverse frequencies, cos/sin and the rotation in fp32;
-- attention: block-diagonal masks built in the graph from segment ids (`seg[:, None] == seg[None, :]` -> 0 / -inf
-  added to the fp32 scores, softmax in fp32): full-attention blocks by `segment_ids` (a frame), 2.5-VL's windowed
-  blocks by `window_ids` (a window of a frame);
+- attention within groups of patches (`qwen_layout`): the patches' q, k, v gathered into [G, L] by the group
+  index, padding masked as keys (-inf added to the fp32 scores, softmax in fp32), each patch's output gathered back
+  from its slot. Full-attention blocks group by frame (an image, or one step of a video), 2.5-VL's windowed blocks
+  by window, so a patch attends within its own image (window) only and several images in one call get exactly
+  what each gets alone;
 - norms in fp32 (LayerNorm for Qwen2-VL, RMSNorm as transformers computes it for 2.5-VL); the PatchMerger: each run
   of `spatial_merge_size**2` consecutive patches concatenated, then its MLP.
 
 2.5-VL's window permutation (transformers reorders the merge units window by window, runs the blocks and undoes
-it after the merger) is left out: every op but attention is per token, the merge units stay whole, and masked
-attention does not depend on the order of the tokens, so the graph runs in the processor's order with the same
-result (up to fp32 summation order). Several images in one call get what each gets alone.
-
-The attention is dense over the call: scores are [heads, N, N] fp32 (N = 4096 patches: 64 MiB per head), so the
-caller bounds a call's patch count N.
+it after the merger) is folded into the window groups: every op but attention is per patch and the merge units stay
+whole, so the graph keeps the processor's order and only attention reads patches in window order (the same order
+as transformers', so the same sums).
 
 `export_tower_onnx` writes it as ONNX (opset 17, TorchScript exporter): inputs `patches` + `aux_names(config)`,
 output `encoder_output` [N / spatial_merge_size**2, out_hidden], dynamic patch and token axes.
@@ -29,6 +28,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -37,11 +37,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..spec import CheckpointError
-from .qwen_layout import (AUX_NAMES, POSITION_IDS, QWEN2_5_VL, QWEN2_VL, SEGMENT_IDS, WINDOW_IDS, TowerConfig,
-                          aux_names, is_qwen_vision, tower_aux)
+from .qwen_layout import (ATTN_INDEX, ATTN_SLOT, AUX_NAMES, POSITION_IDS, QWEN2_5_VL, QWEN2_VL, WINDOW_INDEX,
+                          WINDOW_SLOT, TowerConfig, aux_names, is_qwen_vision, tower_aux)
 
-__all__ = ["AUX_NAMES", "PATCHES", "OUTPUT", "POSITION_IDS", "SEGMENT_IDS", "WINDOW_IDS", "QWEN2_VL", "QWEN2_5_VL",
-           "TowerConfig", "QwenTowerGraph", "aux_names", "export_tower_onnx", "is_qwen_vision", "tower_aux"]
+__all__ = ["AUX_NAMES", "PATCHES", "OUTPUT", "POSITION_IDS", "ATTN_INDEX", "ATTN_SLOT", "WINDOW_INDEX", "WINDOW_SLOT",
+           "QWEN2_VL", "QWEN2_5_VL", "TowerConfig", "QwenTowerGraph", "aux_names", "export_tower_onnx", "is_qwen_vision", "tower_aux"]
 PATCHES, OUTPUT = "patches", "encoder_output"
 OPSET = 17
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -75,10 +75,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (h * cos + _rotate_half(h) * sin).to(x.dtype)
 
 
-def _segment_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[N, N] fp32: 0 where two patches share a segment, -inf elsewhere."""
-    same = segments[:, None] == segments[None, :]
-    return torch.where(same, torch.tensor(0.0), torch.tensor(float("-inf")))
+@dataclass(frozen=True)
+class _Groups:
+    """One attention layout in the graph: patches gathered into groups [G, L] (padding slots gather patch 0 and
+    are masked as keys; their outputs are dropped), the rotary angles gathered alike, and each patch's slot."""
+
+    index: torch.Tensor  # [G, L], padding clamped to 0
+    cos: torch.Tensor  # [G, L, 1, head_dim] fp32
+    sin: torch.Tensor
+    mask: torch.Tensor  # [G, 1, 1, L] fp32: 0 for a patch, -inf for padding
+    slot: torch.Tensor  # [N]
+
+    @classmethod
+    def build(cls, index: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> "_Groups":
+        valid = index >= 0
+        index = index.clamp(min=0)
+        mask = torch.where(valid, torch.tensor(0.0), torch.tensor(float("-inf")))[:, None, None, :]
+        return cls(index, cos[index].unsqueeze(2), sin[index].unsqueeze(2), mask, slot)
 
 
 class _Attention(nn.Module):
@@ -89,13 +102,16 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).reshape(-1, 3, self.heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)  # [H, N, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, x: torch.Tensor, groups: _Groups) -> torch.Tensor:
+        qkv = self.qkv(x)[groups.index]  # [G, L, 3 * width]
+        g, n = groups.index.shape
+        q, k, v = qkv.reshape(g, n, 3, self.heads, self.head_dim).unbind(2)  # [G, L, H, D]
+        q, k = _rotate(q, groups.cos, groups.sin), _rotate(k, groups.cos, groups.sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [G, H, L, D]
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        probs = torch.softmax(scores.float() + mask, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v).transpose(0, 1).reshape(-1, self.heads * self.head_dim)
-        return self.proj(out)
+        probs = torch.softmax(scores.float() + groups.mask, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(g * n, self.heads * self.head_dim)
+        return self.proj(out[groups.slot])
 
 
 class _Mlp(nn.Module):
@@ -129,8 +145,8 @@ class _Block(nn.Module):
         self.attn = _Attention(cfg)
         self.mlp = _Mlp(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, groups: _Groups) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -204,24 +220,24 @@ class QwenTowerGraph(nn.Module):
         freqs = positions.unsqueeze(-1).float() * inv  # [N, 2, head_dim / 4]
         half = torch.cat((freqs[:, 0], freqs[:, 1]), dim=-1)
         emb = torch.cat((half, half), dim=-1)
-        return emb.cos().unsqueeze(0), emb.sin().unsqueeze(0)
+        return emb.cos(), emb.sin()
 
     def forward(self, patches: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
         if len(aux) != len(self.aux_names):
             raise TypeError(f"QwenTowerGraph takes patches and {self.aux_names}, got {len(aux)} aux tensors")
         cos, sin = self._rotary(aux[0])
-        full = _segment_mask(aux[1])
-        window = _segment_mask(aux[2]) if self.config.windowed else full
+        full = _Groups.build(aux[1], aux[2], cos, sin)
+        window = _Groups.build(aux[3], aux[4], cos, sin) if self.config.windowed else full
         x = self.patch_embed(patches)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in self.full_blocks else window)
+            x = block(x, full if i in self.full_blocks else window)
         return self.merger(x)
 
 
 def example_inputs(graph: QwenTowerGraph, grids: Sequence[Sequence[int]], seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Random patches for these grids and their aux tensors, in the graph's input order and dtype."""
     aux = tower_aux(grids, graph.config)
-    n = aux[SEGMENT_IDS].shape[0]
+    n = aux[POSITION_IDS].shape[0]
     g = torch.Generator().manual_seed(seed)
     patches = torch.randn(n, graph.config.patch_dim, generator=g).to(graph.dtype)
     return (patches,) + tuple(torch.from_numpy(aux[name]) for name in graph.aux_names)
@@ -239,6 +255,9 @@ def export_tower_onnx(graph: QwenTowerGraph, out: str | Path, grids_example: Seq
     inputs = example_inputs(graph, grids_example)
     names = (PATCHES,) + graph.aux_names
     axes = {name: {0: "patches"} for name in names}
+    axes[ATTN_INDEX] = {0: "frames", 1: "frame_patches"}
+    if WINDOW_INDEX in axes:
+        axes[WINDOW_INDEX] = {0: "windows"}  # a window's patch count is fixed per checkpoint
     axes[OUTPUT] = {0: "tokens"}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
