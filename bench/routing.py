@@ -26,7 +26,7 @@ import time
 import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import msgpack
 import zmq
@@ -183,23 +183,26 @@ class Subscriber:
 
 
 class Router:
-    """`precise`: the replica holding the longest prefix of the prompt (ties round robin); `round-robin`."""
+    """`precise`: each replica scored by the share of the prompt's blocks it holds (leading blocks / blocks, the
+    prefix-cache-scorer's match ratio), through `weigh` when given (the picker's other scorers: ratio -> total
+    score per replica); the highest wins, ties round robin. `round-robin`: one after the other."""
 
-    def __init__(self, policy: str, pods: list[str], sub: Optional[Subscriber] = None, model: str = "llm"):
-        self.policy, self.pods, self.sub, self.model, self.turn = policy, pods, sub, model, 0
+    def __init__(self, policy: str, pods: list[str], sub: Optional[Subscriber] = None, model: str = "llm",
+                 weigh: Optional[Callable[[dict], dict]] = None):
+        self.policy, self.pods, self.sub, self.model, self.weigh, self.turn = policy, pods, sub, model, weigh, 0
 
     def pick(self, tokens: list[int]) -> tuple[str, dict]:
         self.turn += 1
-        rr = self.pods[self.turn % len(self.pods)]
         if self.policy == "round-robin":
-            return rr, {}
+            return self.pods[self.turn % len(self.pods)], {}
         with self.sub.lock:
             found = self.sub.index.match(tokens, self.model)
-        best = max((found.get(p, 0) for p in self.pods), default=0)
-        if best == 0:
-            return rr, found
-        tied = [p for p in self.pods if found.get(p, 0) == best]
-        return tied[self.turn % len(tied)], found
+        total = max(len(tokens) // self.sub.index.block_size, 1)
+        ratio = {p: found.get(p, 0) / total for p in self.pods}
+        scores = self.weigh(ratio) if self.weigh else ratio
+        best = max(scores.values())
+        tied = [p for p in self.pods if scores[p] >= best - 1e-9]
+        return tied[self.turn % len(tied)], scores
 
 
 # --- the workload ------------------------------------------------------------------------------------------------
@@ -245,11 +248,12 @@ class RunResult:
 
 
 def run_chats(policy: str, replicas: dict[str, dict], tokenize, *, chats: int, turns: int, max_tokens: int,
-              seed: int, sub: Optional[Subscriber] = None, settle_s: float = 0.3) -> RunResult:
+              seed: int, sub: Optional[Subscriber] = None, settle_s: float = 0.3,
+              weigh: Optional[Callable[[dict], dict]] = None) -> RunResult:
     """`chats` conversations of `turns` turns, one turn of every chat per round in a seeded order; each turn
     resends the history. Runs with different seeds share no prefix (the seed opens every prompt). `replicas`: pod -> {"url": Triton HTTP base, "metrics": /metrics URL}."""
     pods = sorted(replicas)
-    router, rng = Router(policy, pods, sub), random.Random(seed)
+    router, rng = Router(policy, pods, sub, weigh=weigh), random.Random(seed)
     before = [prefix_counters(replicas[p]["metrics"]) for p in pods]
     history = {c: f"Session {seed}. {SYSTEM}" for c in range(chats)}  # no prefix shared with another run
     placements: dict[int, list[str]] = {c: [] for c in range(chats)}

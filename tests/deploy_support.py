@@ -1,8 +1,8 @@
 """What the deployment tests share: rendering deploy/kubernetes with `kubectl kustomize`, validating a manifest
 against the Kubernetes schemas (kubernetes-validate, bundled, offline) or a pinned CRD's schema, Prometheus
-text parsing, and the Gateway API Inference Extension's endpoint picker (v1.5.0) as far as scoring goes: its
-metric specs, its core metrics extractor and its queue, running-requests, KV-cache and LoRA-affinity scorers,
-written after `pkg/epp/framework/plugins/` of that release.
+text parsing, and llm-d-router's endpoint picker (v0.10.0; the Gateway API Inference Extension's until v1.5.0)
+as far as scoring goes: its metric specs, its core metrics extractor and its queue, running-requests, KV-cache,
+LoRA-affinity and prefix-cache scorers, written after `pkg/epp/framework/plugins/` of that release.
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from triton_vlm.paths import REPO_ROOT
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
 CRDS = KUBE / "crds"
-RENDERS = ("base", "overlays/gpu", "overlays/inference-gateway", "overlays/triton-protocols")
+RENDERS = ("base", "overlays/gpu", "overlays/inference-gateway", "overlays/inference-gateway-precise",
+           "overlays/triton-protocols")
+GATEWAYS = ("overlays/inference-gateway", "overlays/inference-gateway-precise")
 CPU_RENDERS = ("base", "overlays/triton-protocols")
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # the oldest Kubernetes we claim, and the newest kubernetes-validate knows
 
@@ -249,8 +251,12 @@ def _min_max(values: dict) -> dict:
     return {k: 1.0 if hi == lo else (hi - v) / (hi - lo) for k, v in values.items()}
 
 
-def score(scorer: str, endpoints: dict[str, EndpointMetrics], target_model: str) -> dict[str, float]:
-    """One scorer of the picker, 0 (worst) to 1 (best) per endpoint."""
+def score(scorer: str, endpoints: dict[str, EndpointMetrics], target_model: str,
+          prefix: dict[str, float] | None = None) -> dict[str, float]:
+    """One scorer of the picker, 0 (worst) to 1 (best) per endpoint. `prefix`: each endpoint's prefix-cache match
+    (matched / total blocks of the prompt, what the prefix-cache-scorer reads from its producer; 0 when absent)."""
+    if scorer == "prefix-cache-scorer":
+        return {k: (prefix or {}).get(k, 0.0) for k in endpoints}
     if scorer == "queue-scorer":
         return _min_max({k: m.waiting for k, m in endpoints.items()})
     if scorer == "running-requests-size-scorer":
@@ -272,7 +278,8 @@ def score(scorer: str, endpoints: dict[str, EndpointMetrics], target_model: str)
     raise KeyError(f"no emulation of scorer {scorer!r}")
 
 
-def pick(config: dict, endpoints: dict[str, EndpointMetrics], target_model: str) -> tuple[str, dict[str, float]]:
+def pick(config: dict, endpoints: dict[str, EndpointMetrics], target_model: str,
+         prefix: dict[str, float] | None = None) -> tuple[str, dict[str, float]]:
     """The default profile's weighted scorers and its max-score picker: (picked endpoint, total scores)."""
     types = {p.get("name") or p["type"]: p["type"] for p in config["plugins"]}
     [profile] = config["schedulingProfiles"]
@@ -280,6 +287,6 @@ def pick(config: dict, endpoints: dict[str, EndpointMetrics], target_model: str)
     for ref in profile["plugins"]:
         kind = types[ref["pluginRef"]]
         if kind.endswith("-scorer"):
-            for k, s in score(kind, endpoints, target_model).items():
+            for k, s in score(kind, endpoints, target_model, prefix).items():
                 totals[k] += ref.get("weight", 1) * s
     return max(totals, key=totals.get), totals

@@ -1,6 +1,7 @@
 """The deployment files, checked without a cluster or a Docker daemon: every Kustomize render validates against
 the Kubernetes schemas (kubernetes-validate, offline) and the pinned CRDs, the pieces refer to each other
-consistently, the endpoint picker's configuration is one that EPP v1.5.0 accepts, and the images install the
+consistently, the endpoint picker's configurations are ones llm-d-router v0.10.0's picker accepts, and the
+images install the
 project with the same script as `make` and CI. tests/test_deploy_live.py checks them against running servers."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from deploy_support import (CPU_RENDERS, CRDS, DEPLOY, K8S_VERSIONS, KUBE, RENDERS, arg_values, compose_value,
+from deploy_support import (CPU_RENDERS, CRDS, DEPLOY, GATEWAYS, K8S_VERSIONS, KUBE, RENDERS, arg_values, compose_value,
                             crd_schemas, epp_config, one, published_ports, render, server_container, validate)
 from metrics_support import fake_llm_metrics
 from triton_vlm.paths import REPO_ROOT
@@ -26,45 +27,62 @@ from triton_vlm.server.repository import check_parameters
 DOCKER = DEPLOY / "docker"
 IMAGE_PORTS = {"8000", "8001", "8002", "9000"}
 
-# EndpointPickerConfig of EPP v1.5.0 (apix/config/v1alpha1/endpointpickerconfig_types.go), decoded strictly
+# EndpointPickerConfig of llm-d-router v0.10.0's picker (apix/config/v1alpha1/endpointpickerconfig_types.go),
+# decoded strictly (pkg/epp/config/loader: serializer.EnableStrict; each plugin's parameters with StrictDecoder)
 _REF = {"type": "object", "required": ["pluginRef"], "additionalProperties": False,
         "properties": {"pluginRef": {"type": "string", "minLength": 1}, "weight": {"type": "number"}}}
+_PLUGIN_REF = {"type": "object", "additionalProperties": False, "properties": {"pluginRef": {"type": "string"}}}
 EPP_CONFIG_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "plugins"],
     "properties": {
-        "apiVersion": {"const": "inference.networking.x-k8s.io/v1alpha1"},
+        "apiVersion": {"const": "llm-d.ai/v1alpha1"},
         "kind": {"const": "EndpointPickerConfig"},
-        "featureGates": {"type": "array", "items": {"enum": ["dataLayer", "enableLegacyMetrics", "flowControl"]}},
+        "featureGates": {"type": "array", "items": {"type": "string"}},
         "plugins": {"type": "array", "items": {
             "type": "object", "required": ["type"], "additionalProperties": False,
             "properties": {"name": {"type": "string"}, "type": {"type": "string"}, "parameters": {}}}},
         "schedulingProfiles": {"type": "array", "items": {
             "type": "object", "required": ["name", "plugins"], "additionalProperties": False,
             "properties": {"name": {"type": "string"}, "plugins": {"type": "array", "items": _REF}}}},
-        "saturationDetector": {"type": "object", "additionalProperties": False,
-                               "properties": {"pluginRef": {"type": "string"}}},
-        "dataLayer": {"type": "object", "additionalProperties": False, "properties": {"sources": {
-            "type": "array", "items": {
+        "saturationDetector": _PLUGIN_REF,
+        "dataLayer": {"type": "object", "additionalProperties": False, "properties": {
+            "injectDefaults": {"type": "boolean"}, "discovery": _PLUGIN_REF,
+            "crossReplicaSyncerPluginRef": {"type": "string"}, "crossReplicaSyncInterval": {"type": "string"},
+            "sources": {"type": "array", "items": {
                 "type": "object", "required": ["pluginRef"], "additionalProperties": False,
-                "properties": {"pluginRef": {"type": "string"}, "extractors": {
-                    "type": "array", "items": {"type": "object", "additionalProperties": False,
-                                               "properties": {"pluginRef": {"type": "string"}}}}}}}}},
+                "properties": {"pluginRef": {"type": "string"}, "extractors": {"type": "array", "items": _PLUGIN_REF}}}}}},
         "flowControl": {"type": "object"},
-        "parser": {"type": "object", "additionalProperties": False, "properties": {"pluginRef": {"type": "string"}}},
+        "requestHandler": {"type": "object"},
+        "parser": _PLUGIN_REF,
     },
 }
-# plugin types EPP v1.5.0 registers (cmd/epp/runner/runner.go) that a scheduling configuration uses
-EPP_PLUGIN_TYPES = {
-    "prefix-cache-scorer", "max-score-picker", "random-picker", "weighted-random-picker", "single-profile-handler",
-    "kv-cache-utilization-scorer", "queue-scorer", "running-requests-size-scorer", "lora-affinity-scorer",
-    "token-load-scorer", "metrics-data-source", "core-metrics-extractor", "openai-parser", "passthrough-parser",
-    "concurrency-detector", "utilization-detector",
+# plugin types llm-d-router v0.10.0 registers (cmd/epp/runner/runner.go) that our configurations may use, each with
+# the parameters its factory decodes (strictly: an unknown key fails the picker's start)
+_OBJ = {"type": "object"}
+EPP_PLUGIN_PARAMS = {
+    "metrics-data-source": {"scheme", "path", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
+                            "clientKeyPath", "interval"},
+    "core-metrics-extractor": {"engineLabelKey", "defaultEngine", "engineConfigs"},
+    "endpoint-notification-source": set(),
+    "token-producer": {"udsTokenizerConfig", "vllm", "estimate", "modelName"},
+    "approx-prefix-cache-producer": {"autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch",
+                                     "maxPrefixTokensToMatch", "lruCapacityPerServer"},
+    "precise-prefix-cache-producer": {"tokenProcessorConfig", "indexerConfig", "kvEventsConfig",
+                                      "speculativeIndexing", "speculativeTTL"},
+    "prefix-cache-scorer": {"prefixMatchInfoProducerName", "matchLengthWeight", "matchLengthScaleTokens"},
+    "queue-scorer": set(), "running-requests-size-scorer": set(), "kv-cache-utilization-scorer": set(),
+    "lora-affinity-scorer": set(), "max-score-picker": {"maxNumOfEndpoints"}, "single-profile-handler": set(),
 }
 # core-metrics-extractor's parameters (pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go)
 EXTRACTOR_KEYS = {"engineLabelKey", "defaultEngine", "engineConfigs"}
 ENGINE_KEYS = {"name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec",
-               "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec"}
-ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
+               "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec",
+               "customMetrics"}
+ENGINE_LABEL = "llm-d.ai/engine-type"  # the extractor's default engineLabelKey (mapping_registry.go)
+# nested parameters of the precise producer (llm-d-kv-cache's kvblock.TokenProcessorConfig, kvevents.Config)
+TOKEN_PROCESSOR_KEYS = {"blockSize", "blockSizeTokens", "hashSeed"}
+KV_EVENTS_KEYS = {"zmqEndpoint", "topicFilter", "concurrency", "engineType", "discoverPods", "podDiscoveryConfig"}
+POD_DISCOVERY_KEYS = {"podLabelSelector", "podNamespace", "socketPort"}
 
 
 # --- Kubernetes: schemas -----------------------------------------------------------------------------------------
@@ -116,7 +134,7 @@ def test_pinned_crds_are_the_recorded_upstream_files_and_used():
         assert hashlib.sha256(f.read_bytes()).hexdigest() == recorded[f.name], f.name
     used = {(d["apiVersion"], d["kind"]) for path in RENDERS for d in render(path)}
     assert {("inference.networking.k8s.io/v1", "InferencePool"),
-            ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"),
+            ("llm-d.ai/v1alpha2", "InferenceObjective"),
             ("gateway.networking.k8s.io/v1", "HTTPRoute"), ("monitoring.coreos.com/v1", "PodMonitor"),
             ("monitoring.coreos.com/v1", "PrometheusRule")} <= used & set(crd_schemas())
 
@@ -197,7 +215,7 @@ def test_service_podmonitor_and_hpa_refer_to_the_server():
 
 
 # --- who reaches Triton's own ports -----------------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["base", "overlays/gpu", "overlays/inference-gateway"])
+@pytest.mark.parametrize("path", ["base", "overlays/gpu", *GATEWAYS])
 def test_shipped_services_publish_only_the_openai_port(path):
     """Triton's HTTP and gRPC serve every model (and Triton 2.51's HTTP JSON parser dies on 5 MB of `[`): no
     Service of the shipped deployments reaches them, only the OpenAI API, which checks the key; the key comes
@@ -247,8 +265,9 @@ def test_compose_listens_on_loopback_unless_told():
         assert not [a for a in service["command"] if "api-key" in a]
 
 
-def test_gateway_pool_route_objectives_and_picker_fit():
-    docs = render("overlays/inference-gateway")
+@pytest.mark.parametrize("path", GATEWAYS)
+def test_gateway_pool_route_objectives_and_picker_fit(path):
+    docs = render(path)
     c = server_container(docs)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     pod_labels = one(docs, "Deployment", "triton-vlm")["spec"]["template"]["metadata"]["labels"]
@@ -269,17 +288,21 @@ def test_gateway_pool_route_objectives_and_picker_fit():
     assert spec["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
     assert arg_values(spec["containers"][0]["args"], "--pool-name") == [pool["metadata"]["name"]]
     rules = {(g, r) for rule in one(docs, "Role")["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
-            ("inference.networking.x-k8s.io", "inferenceobjectives")} <= rules
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools"), ("llm-d.ai", "inferenceobjectives"),
+            ("inference.networking.x-k8s.io", "inferenceobjectives")} <= rules  # the deprecated group too
+    assert epp["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0"
     assert pod_labels[ENGINE_LABEL] == epp_config(docs)[1]["name"]
 
 
-def test_endpoint_picker_config_is_one_epp_accepts():
-    config, engine = epp_config(render("overlays/inference-gateway"))
+@pytest.mark.parametrize("path", GATEWAYS)
+def test_endpoint_picker_config_is_one_the_picker_accepts(path):
+    config, engine = epp_config(render(path))
     jsonschema.validate(config, EPP_CONFIG_SCHEMA)
     names = {p.get("name") or p["type"] for p in config["plugins"]}
     assert len(names) == len(config["plugins"])
-    assert {p["type"] for p in config["plugins"]} <= EPP_PLUGIN_TYPES
+    for plugin in config["plugins"]:
+        assert set(plugin.get("parameters") or {}) <= EPP_PLUGIN_PARAMS[plugin["type"]], plugin
     refs = [r["pluginRef"] for prof in config["schedulingProfiles"] for r in prof["plugins"]]
     refs += [s["pluginRef"] for s in config["dataLayer"]["sources"]]
     refs += [e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]]
@@ -291,10 +314,51 @@ def test_endpoint_picker_config_is_one_epp_accepts():
     assert engine["runningRequestsSpec"].startswith("triton_vlm_engine_running_requests")
     assert engine["kvUsageSpec"].startswith("triton_vlm_engine_kv_cache_reserved_perc")  # what admission sees
     assert engine["loraSpec"] == "triton_vlm_lora_requests_info"
+    assert engine["cacheNumBlocksSpec"].startswith("triton_vlm_engine_kv_blocks_total")
     [profile] = config["schedulingProfiles"]
     scorers = {r["pluginRef"] for r in profile["plugins"] if r["pluginRef"].endswith("-scorer")}
     assert scorers == {"queue-scorer", "running-requests-size-scorer", "kv-cache-utilization-scorer",
-                       "lora-affinity-scorer"}
+                       "lora-affinity-scorer", "prefix-cache-scorer"}
+    by_type = {p["type"]: p.get("parameters") or {} for p in config["plugins"]}
+    producer = by_type["prefix-cache-scorer"]["prefixMatchInfoProducerName"]
+    assert producer in by_type and "token-producer" in by_type  # the scorer's producer, and its tokens' producer
+    if path.endswith("precise"):
+        assert producer == "precise-prefix-cache-producer"
+        params = by_type[producer]
+        assert set(params["tokenProcessorConfig"]) <= TOKEN_PROCESSOR_KEYS
+        assert set(params["kvEventsConfig"]) <= KV_EVENTS_KEYS
+        assert set(params["kvEventsConfig"]["podDiscoveryConfig"]) <= POD_DISCOVERY_KEYS
+        assert {"pluginRef": producer} in [e for src in config["dataLayer"]["sources"] for e in src["extractors"]]
+    else:  # approximate: no engine support, a tokenizer-free estimate of the prompt's tokens
+        assert producer == "approx-prefix-cache-producer" and by_type["token-producer"] == {"estimate": {}}
+
+
+def test_precise_overlay_wires_the_engines_kv_events_to_the_picker():
+    """The servers publish KV-cache events where the picker's precise producer dials each pod (its socketPort),
+    under llm-d's topic layout; the render sidecar is where the token producer asks for token ids."""
+    docs = render("overlays/inference-gateway-precise")
+    c = server_container(docs)
+    sets = dict(a.split("=", 1) for a in arg_values(c["args"], "--set"))
+    config, _ = epp_config(docs)
+    params = {p["type"]: p.get("parameters") or {} for p in config["plugins"]}
+    port = params["precise-prefix-cache-producer"]["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"]
+    assert sets["llm.kv_events_endpoint"] == f"tcp://*:{port}"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["kv-events"] == port
+    topic = sets["llm.kv_events_topic"]
+    assert topic.startswith(params["precise-prefix-cache-producer"]["kvEventsConfig"]["topicFilter"])
+    assert re.fullmatch(r"kv@\$\(POD_IP\)@[\w.-]+", topic)
+    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in c["env"])
+    assert "kv-events" not in str([d for d in docs if d["kind"] == "Service"])  # no Service publishes it
+    epp = one(docs, "Deployment", "triton-vlm-epp")["spec"]["template"]["spec"]
+    render_port = {p["containerPort"] for ct in epp["containers"] if ct["name"] == "vllm-render" for p in ct["ports"]}
+    url = params["token-producer"]["vllm"]["url"]
+    assert url == f"http://localhost:{render_port.pop()}"
+    [sidecar] = [ct for ct in epp["containers"] if ct["name"] == "vllm-render"]
+    assert sidecar["args"][0] == params["token-producer"]["modelName"] == arg_values(c["args"], "--model")[0]
+    from triton_vlm.engine.engine import EngineConfig
+
+    block = params["precise-prefix-cache-producer"]["tokenProcessorConfig"]["blockSize"]
+    assert block == EngineConfig().block_size  # the engine's (its events then map 1:1 onto the index's blocks)
 
 
 # --- the KV-cache gauge ----------------------------------------------------------------------------------------

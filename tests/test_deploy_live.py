@@ -30,6 +30,7 @@ from deploy_support import (EndpointMetrics, Spec, epp_config, extract, one, par
 pytestmark = pytest.mark.server
 
 GATEWAY = "overlays/inference-gateway"
+PRECISE = "overlays/inference-gateway-precise"
 
 
 def get(url: str, timeout: float = 5) -> tuple[int, str]:
@@ -109,9 +110,12 @@ def check_probes_ports_and_metric_names(replica: Replica) -> None:
     status, text = get(f"http://localhost:{ports[named[endpoint['port']]]}{endpoint['path']}")
     assert status == 200 and "nv_inference_request_success" in text and "triton_vlm_" in text
     families = scrape(replica)  # the picker's scrape, on the pool's target port
-    _, engine = epp_config(docs)
-    for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
-        Spec.parse(engine[key]).latest(families)  # LookupError if the server has no such series
+    for path in (GATEWAY, PRECISE):  # both configurations' metric specs name series the server has
+        _, engine = epp_config(render(path))
+        for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheNumBlocksSpec"):
+            Spec.parse(engine[key]).latest(families)  # LookupError if the server has no such series
+    blocks = Spec.parse(engine["cacheNumBlocksSpec"]).latest(families).value
+    assert blocks > 0 and blocks == int(blocks)  # the approximate prefix index's capacity per replica
     assert 0.0 <= Spec.parse(engine["kvUsageSpec"]).latest(families).value <= 1.0
     info = Spec.parse(engine["loraSpec"]).latest_lora(families).labels
     assert {"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= set(info)
@@ -312,8 +316,8 @@ def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
 
 # --- prefix-cache-aware routing ----------------------------------------------------------------------------------
 def test_precise_prefix_routing_keeps_chats_where_their_blocks_are(replicas, events_sub, demo_model):
-    """The picker stand-in, fed by both replicas' KV-cache events, sends every chat's next turn to the replica
-    holding its blocks; over the same kind of multi-chat run the engines' prefix-cache hit rate is higher than
+    """The picker stand-in, fed by both replicas' KV-cache events (its prefix-cache match) and their /metrics (its
+    other scorers, the precise overlay's weights), sends every chat's next turn to the replica holding its blocks; over the same kind of multi-chat run the engines' prefix-cache hit rate is higher than
     with round robin (measured here, side by side on the same two replicas; runs of other seeds share no prefix)."""
     from transformers import AutoTokenizer
 
@@ -322,8 +326,15 @@ def test_precise_prefix_routing_keeps_chats_where_their_blocks_are(replicas, eve
     reps = {name: {"url": f"http://{r.http_url}", "metrics": f"http://localhost:{r.server.metrics_port}/metrics"}
             for name, r in zip(("replica-a", "replica-b"), replicas)}
     chats, turns = 5, 4
+    config, engine = epp_config(render(PRECISE))  # the picker's weights, its scorers on each replica's /metrics
+    servers = dict(zip(sorted(reps), replicas))
+
+    def weigh(prefix: dict) -> dict:
+        return pick(config, picker_view(servers, engine), "", prefix)[1]
+
     rr = run_chats("round-robin", reps, tokenize, chats=chats, turns=turns, max_tokens=8, seed=11, sub=events_sub)
-    precise = run_chats("precise", reps, tokenize, chats=chats, turns=turns, max_tokens=8, seed=12, sub=events_sub)
+    precise = run_chats("precise", reps, tokenize, chats=chats, turns=turns, max_tokens=8, seed=12, sub=events_sub,
+                        weigh=weigh)
     print(f"\nprefix-cache hit rate over {chats} chats x {turns} turns on 2 replicas: round robin "
           f"{rr.hit_rate:.3f} ({rr.hits:.0f}/{rr.queries:.0f} tokens), precise {precise.hit_rate:.3f} "
           f"({precise.hits:.0f}/{precise.queries:.0f}); next turn on the same replica {rr.stayed} vs "
