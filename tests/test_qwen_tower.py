@@ -171,12 +171,14 @@ def test_missing_or_misshapen_tensor_is_refused(tower):
         QwenTowerGraph(model.config.vision_config, bad)
 
 
-def test_onnx_dynamic_batch_matches_torch(tower, tmp_path):
+@pytest.mark.parametrize("external_data", [False, True])
+def test_onnx_dynamic_batch_matches_torch(tower, tmp_path, external_data):
     import onnxruntime as ort
 
     _, graph, _ = tower
-    path = export_tower_onnx(graph, tmp_path / "tower.onnx", [(1, 4, 4), (1, 2, 6)])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tower.onnx"]  # the temporary file was renamed
+    path = export_tower_onnx(graph, tmp_path / "tower.onnx", [(1, 4, 4), (1, 2, 6)], external_data=external_data)
+    # the private work directory is gone; the weights are in the graph or in one file beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tower.onnx"] + ["tower.onnx.data"] * external_data
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = (PATCHES,) + graph.aux_names
     assert [i.name for i in session.get_inputs()] == list(names)

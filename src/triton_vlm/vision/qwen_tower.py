@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,10 +246,14 @@ def example_inputs(graph: QwenTowerGraph, grids: Sequence[Sequence[int]], seed: 
 
 
 def export_tower_onnx(graph: QwenTowerGraph, out: str | Path, grids_example: Sequence[Sequence[int]],
-                      dtype: str = "float32") -> Path:
+                      dtype: str = "float32", external_data: bool = False) -> Path:
     """Write the graph as ONNX in `dtype` (float16: weights and activations fp16; norms, rotary and softmax fp32;
-    `patches` is then fp16 too): inputs `patches` [N, patch_dim] + `graph.aux_names` (int64, leading axis N),
-    output `encoder_output` [N / merge**2, out_hidden]. Written to a temporary file, then renamed."""
+    `patches` is then fp16 too): inputs `patches` [N, patch_dim] + `graph.aux_names` (int64), output
+    `encoder_output` [N / merge**2, out_hidden]; dynamic axes: patches, frames, frame_patches, windows, tokens.
+
+    A graph over protobuf's 2 GB (a 7B checkpoint's tower in fp32), or any with `external_data`, keeps its weights in
+    one file beside it, `<out>.data` (onnxruntime and TensorRT's parser read it from the graph's directory).
+    Written in a private directory, then renamed into place (the weights first)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if graph.dtype != DTYPES[dtype]:
@@ -261,11 +267,31 @@ def export_tower_onnx(graph: QwenTowerGraph, out: str | Path, grids_example: Seq
     axes[OUTPUT] = {0: "tokens"}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the aux count check, static per graph
-        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
-        torch.onnx.export(graph, inputs, str(tmp), opset_version=OPSET, input_names=list(names),
-                          output_names=[OUTPUT], dynamic_axes=axes, dynamo=False)
-    os.replace(tmp, out)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp = work / out.name
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the aux count check, static per graph
+            warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
+            torch.onnx.export(graph, inputs, str(tmp), opset_version=OPSET, input_names=list(names),
+                              output_names=[OUTPUT], dynamic_axes=axes, dynamo=False)
+        if external_data or len(list(work.iterdir())) > 1:  # over 2 GB the exporter writes a file per tensor
+            data = _one_data_file(tmp)
+            os.replace(data, out.with_name(data.name))
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _one_data_file(path: Path) -> Path:
+    """Re-save the ONNX graph at `path` with every weight in one file beside it, `<name>.data`."""
+    import onnx  # noqa: PLC0415
+
+    model = onnx.load(str(path), load_external_data=True)
+    for f in path.parent.iterdir():
+        f.unlink()
+    data = path.with_name(path.name + ".data")
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    return data
