@@ -218,7 +218,7 @@ class Preprocessor:
                    for r, c, w in zip(raws, cached, what)]
 
         sizes = [c.size if c is not None else (im.height, im.width) for c, im in zip(cached, decoded)]
-        counts = [info.image_tokens(size) for size in sizes]
+        counts = [_image_tokens(info, size, w) for size, w in zip(sizes, what)]
         segments = self._truncate(self._tokenize(parts, counts), budget, max_tokens)
         kept_images = [s.image for s in segments if s.image >= 0]
         input_ids = [t for s in segments for t in s.ids]
@@ -237,6 +237,14 @@ class Preprocessor:
             dropped_images=len(decoded) - len(kept_images),
             image_sizes=np.array([sizes[i] for i in kept_images], np.int32).reshape(-1, 2),
         )
+
+
+def _image_tokens(info: ModelInfo, size: tuple[int, int], what: str) -> int:
+    """The placeholders of an image of `size`; a size the family refuses names the image."""
+    try:
+        return info.image_tokens(size)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{what}: {e.message}") from None
 
 
 def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:

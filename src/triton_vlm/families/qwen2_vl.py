@@ -39,8 +39,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf  # noqa: PLC0415
 
     if min(height, width) <= 0 or max(height, width) / min(height, width) > MAX_RATIO:
-        raise InvalidArgument(f"image of {height}x{width} pixels: the aspect ratio must be at most {MAX_RATIO}:1 "
-                              "(the checkpoint's image processor refuses it)")
+        ratio = max(height, width) / max(1, min(height, width))
+        raise InvalidArgument(f"image of {height}x{width} pixels (height x width) has an aspect ratio of "
+                              f"{ratio:g}:1; at most {MAX_RATIO}:1 is allowed (the checkpoint's image processor "
+                              "refuses it)")
     return hf(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
