@@ -251,7 +251,8 @@ def run_chats(policy: str, replicas: dict[str, dict], tokenize, *, chats: int, t
               seed: int, sub: Optional[Subscriber] = None, settle_s: float = 0.3,
               weigh: Optional[Callable[[dict], dict]] = None) -> RunResult:
     """`chats` conversations of `turns` turns, one turn of every chat per round in a seeded order; each turn
-    resends the history. Runs with different seeds share no prefix (the seed opens every prompt). `replicas`: pod -> {"url": Triton HTTP base, "metrics": /metrics URL}."""
+    resends the history. Runs with different seeds share no prefix (the seed opens every prompt).
+    `replicas`: pod -> {"url": Triton HTTP base, "metrics": /metrics URL}."""
     pods = sorted(replicas)
     router, rng = Router(policy, pods, sub, weigh=weigh), random.Random(seed)
     before = [prefix_counters(replicas[p]["metrics"]) for p in pods]

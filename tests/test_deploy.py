@@ -50,7 +50,8 @@ EPP_CONFIG_SCHEMA = {
             "crossReplicaSyncerPluginRef": {"type": "string"}, "crossReplicaSyncInterval": {"type": "string"},
             "sources": {"type": "array", "items": {
                 "type": "object", "required": ["pluginRef"], "additionalProperties": False,
-                "properties": {"pluginRef": {"type": "string"}, "extractors": {"type": "array", "items": _PLUGIN_REF}}}}}},
+                "properties": {"pluginRef": {"type": "string"},
+                               "extractors": {"type": "array", "items": _PLUGIN_REF}}}}}},
         "flowControl": {"type": "object"},
         "requestHandler": {"type": "object"},
         "parser": _PLUGIN_REF,

@@ -316,9 +316,10 @@ def test_picker_tells_unevenly_loaded_replicas_apart(replicas, demo_model):
 
 # --- prefix-cache-aware routing ----------------------------------------------------------------------------------
 def test_precise_prefix_routing_keeps_chats_where_their_blocks_are(replicas, events_sub, demo_model):
-    """The picker stand-in, fed by both replicas' KV-cache events (its prefix-cache match) and their /metrics (its
-    other scorers, the precise overlay's weights), sends every chat's next turn to the replica holding its blocks; over the same kind of multi-chat run the engines' prefix-cache hit rate is higher than
-    with round robin (measured here, side by side on the same two replicas; runs of other seeds share no prefix)."""
+    """The picker stand-in, fed by both replicas' KV-cache events (its prefix-cache match) and their /metrics
+    (its other scorers, the precise overlay's weights), sends every chat's next turn to the replica holding its
+    blocks; over the same kind of multi-chat run the engines' prefix-cache hit rate is higher than with round
+    robin (measured here, side by side on the same two replicas; runs of other seeds share no prefix)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(demo_model), local_files_only=True)

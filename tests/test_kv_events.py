@@ -115,7 +115,8 @@ def test_stored_on_prefill_and_decode_in_vllms_layout(published):
     for prev, nxt in zip(stored, stored[1:]):  # later events continue the chain
         assert nxt["parent_block_hash"] == prev["block_hashes"][-1]
     e = stored[0]
-    assert (e["block_size"], e["lora_id"], e["medium"], e["lora_name"], e["extra_keys"]) == (BS, None, "CPU", None, None)
+    assert (e["block_size"], e["lora_id"], e["medium"], e["lora_name"], e["extra_keys"]) == \
+        (BS, None, "CPU", None, None)
     seqs = [int.from_bytes(f[1], "big") for f in sub.frames]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
@@ -183,6 +184,46 @@ def test_image_identifiers_and_the_salt_enter_extra_keys(ckpt, published):
     assert image_blocks and all(keys[i] and len(keys[i][0]) == 64 for i in image_blocks)  # sha256 hex
     assert len({keys[i][0] for i in image_blocks}) == 1  # one image: one identifier
     assert all(not keys[i] for i in range(1, len(keys)) if i not in image_blocks)
+
+
+def test_replay_resends_the_batches_from_a_sequence_number(ckpt):
+    """vLLM's replay socket: a ROUTER answering [b"", start (8 bytes)] with every buffered [b"", seq, payload] from
+    there, then the end marker (-1) (a DEALER reads the stream; a REQ socket would keep only the first)."""
+    eng = make_engine(ckpt[1])
+    pub = kv_events.KVEventPublisher("tcp://127.0.0.1:*", topic="kv@r@llava", block_size=BS,
+                                     replay_endpoint="tcp://127.0.0.1:*")
+    eng.cache.events = pub
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(pub._replay.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        for i in range(3):
+            run(eng, f"p{i}", prompt(20, 300 + i))
+            time.sleep(0.1)  # a batch or more each
+        time.sleep(0.2)  # all sent
+
+        def replay(first: int) -> list[tuple[int, list[dict]]]:
+            req.send_multipart([b"", first.to_bytes(8, "big")])
+            got = []
+            while True:
+                assert req.poll(5000), "no replay answer"
+                empty, seq, payload = req.recv_multipart()
+                assert empty == b""
+                if seq == kv_events.END_SEQ:
+                    assert payload == b""
+                    return got
+                got.append((int.from_bytes(seq, "big"), decode_batch(payload)[1]))
+
+        everything = replay(0)
+        assert [s for s, _ in everything] == list(range(pub.sent_batches)) and pub.sent_batches >= 2
+        assert everything[0][1][0] == {"type": "AllBlocksCleared"}  # the start's announcement comes first
+        assert [s for s, _ in replay(1)] == list(range(1, pub.sent_batches))
+        stored = {h for _, events in everything for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]}
+        assert stored == set(eng.cache._by_hash)
+    finally:
+        req.close(0)
+        pub.close()
+        eng.shutdown()
 
 
 def test_a_dead_subscriber_never_blocks_the_engine(ckpt):

@@ -27,7 +27,7 @@ held for this pod) and when it closes.
 
 Never able to stop the engine: the engine thread only appends to a bounded deque (`stored` / `removed`, O(1), no
 lock, no I/O); a background thread batches what is there every `interval_s`, encodes and sends without blocking
-(`zmq.NOBLOCK`; a PUB socket drops for a subscriber past its high-water mark). When the deque is full, or the
+(`zmq.NOBLOCK`; a PUB socket drops for a subscriber past its high-water mark); idle, it looks every `idle_s`. When the deque is full, or the
 send fails, events are dropped and counted (`dropped`), and the failure logged; nothing is raised to the engine.
 """
 from __future__ import annotations
@@ -67,9 +67,9 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, *, topic: str, block_size: int, medium: str = "GPU",
                  replay_endpoint: Optional[str] = None, max_events: int = 100_000, buffer_batches: int = 10_000,
-                 hwm: int = 100_000, interval_s: float = 0.005):
+                 hwm: int = 100_000, interval_s: float = 0.005, idle_s: float = 0.05):
         self.topic, self.block_size, self.medium = topic.encode(), block_size, medium
-        self.max_events, self.interval_s = max_events, interval_s
+        self.max_events, self.interval_s, self.idle_s = max_events, interval_s, idle_s
         self.dropped = self.sent_batches = 0
         self._events: deque = deque()
         self._buffer: deque = deque(maxlen=buffer_batches)  # (seq, payload) for replay
@@ -111,12 +111,14 @@ class KVEventPublisher:
 
     # --- the publisher thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        busy = True
         while not self._closed or self._events:
-            self._wake.wait(self.interval_s)
+            self._wake.wait(self.interval_s if busy else self.idle_s)  # every 5 ms while events come, else 50
             self._wake.clear()
             try:
                 if self._replay is not None:
                     self._serve_replay()
+                busy = bool(self._events)
                 self._flush()
             except Exception:  # noqa: BLE001 - logged; events are dropped, the engine never sees it
                 log.exception("KV-cache events: publishing failed; dropping this batch")
