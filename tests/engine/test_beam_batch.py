@@ -1,7 +1,8 @@
 """Beam requests decoded in one batched step (`decoder.step_beams`, `beam_batch.beam_step`): bit for bit the tokens,
-scores and log probs of each request's own `BeamSearch` (checked against transformers in test_decoding.py), and
-against transformers `generate()` here too; requests with different settings (length penalty, early stopping,
-end ids, min_new_tokens, stop words, max tokens, prompt length) start and end at different steps; one failing
+scores and log probs of each request's decoder stepped alone (checked against transformers in test_decoding.py),
+and against transformers `generate()` here too; requests with different settings (length penalty, early stopping,
+end ids, min_new_tokens, stop words, max tokens, prompt length, penalties, no-repeat-ngram, bad words, beam
+sampling) start and end at different steps; one failing
 request ends only itself; a decode step of 16 beam requests reads back from the device once."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import pytest
 import torch
 
-from test_decode_batch import ckpt, syncs_per_decode_step  # noqa: F401 - fixture
+from test_decode_batch import ckpt, each_alone, syncs_per_decode_step  # noqa: F401 - fixture
 from test_decoding import EOS as HF_EOS, EOS2 as HF_EOS2, V as HF_V, TOL, hf_generate, model, prompt_for  # noqa: F401
 from triton_vlm.engine import beam_batch
 from triton_vlm.engine.decoder import Decoder, StepResult, step_beams
@@ -44,29 +45,28 @@ SETTINGS = [
     (dict(beam_width=2, max_tokens=9, length_penalty=-2.0, early_stopping=False), (EOS,), (), 4, 0),
     (dict(beam_width=3, max_tokens=12, length_penalty=1.5, early_stopping="never", min_tokens=2), (EOS, EOS2),
      ((11, 12),), 3, 2),
+    # the context processors (bad words: `BAD_WORDS`) and beam sampling, in the groups of the others
+    (dict(beam_width=4, max_tokens=12, repetition_penalty=1.4, no_repeat_ngram_size=2), (EOS,), (), 4, 1),
+    (dict(beam_width=4, max_tokens=10, presence_penalty=0.8, frequency_penalty=0.5, min_tokens=3), (EOS,),
+     ((11,),), 6, 0),
+    (dict(beam_width=4, max_tokens=11, repetition_penalty=0.7, no_repeat_ngram_size=1), (EOS, EOS2), (), 3, 2),
+    (dict(beam_width=4, max_tokens=12, do_sample=True, seed=3, temperature=0.8, top_k=20), (EOS,), (), 5, 0),
+    (dict(beam_width=4, max_tokens=9, do_sample=True, seed=4, top_p=0.8, repetition_penalty=1.2), (EOS, EOS2),
+     (), 4, 3),
+    (dict(beam_width=2, max_tokens=10, do_sample=True, seed=5, temperature=1.3, no_repeat_ngram_size=2), (EOS,),
+     ((12, 13),), 3, 1),
 ]
-
-
-@contextlib.contextmanager
-def per_request():
-    """Decoders built inside use the per-request `BeamSearch` path only."""
-    orig = beam_batch.eligible
-    beam_batch.eligible = lambda *a: False
-    try:
-        yield
-    finally:
-        beam_batch.eligible = orig
+BAD_WORDS = {16: [[30, 31], [40]], 18: [[20, 21, 22], [EOS2]], 19: [[33]]}  # SETTINGS index -> bad_words_ids
 
 
 def make(batched: bool, copies: int = 2) -> list[tuple[Decoder, int]]:
+    """batched or not, the same decoders (the unbatched ones are stepped alone)."""
     out = []
     for c in range(copies):
         for j, (kw, eos, stop, lp, start) in enumerate(SETTINGS):
             prompt = [1] + [(7 * j + 3 * c + k) % (V - 20) + 20 for k in range(lp - 1)]
-            ctx = contextlib.nullcontext() if batched else per_request()
-            with ctx:
-                d = Decoder(GenerationParams(num_return_sequences=kw["beam_width"], **kw), prompt, eos_ids=eos,
-                            vocab_size=V, stop_words_ids=stop)
+            d = Decoder(GenerationParams(num_return_sequences=kw["beam_width"], **kw), prompt, eos_ids=eos,
+                        vocab_size=V, stop_words_ids=stop, bad_words_ids=BAD_WORDS.get(j, []))
             out.append((d, start + 3 * c))
     return out
 
@@ -83,10 +83,10 @@ def logits_for(step: int, rows: int, dtype, ties: bool = True) -> torch.Tensor:
 
 
 def run_both(dtype, device="cpu", copies=2, ties=True):
-    """Step the batched decoders (one `step_beams` per key) and per-request copies on the same logits; compare
-    every StepResult and stream prefix, then the final sequences. -> the batched decoders."""
+    """Step the batched decoders (one `step_beams` per key) and copies each stepped alone on the same logits;
+    compare every StepResult and stream prefix, then the final sequences. -> the batched decoders."""
     batched, single = make(True, copies), make(False, copies)
-    assert all(d.beam_key is not None for d, _ in batched) and all(d.beam_key is None for d, _ in single)
+    assert all(d.beam_key is not None for d, _ in batched)
     step = 0
     while any(not d.done for d, _ in batched):
         live = [i for i, (d, start) in enumerate(batched) if start <= step and not d.done]
@@ -126,7 +126,7 @@ def run_both(dtype, device="cpu", copies=2, ties=True):
 
 @pytest.mark.parametrize("grow", [beam_batch.GROW, 3])  # 3: the histories widen during the test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_beams_equal_per_request_decoders(dtype, grow, monkeypatch):
+def test_batched_beams_equal_each_request_alone(dtype, grow, monkeypatch):
     monkeypatch.setattr(beam_batch, "GROW", grow)
     done = run_both(dtype)
     lens = [len(d.finalize()[0].token_ids) for d in done]
@@ -139,9 +139,8 @@ def test_batched_beams_equal_per_request_decoders(dtype, grow, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_beams_equal_per_request_decoders_on_cuda(dtype):
-    """On CUDA the per-request path divides by a Python float (a * fp32 reciprocal); the batched one must too.
-    Without exact ties in the logits: CUDA's topk may pick its kernel by the number of rows."""
+def test_batched_beams_equal_each_request_alone_on_cuda(dtype):
+    """On CUDA, without exact ties in the logits: CUDA's topk may pick its kernel by the number of rows."""
     run_both(dtype, device="cuda", ties=False)
 
 
@@ -156,23 +155,23 @@ def test_a_request_with_nothing_to_choose_fails_alone():
     assert isinstance(out[0], Internal) and "non-finite" in str(out[0])
     assert isinstance(out[1], StepResult) and out[1].parents == [0, 0] and not out[1].done
     assert isinstance(out[2], Internal) and "non-finite" in str(out[2])
-    with per_request():
-        refs = [Decoder(p, [1, 3], eos_ids=(EOS,), vocab_size=V) for p in ps]
+    refs = [Decoder(p, [1, 3], eos_ids=(EOS,), vocab_size=V) for p in ps]
     assert refs[1].step(logits[1:2]).tokens == out[1].tokens
-    for i in (0, 2):  # the per-request decoders end the same requests with the same errors
+    for i in (0, 2):  # each alone: the same requests end with the same errors
         with pytest.raises(Internal, match="non-finite"):
             refs[i].step(logits[i:i + 1])
     nxt = step_beams([ds[1]], torch.randn(2, V), [0])[0]  # the survivor goes on alone (a new group)
     assert isinstance(nxt, StepResult) and ds[1].beam_key is not None
 
 
-def test_settings_that_keep_the_per_request_path():
+def test_every_beam_request_is_batched():
     for kw in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
-               dict(no_repeat_ngram_size=2), dict(do_sample=True, seed=1), dict(beam_width=1)):
+               dict(no_repeat_ngram_size=2), dict(do_sample=True, seed=1)):
         p = GenerationParams(max_tokens=4, **({"beam_width": 2} | kw))
-        assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V).beam_key is None, kw
+        assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V).beam_key == (2, 4), kw
+    assert Decoder(GenerationParams(max_tokens=4), [1], eos_ids=(EOS,), vocab_size=V).beam_key is None
     p = GenerationParams(max_tokens=4, beam_width=2)
-    assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[9]]).beam_key is None
+    assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[9]]).beam_key == (2, 4)
     assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V).beam_key == (2, 4)
     assert Decoder(p, [1], eos_ids=(EOS, EOS2), vocab_size=V).beam_key == (2, 6)
     a, b = (Decoder(GenerationParams(max_tokens=4, beam_width=2), [1], eos_ids=e, vocab_size=V)
@@ -186,10 +185,9 @@ def test_cancel_mid_flight_and_streaming_read_the_group(monkeypatch):
     histories narrower than max_new)."""
     monkeypatch.setattr(beam_batch, "GROW", 2)
     def two(batched):
-        ctx = contextlib.nullcontext() if batched else per_request()
-        with ctx:
-            return [Decoder(GenerationParams(beam_width=3, max_tokens=20, num_return_sequences=3), [1, 4 + i],
-                            eos_ids=(EOS,), vocab_size=V) for i in range(2)]
+        return [Decoder(GenerationParams(beam_width=3, max_tokens=20, num_return_sequences=3,
+                                         repetition_penalty=1.3 if i else 1.0), [1, 4 + i],
+                        eos_ids=(EOS,), vocab_size=V) for i in range(2)]
     bs, ss = two(True), two(False)
     for step in range(5):
         logits = logits_for(step, sum(d.num_rows for d in bs), torch.float32)
@@ -220,6 +218,11 @@ HF_CASES = [  # params, end ids, stop words, prompt seed, start step
      (HF_EOS, HF_EOS2), (), 5, 0),
     (dict(beam_width=4, length_penalty=2.0, early_stopping=False, num_return_sequences=4, max_tokens=20),
      (HF_EOS, 45, 169, 103), (), 6, 4),
+    # penalties and beam sampling, in the group of the first one
+    (dict(beam_width=4, length_penalty=1.0, num_return_sequences=2, max_tokens=12, repetition_penalty=1.3,
+          no_repeat_ngram_size=2, presence_penalty=0.4), (HF_EOS,), (), 7, 1),
+    (dict(beam_width=4, num_return_sequences=2, max_tokens=10, do_sample=True, seed=11, temperature=0.9, top_k=30,
+          top_p=0.95, repetition_penalty=1.2, no_repeat_ngram_size=3), (HF_EOS,), (), 8, 2),
 ]
 
 
@@ -269,13 +272,14 @@ def engine_run(path, batched: bool) -> dict:
     results: dict[str, list] = {}
     reqs = []
     for i in range(12):
+        context = [{}, dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2, presence_penalty=0.5), {},
+                   dict(do_sample=True, seed=i, top_k=20), {}][i % 6]
         p = GenerationParams(max_tokens=6 + i % 5, beam_width=2 + i % 3, num_return_sequences=1 + i % 2,
                              length_penalty=[1.0, 0.0, -1.0, 2.0][i % 4], early_stopping=[False, True, "never"][i % 3],
-                             min_tokens=2 * (i % 2), stream=i % 4 == 0, return_log_probs=True)
+                             min_tokens=2 * (i % 2), stream=i % 4 == 0, return_log_probs=True, **context)
         reqs.append((i // 2, GenerationRequest(f"r{i}", [1, 10 + i, 20 + i % 7][:2 + i % 2], p,
                                                stop_words_ids=[[7 + i]] if i % 3 == 0 else [])))
-    ctx = contextlib.nullcontext() if batched else per_request()
-    with ctx:
+    with contextlib.nullcontext() if batched else each_alone():
         step = 0
         while step < 8 or any(not r or not r[-1].final for r in results.values()):
             for at, req in reqs:
@@ -309,7 +313,7 @@ def test_engine_results_equal_per_request_path(ckpt, monkeypatch):  # noqa: F811
 def test_a_decode_step_of_16_beam_requests_reads_back_once(ckpt, monkeypatch):  # noqa: F811
     per_step = syncs_per_decode_step(ckpt, 16, monkeypatch, beam_width=4, max_tokens=10, min_tokens=10)  # 64 rows
     assert max(per_step) <= 2, per_step  # the beam group's one read-back (+ the plan's max)
-    with per_request():
+    with each_alone():
         single = syncs_per_decode_step(ckpt, 16, monkeypatch, beam_width=4, max_tokens=10, min_tokens=10)
     assert min(single) >= 16, single  # the counter sees per-request read-backs
 

@@ -1,7 +1,8 @@
 """Greedy requests decoded in one batched step (`decoder.step_greedy`): the same tokens and log probs, bit for bit,
-as each request's own decoder (`sampling.Sampler`, checked against transformers in test_decoding.py), one failing
-row ends only its request, and a decode step of 64 greedy requests reads back from the device a constant number of
-times (counted on every tensor-to-host call while the scheduler's decode phase runs)."""
+as each request's decoder stepped alone (one row: the step test_decoding.py checks against transformers), penalties,
+no-repeat-ngram, bad words and top log probs included; one failing row ends only its request, and a decode step of
+64 greedy requests reads back from the device a constant number of times (counted on every tensor-to-host call
+while the scheduler's decode phase runs)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,6 @@ from triton_vlm.engine import greedy as greedy_mod
 from triton_vlm.engine import scheduler as scheduler_mod
 from triton_vlm.engine.decoder import Decoder, step_greedy
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.greedy import GreedySearch
-from triton_vlm.engine.sampling import Sampler
 from triton_vlm.errors import Internal
 from triton_vlm.params import GenerationParams, GenerationRequest
 
@@ -30,31 +29,20 @@ SETTINGS = [  # GenerationParams fields, eos ids, stop words: greedy requests wi
     (dict(max_tokens=14), (EOS,), ((11, 12), (13,))),
     (dict(max_tokens=10, min_tokens=3), (), ((11,),)),
     (dict(max_tokens=1), (EOS,), ()),
+    (dict(max_tokens=11, repetition_penalty=1.4, top_log_probs=3), (EOS,), ()),
+    (dict(max_tokens=13, no_repeat_ngram_size=2, presence_penalty=0.6, frequency_penalty=0.3), (EOS,), ((11, 12),)),
+    (dict(max_tokens=12, min_tokens=4, repetition_penalty=0.7, no_repeat_ngram_size=1, top_log_probs=1), (EOS,), ()),
 ]
+BAD_WORDS = [(), (), (), (), (), (), (), ((4, 20), (21,)), ((3, 4, 21), (EOS,))]  # per SETTINGS entry
 
 
-def decoders(per_request: bool, prompt=(1, 3, 4)) -> list[Decoder]:
+def decoders(prompt=(1, 3, 4)) -> list[Decoder]:
     out = []
     for i in range(3):
-        for kw, eos, stop in SETTINGS:
-            with _eligible(not per_request):
-                out.append(Decoder(GenerationParams(**kw), list(prompt) + [i], eos_ids=eos, vocab_size=V,
-                                   stop_words_ids=stop))
+        for (kw, eos, stop), bad in zip(SETTINGS, BAD_WORDS):
+            out.append(Decoder(GenerationParams(**kw), list(prompt) + [i], eos_ids=eos, vocab_size=V,
+                               stop_words_ids=stop, bad_words_ids=bad))
     return out
-
-
-@contextlib.contextmanager
-def _eligible(allowed: bool):
-    """Build per-request decoders (`Sampler`, the path test_decoding.py checks against transformers)."""
-    if allowed:
-        yield
-        return
-    orig = GreedySearch.eligible
-    GreedySearch.eligible = staticmethod(lambda *a: False)
-    try:
-        yield
-    finally:
-        GreedySearch.eligible = orig
 
 
 def logits_for(step: int, rows: int, dtype) -> torch.Tensor:
@@ -68,9 +56,8 @@ def logits_for(step: int, rows: int, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_greedy_equals_per_request_decoders(dtype):
-    batched, single = decoders(False), decoders(True)
+    batched, single = decoders(), decoders()  # single: each stepped alone
     assert all(d.batched_greedy for d in batched)
-    assert all(isinstance(d._search, Sampler) for d in single)
     step, finished = 0, 0
     while any(not d.done for d in batched):
         live = [i for i, d in enumerate(batched) if not d.done]
@@ -96,10 +83,9 @@ def test_batched_greedy_equals_per_request_decoders(dtype):
 
 
 def test_only_the_row_with_nothing_to_choose_fails():
-    def make(per_request):
-        with _eligible(not per_request):
-            return [Decoder(GenerationParams(max_tokens=4, min_tokens=2), [1, 3], eos_ids=(EOS,), vocab_size=V)
-                    for _ in range(3)]
+    def make(alone):
+        return [Decoder(GenerationParams(max_tokens=4, min_tokens=2, repetition_penalty=1.2 if alone else 1.0),
+                        [1, 3], eos_ids=(EOS,), vocab_size=V) for _ in range(3)]
 
     logits = torch.randn(3, V)
     logits[0] = -float("inf")
@@ -111,7 +97,7 @@ def test_only_the_row_with_nothing_to_choose_fails():
     assert not isinstance(out[1], Exception) and out[1].tokens == [int(logits[1].argmax())]
     assert isinstance(out[2], Internal) and "non-finite" in str(out[2])
     assert ds[0].stream_prefixes() == [] and ds[1].stream_prefixes() == [[out[1].tokens[0]]]
-    for i, d in enumerate(make(True)):  # the per-request decoders end the same rows with the same errors
+    for i, d in enumerate(make(True)):  # each alone, with a penalty: the same rows end with the same errors
         if i == 1:
             assert d.step(logits[i:i + 1]).tokens == out[1].tokens
         else:
@@ -119,15 +105,29 @@ def test_only_the_row_with_nothing_to_choose_fails():
                 d.step(logits[i:i + 1])
 
 
-def test_non_greedy_settings_keep_their_own_decoder():
+def test_every_greedy_request_is_batched_and_only_greedy():
     for kw in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(no_repeat_ngram_size=2),
-               dict(top_log_probs=2), dict(do_sample=True, seed=1), dict(beam_width=2)):
+               dict(top_log_probs=2)):
+        assert Decoder(GenerationParams(max_tokens=4, **kw), [1], eos_ids=(EOS,), vocab_size=V).batched_greedy
+    assert Decoder(GenerationParams(max_tokens=4), [1], eos_ids=(EOS,), vocab_size=V,
+                   bad_words_ids=[[9]]).batched_greedy
+    for kw in (dict(do_sample=True, seed=1), dict(beam_width=2)):
         assert not Decoder(GenerationParams(max_tokens=4, **kw), [1], eos_ids=(EOS,), vocab_size=V).batched_greedy
-    assert not Decoder(GenerationParams(max_tokens=4), [1], eos_ids=(EOS,), vocab_size=V,
-                       bad_words_ids=[[9]]).batched_greedy
     with pytest.raises(Internal):
         step_greedy([Decoder(GenerationParams(max_tokens=4, beam_width=2), [1], eos_ids=(EOS,), vocab_size=V)],
                     torch.zeros(1, V))
+
+
+@contextlib.contextmanager
+def each_alone():
+    """The scheduler steps every request's decoder by itself (one step and one read-back per request), not
+    batched: the reference the batched steps are compared with in the engine."""
+    orig = scheduler_mod.Scheduler._batched_steps
+    scheduler_mod.Scheduler._batched_steps = lambda self, batch, logits, starts: {}
+    try:
+        yield
+    finally:
+        scheduler_mod.Scheduler._batched_steps = orig
 
 
 # --- host-device synchronisations per decode step -----------------------------------------------------------
@@ -194,8 +194,12 @@ def test_a_decode_step_of_64_greedy_requests_reads_back_a_constant_number_of_tim
     many = syncs_per_decode_step(ckpt, 64, monkeypatch)
     few = syncs_per_decode_step(ckpt, 4, monkeypatch)
     assert max(many) <= 2 and max(many) == max(few), (many, few)  # the step's one read-back (+ the plan's max)
-    # the counter sees per-request read-backs: with each request on its own decoder, at least one per request
-    with _eligible(False):
+    # penalties, no-repeat-ngram and log probs: still one read-back for all 64 (they were one each before)
+    ctx = syncs_per_decode_step(ckpt, 64, monkeypatch, repetition_penalty=1.3, presence_penalty=0.4,
+                                no_repeat_ngram_size=3, return_log_probs=True, top_log_probs=3)
+    assert max(ctx) == max(few), (ctx, few)
+    # the counter sees per-request read-backs: with each request stepped alone, at least one per request
+    with each_alone():
         single = syncs_per_decode_step(ckpt, 64, monkeypatch)
     assert min(single) >= 64, single
 
@@ -209,7 +213,12 @@ def test_readback_is_the_one_device_to_host_copy(monkeypatch):
 
 
 @pytest.mark.parametrize("kw", [dict(beam_width=4, max_tokens=10, min_tokens=10),
-                                dict(do_sample=True, seed=3, num_return_sequences=4, max_tokens=10, min_tokens=10)])
-def test_beam_and_sampling_requests_read_back_once_each_per_step(ckpt, monkeypatch, kw):
+                                dict(beam_width=4, max_tokens=10, min_tokens=10, repetition_penalty=1.3,
+                                     no_repeat_ngram_size=2),
+                                dict(beam_width=4, max_tokens=10, min_tokens=10, do_sample=True, seed=5, top_k=20),
+                                dict(do_sample=True, seed=3, num_return_sequences=4, max_tokens=10, min_tokens=10),
+                                dict(do_sample=True, seed=3, num_return_sequences=4, max_tokens=10, min_tokens=10,
+                                     frequency_penalty=0.5, top_log_probs=2)])
+def test_beam_and_sampling_requests_read_back_once_per_step(ckpt, monkeypatch, kw):
     per_step = syncs_per_decode_step(ckpt, 16, monkeypatch, **kw)  # 64 rows
-    assert max(per_step) <= 16 + 1, per_step  # one per request (+ the plan's max)
+    assert max(per_step) <= 2, per_step  # one for all 16 requests (+ the plan's max)

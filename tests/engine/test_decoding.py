@@ -193,14 +193,17 @@ def test_processors_match_hf(model, feature, nb):
 
 def test_presence_frequency_penalty_is_openais_formula():
     """logits[t] -= presence * (count[t] > 0) + frequency * count[t], counted over generated ids only."""
-    from triton_vlm.engine.logits import LogitsPipeline
+    from triton_vlm.engine import processors
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn((2, 11), generator=g)
     prompt = [[4, 4, 9], [4, 6, 6]]
     gen = [[3, 3, 5, 0], [7, 1, 1, 1]]
-    pipe = LogitsPipeline(prompt_len=3, eos_ids=[], vocab_size=11, presence_penalty=0.5, frequency_penalty=0.25)
-    got = pipe(torch.tensor([p + q for p, q in zip(prompt, gen)]), scores.clone())
+    rows = [processors.RowContext(processors.Context(p, 1.0, 0.5, 0.25, 0, []), []) for p in prompt]
+    for step in range(4):  # each row's counts built up step by step, as the searches do
+        processors.process(scores, rows)
+        processors.commit(rows, torch.tensor([q[step] for q in gen]))
+    got = processors.process(scores.clone(), rows)
     want = scores.clone()
     for r in range(2):
         for t in set(gen[r]):

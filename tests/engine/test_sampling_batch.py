@@ -1,6 +1,6 @@
 """Sampling requests decoded in one batched step (`decoder.step_samples`, `sampling_batch.sample_step`): bit for bit
-the tokens, log probs and top log probs of each request's own `sampling.Sampler` (checked against transformers in
-test_decoding.py), and against transformers `generate()` here too; requests with different temperatures, top-k,
+the tokens, log probs and top log probs of each request's decoder stepped alone (checked against transformers in
+test_decoding.py), and against transformers `generate()` here too; the warpers equal transformers' own; requests with different temperatures, top-k,
 top-p, num_return_sequences, seeds, min_new_tokens, stop words, end ids and top_log_probs start and end at
 different steps (rows of one request finishing at different steps); one failing request ends only itself; the
 draw is `torch.multinomial`'s; a decode step of 16 sampling requests reads back from the device once."""
@@ -11,12 +11,11 @@ import contextlib
 import pytest
 import torch
 
-from test_decode_batch import ckpt, syncs_per_decode_step  # noqa: F401 - fixture
+from test_decode_batch import ckpt, each_alone, syncs_per_decode_step  # noqa: F401 - fixture
 from test_decoding import EOS as HF_EOS, EOS2 as HF_EOS2, V as HF_V, TOL, hf_generate, model, prompt_for  # noqa: F401
 from triton_vlm.engine import sampling_batch
 from triton_vlm.engine.decoder import Decoder, StepResult, step_samples
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.sampling import Sampler
 from triton_vlm.engine.sampling_batch import SampleSearch
 from triton_vlm.errors import Cancelled, Internal
 from triton_vlm.params import GenerationParams, GenerationRequest
@@ -38,28 +37,25 @@ SETTINGS = [
     (dict(temperature=0.3, top_p=0.999, max_tokens=11, top_log_probs=3), (EOS, EOS2), (), 5),
     (dict(temperature=1.7, top_k=3, top_p=0.5, max_tokens=1, num_return_sequences=3), (EOS,), (), 2),
     (dict(temperature=1.0, top_k=61, max_tokens=13, num_return_sequences=8), (EOS,), ((14, 15, 16),), 6),
+    # the context processors: penalties, no-repeat-ngram, bad words (`BAD_WORDS`)
+    (dict(temperature=0.8, top_k=30, max_tokens=12, num_return_sequences=3, repetition_penalty=1.5,
+          top_log_probs=2), (EOS,), (), 1),
+    (dict(temperature=1.2, top_p=0.9, max_tokens=10, num_return_sequences=2, presence_penalty=0.9,
+          frequency_penalty=0.4, no_repeat_ngram_size=2), (EOS,), ((11, 12),), 0),
+    (dict(temperature=1.0, max_tokens=9, min_tokens=3, num_return_sequences=4, repetition_penalty=0.6,
+          no_repeat_ngram_size=1), (EOS, EOS2), (), 2),
 ]
-
-
-@contextlib.contextmanager
-def per_request():
-    """Decoders built inside use the per-request `Sampler` only."""
-    orig = SampleSearch.eligible
-    SampleSearch.eligible = staticmethod(lambda *a: False)
-    try:
-        yield
-    finally:
-        SampleSearch.eligible = orig
+BAD_WORDS = {12: [[30, 31], [32]], 13: [[20, 21, 30], [EOS2]]}  # SETTINGS index -> bad_words_ids
 
 
 def make(batched: bool, copies: int = 2) -> list[tuple[Decoder, int]]:
+    """batched or not, the same decoders (the unbatched ones are stepped alone)."""
     out = []
     for c in range(copies):
         for j, (kw, eos, stop, start) in enumerate(SETTINGS):
             prompt = [1] + [(7 * j + 3 * c + k) % (V - 20) + 20 for k in range(2 + j % 4)]
-            with contextlib.nullcontext() if batched else per_request():
-                d = Decoder(GenerationParams(do_sample=True, seed=100 * c + j, **kw), prompt, eos_ids=eos,
-                            vocab_size=V, stop_words_ids=stop)
+            d = Decoder(GenerationParams(do_sample=True, seed=100 * c + j, **kw), prompt, eos_ids=eos,
+                        vocab_size=V, stop_words_ids=stop, bad_words_ids=BAD_WORDS.get(j, []))
             out.append((d, start + 3 * c))
     return out
 
@@ -75,11 +71,10 @@ def logits_for(step: int, rows: int, dtype) -> torch.Tensor:
 
 
 def run_both(dtype, copies=2, logits_fn=None):
-    """Step the batched decoders (one `step_samples` per step) and per-request copies on the same logits; compare
-    every StepResult, stream prefix and token info, then the final sequences. -> the batched decoders."""
+    """Step the batched decoders (one `step_samples` per step) and copies each stepped alone on the same logits;
+    compare every StepResult, stream prefix and token info, then the final sequences. -> the batched decoders."""
     batched, single = make(True, copies), make(False, copies)
     assert all(d.batched_sampling for d, _ in batched)
-    assert all(isinstance(d._search, Sampler) for d, _ in single)
     step = 0
     while any(not d.done for d, _ in batched):
         live = [i for i, (d, start) in enumerate(batched) if start <= step and not d.done]
@@ -108,7 +103,7 @@ def run_both(dtype, copies=2, logits_fn=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: many more exact ties
-def test_batched_sampling_equals_per_request_samplers(dtype):
+def test_batched_sampling_equals_each_request_alone(dtype):
     done = run_both(dtype)
     seqs = [s for d in done for s in d.finalize()]
     lens = [len(s.token_ids) for s in seqs]
@@ -120,26 +115,32 @@ def test_batched_sampling_equals_per_request_samplers(dtype):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_row_wise_warpers_equal_per_request_pipeline_on_ties(seed):
+def test_row_wise_warpers_equal_transformers_on_ties(seed):
     """Rows of many exact ties at the top-k / top-p boundaries (integer scores), random per-row temperature, top-k,
-    top-p and min_new_tokens, 96 requests' rows in one call: each row's processed scores equal its own
-    `LogitsPipeline`'s."""
-    from triton_vlm.engine.logits import LogitsPipeline
+    top-p and min_new_tokens, 96 requests' rows in one call: each row's processed scores equal transformers' own
+    processors' (MinNewTokensLength -> Temperature -> TopK -> TopP) on that row."""
+    from transformers import (MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
     g = torch.Generator().manual_seed(seed)
-    ss, pipes, R = [], [], 96
+    ss, chains, R = [], [], 96
     for i in range(R):
         kw = dict(temperature=[1.0, 0.7, 1.9, 0.3][i % 4], top_k=[0, 1, 3, 7, 60, 61, 500][i % 7],
                   top_p=[1.0, 0.5, 0.9, 0.3, 0.999, 0.05][i % 6])
         min_new = [0, 1, 5][i % 3]
         ss.append(SampleSearch(num_rows=1, max_new_tokens=8, eos_ids=(EOS, EOS2), min_new_tokens=min_new, **kw))
-        pipes.append(LogitsPipeline(prompt_len=1, eos_ids=(EOS, EOS2), vocab_size=V, sampling=True,
-                                    min_new_tokens=min_new, **kw))
+        chain = [MinNewTokensLengthLogitsProcessor(1, min_new, [EOS, EOS2])] if min_new else []
+        chain += [TemperatureLogitsWarper(kw["temperature"])] if kw["temperature"] != 1.0 else []
+        chain += [TopKLogitsWarper(kw["top_k"])] if kw["top_k"] else []
+        chain += [TopPLogitsWarper(kw["top_p"])] if kw["top_p"] < 1.0 else []
+        chains.append(chain)
     x = (torch.randn(R, V, generator=g) * 3).round()  # integers: ties everywhere
     x[:, EOS] = 9.0  # the end ids most likely: held back or kept
     ss[4].t = 2  # past its min_new_tokens (1): its end ids are not held
     got = sampling_batch._process(ss, list(range(R)), x)
-    for i, p in enumerate(pipes):
-        want = p(torch.ones((1, 1 + ss[i].t), dtype=torch.long), x[i:i + 1])
+    for i, chain in enumerate(chains):
+        want, ids = x[i:i + 1], torch.ones((1, 1 + ss[i].t), dtype=torch.long)
+        for proc in chain:
+            want = proc(ids, want)
         assert torch.equal(got[i:i + 1], want), i
     removed = torch.isinf(got).sum(-1)
     assert (removed > 2).sum() > R // 2 and (removed == 0).sum() > 0  # the warpers removed tokens, or none
@@ -181,10 +182,9 @@ def test_a_request_with_nothing_to_choose_fails_alone():
     assert isinstance(out[0], Internal) and "non-finite" in str(out[0])
     assert isinstance(out[1], StepResult) and out[1].parents == [0, 0] and not out[1].done
     assert isinstance(out[2], Internal) and "non-finite" in str(out[2])
-    with per_request():
-        refs = [Decoder(p, [1, 3], eos_ids=(EOS,), vocab_size=V) for p in ps]
+    refs = [Decoder(p, [1, 3], eos_ids=(EOS,), vocab_size=V) for p in ps]
     assert refs[1].step(logits[1:2]).tokens == out[1].tokens
-    for i in (0, 2):  # the per-request decoders end the same requests with the same errors
+    for i in (0, 2):  # each alone: the same requests end with the same errors
         with pytest.raises(type(out[i])):
             refs[i].step(logits[i:i + 1])
     logits = torch.randn(2, V)
@@ -192,13 +192,13 @@ def test_a_request_with_nothing_to_choose_fails_alone():
     assert isinstance(nxt, StepResult) and nxt.tokens == refs[1].step(logits).tokens
 
 
-def test_settings_that_keep_the_per_request_path():
+def test_every_sampling_request_but_beam_sampling_is_batched():
     for kw in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
-               dict(no_repeat_ngram_size=2)):
+               dict(no_repeat_ngram_size=2), dict(top_log_probs=3)):
         p = GenerationParams(max_tokens=4, do_sample=True, seed=1, **kw)
-        assert isinstance(Decoder(p, [1], eos_ids=(EOS,), vocab_size=V)._search, Sampler), kw
+        assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V).batched_sampling, kw
     p = GenerationParams(max_tokens=4, do_sample=True, seed=1)
-    assert isinstance(Decoder(p, [1], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[9]])._search, Sampler)
+    assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V, bad_words_ids=[[9]]).batched_sampling
     assert Decoder(p, [1], eos_ids=(EOS,), vocab_size=V).batched_sampling
     for kw in (dict(), dict(beam_width=2), dict(beam_width=2, do_sample=True)):
         assert not Decoder(GenerationParams(max_tokens=4, **kw), [1], eos_ids=(EOS,), vocab_size=V).batched_sampling
@@ -265,7 +265,7 @@ def engine_run(path, batched: bool) -> dict:
                              return_log_probs=True, top_log_probs=i % 3)
         reqs.append((i // 2, GenerationRequest(f"r{i}", [1, 10 + i, 20 + i % 7][:2 + i % 2], p,
                                                stop_words_ids=[[7 + i]] if i % 3 == 0 else [])))
-    with contextlib.nullcontext() if batched else per_request():
+    with contextlib.nullcontext() if batched else each_alone():
         step = 0
         while step < 8 or any(not r or not r[-1].final for r in results.values()):
             for at, req in reqs:
@@ -304,7 +304,7 @@ def test_a_decode_step_of_16_sampling_requests_reads_back_once(ckpt, monkeypatch
               temperature=0.8, top_log_probs=2)
     per_step = syncs_per_decode_step(ckpt, 16, monkeypatch, **kw)  # 64 rows
     assert max(per_step) <= 2, per_step  # the sampling step's one read-back (+ the plan's max)
-    with per_request():
+    with each_alone():
         single = syncs_per_decode_step(ckpt, 16, monkeypatch, **kw)
     assert min(single) >= 16, single  # the counter sees per-request read-backs
 
@@ -320,7 +320,7 @@ def test_readback_is_the_one_device_to_host_copy(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_batched_sampling_equals_per_request_samplers_on_cuda():
+def test_batched_sampling_equals_each_request_alone_on_cuda():
     """The same comparison with the logits on CUDA (temperature as CUDA's fp32 reciprocal, CUDA's exponential_,
     sort and cumsum). fp32 logits without exact ties: CUDA's topk may order ties by the number of rows."""
     def cuda_logits(step: int, rows: int, dtype) -> torch.Tensor:

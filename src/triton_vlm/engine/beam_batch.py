@@ -5,8 +5,8 @@ HF's `_beam_search` is batched: every state tensor has a leading batch dim and e
 runs that computation for the beam requests of one decode step that share `BeamSearch.key` = (num_beams,
 K = beams_to_keep) and reads the results back with ONE `.tolist()` of a [B, 4 + 2 nb] tensor.
 
-Every op is row-wise, so each request gets bit for bit what `beam.BeamSearch` (batch 1, checked against HF in
-tests/engine/test_decoding.py) computes alone: log_softmax, topk and the reductions see the same row on the same
+Every op is row-wise, so each request gets bit for bit what it gets alone (a group of one, checked against HF in
+tests/engine/test_decoding.py): log_softmax, topk and the reductions see the same row on the same
 algorithm (on CPU, exact ties included; on CUDA topk's kernel choice can depend on the number of rows, so exact
 ties may be ordered differently: tests/engine/test_beam_batch.py's GPU test compares tie-free logits). What differs
 per request is a tensor here:
@@ -20,31 +20,35 @@ per request is a tensor here:
 - `early_stopping is True` (pool full) and `early_stopping == "never" and length_penalty > 0` (best length);
 - end ids (padded with -1), stop words (right-aligned in [B, words, M] with a mask) and min_new_tokens.
 
-Eligible (`eligible`): beam search without sampling whose only score processor is min_new_tokens (a -inf mask of
-the end ids, applied with `masked_fill`: the same -inf as `LogitsPipeline`'s `torch.where`), guided or not: the
-guided members' grammars mask their rows after it (`BeamGroup._grammars`: one bitmask, one fill, one apply for
-all of them; each row's matcher from its tokens on the host, `BeamSearch.guide_gens`). Repetition /
-presence / frequency penalties, no-repeat-ngram and bad words need each request's full context and keep the
-per-request path, as does beam sampling (each request's own `torch.Generator` stream, as in HF).
+Every beam request steps here (a request alone, e.g. its first step at the end of its prefill, is a group of one),
+whatever its processors, in HF's order on the log-softmaxed scores: the context processors (repetition /
+presence / frequency penalties, no-repeat-ngram, bad words: `processors.process`, each row's seen tokens and
+counts rebuilt from the group's token history, n-grams and bad word prefixes matched on the host from
+`BeamSearch.row_gens`), min_new_tokens (a -inf mask of the end ids, applied with `masked_fill`), the guided
+members' grammars (`BeamGroup._grammars`: one bitmask, one fill, one apply for all of them; each row's matcher
+from its tokens on the host), then for beam sampling members the warpers (temperature, top-k, top-p with
+min_tokens_to_keep = n_eos + 1: `processors.warp`) and K draws from the member's own generator
+(`BeamGroup._continuations`: what `torch.multinomial(probs, K)` draws, without its validity checks).
 
 State: a `BeamGroup` holds the stacked state of its members (`BeamSearch.group` points at it); while the members
 of consecutive steps are the same, the group is reused (nothing restacked). A step with other members builds a new
 group from each member's current state (`BeamSearch._view`: own tensors or views into its old group). Groups only
 rebind their tensors (never write into them), so views read by finished or streaming requests stay valid. In the
-engine a request's first step (the prompt's row) runs per request, at the end of its prefill; later steps here.
+engine a request's first step (the prompt's row) runs alone (`BeamSearch.step`, a group of one) at the end of its
+prefill; later steps with the other beam requests of the decode step.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ..params import GenerationParams
-from . import guided
+from . import guided, processors
 from .beam import BeamSearch, BeamState
+from .processors import Context, RowContext
 from .search import NoTokenLeft
 
 StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
@@ -56,15 +60,15 @@ class BatchSpec:
     """What `beam_step` needs besides `BeamSearch`'s own fields: the stopping rules and min_new_tokens."""
 
     eos: tuple[int, ...]
-    min_new: int  # 0 without end ids (as `LogitsPipeline`)
+    min_new: int  # 0 without end ids (as HF)
     stop_words: tuple[tuple[int, ...], ...]
+    context: Optional[Context] = None  # penalties, no-repeat-ngram, bad words (`processors.process`)
+    # beam sampling's warpers (HF keeps min_keep = n_eos + 1 tokens); unused without sampling
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_keep: int = 1
 
-
-def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
-    """Beam search without sampling whose only score processor is min_new_tokens."""
-    p = params
-    return (p.beam_width > 1 and not p.do_sample and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.no_repeat_ngram_size and not any(len(w) for w in bad_words_ids))
 
 
 def readback(t: torch.Tensor) -> list:
@@ -127,6 +131,9 @@ class BeamGroup:
         self.top_mask = s0.top_mask  # [K] the top nb candidates
         self._rows_key: tuple = ()
         self._rows_idx = None
+        self.contexts = [s.spec.context for s in searches]  # each member's context processors, or None
+        self.sampling = [b for b, s in enumerate(searches) if s.do_sample]  # the beam sampling members
+        self._prompt_seen: Optional[torch.Tensor] = None  # [B, V] bool, with repetition penalties
         for i, s in enumerate(searches):
             s.group = (self, i)
 
@@ -176,15 +183,18 @@ class BeamGroup:
         self._grow(max(s.t for s in self.members))
         log_probs = nn.functional.log_softmax(logits.to(torch.float32), dim=-1)  # [B, nb, V]
         V = log_probs.shape[-1]
+        if any(c is not None for c in self.contexts):  # penalties, no-repeat-ngram, bad words
+            log_probs = self._context(log_probs)
         if any(s.t < m for s, m in zip(self.members, self.min_new_host)):  # MinNewTokensLengthLogitsProcessor
             held = (self.t < self.min_new)[:, None] & self._eos_mask(V)  # [B, V] end ids of members still held
             log_probs.masked_fill_(held[:, None, :], -math.inf)  # the same -inf as `torch.where` (a fresh tensor)
         log_probs = self._grammars(log_probs)
+        if self.sampling:  # beam sampling's warpers on the sampling members' rows
+            log_probs = self._warp(log_probs)
         flat = log_probs.view(B, nb * V)
         scores = (log_probs + self.run[:, :, None]).view(B, nb * V)  # [B, nb * V]
         stuck = ~torch.isfinite(scores.amax(dim=-1))  # [B]
-        # HF `_get_top_k_continuations`
-        top, idx = torch.topk(scores, k=K)  # [B, K]
+        top, idx = self._continuations(scores, stuck)  # [B, K] each
         beam, token = idx // V, idx % V  # [B, K] each
         col = self.t[:, None, None].expand(B, K, 1)  # [B, K, 1] each member's new-token column
         cand_gen = torch.take_along_dim(self.gen, beam[:, :, None], dim=1)  # [B, K, W]
@@ -204,16 +214,80 @@ class BeamGroup:
         flags = self._flags(stopped, stuck)  # [B, 4]
         return torch.cat((flags, parents, tokens), dim=1)
 
+    def _context(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """The members' context processors on their rows of the log-probs [B, nb, V] (`processors.process`):
+        each row's seen tokens and counts from its history columns < t (the spare column V takes the others)."""
+        B, nb, V = log_probs.shape
+        rows = [None if c is None else RowContext(c, []) for c in self.contexts for _ in range(nb)]
+        gens = [s.row_gens[r] if c is not None and c.host else () for s, c in zip(self.members, self.contexts)
+                for r in range(nb)]
+        seen = count = None
+        rep = any(c is not None and c.rep for c in self.contexts)
+        pf = any(c is not None and c.pf for c in self.contexts)
+        if rep or pf:
+            cols = torch.arange(self.W, device=self.device)
+            ids = torch.where(cols[None, None, :] < self.t[:, None, None], self.gen, V)  # [B, nb, W]
+            if rep:
+                if self._prompt_seen is None or self._prompt_seen.shape[1] != V:
+                    self._prompt_seen = torch.stack([
+                        torch.zeros(V, dtype=torch.bool, device=self.device) if c is None or not c.rep
+                        else c.prompt_seen(V, self.device) for c in self.contexts])  # [B, V]
+                seen = torch.zeros((B, nb, V + 1), dtype=torch.bool, device=self.device).scatter_(2, ids, True)
+                seen = (seen[..., :V] | self._prompt_seen[:, None, :]).view(B * nb, V)
+            if pf:
+                count = torch.zeros((B, nb, V + 1), dtype=torch.float32, device=self.device)
+                count = count.scatter_add_(2, ids, torch.ones_like(ids, dtype=torch.float32))[..., :V]
+                count = count.reshape(B * nb, V)
+        out = processors.process(log_probs.view(B * nb, V), rows, seen, count, gens)
+        return out.view(B, nb, V)
+
+    def _warp(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """HF's beam sampling warpers (temperature, top-k, top-p with min_tokens_to_keep) on the rows of the
+        sampling members of log_probs [B, nb, V] (`processors.warp`)."""
+        B, nb, V = log_probs.shape
+        rows = [b * nb + r for b in self.sampling for r in range(nb)]
+        specs = [self.members[j // nb].spec for j in rows]
+        flat = log_probs.view(B * nb, V)
+
+        def warp(x: torch.Tensor, idx) -> torch.Tensor:
+            return processors.warp(x, [p.temperature for p in specs], [p.top_k for p in specs],
+                                   [p.top_p for p in specs], [p.min_keep for p in specs])
+
+        return processors.update_rows(flat, rows, warp).view(B, nb, V)
+
+    def _continuations(self, scores: torch.Tensor, stuck: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF `_get_top_k_continuations` on scores [B, nb * V]: the K best, or for a sampling member K drawn by
+        `torch.multinomial(softmax(scores), K)` from its own generator (which draws q ~ Exp(1) over the row and
+        takes topk(probs / q, K): done so here, per member, without multinomial's validity checks, each a sync;
+        a stuck member draws from uniform scores, and fails after the step) -> (scores [B, K], indices [B, K])."""
+        B, K = scores.shape[0], self.K
+        if not self.sampling:
+            return torch.topk(scores, k=K)
+        whole = len(self.sampling) == B
+        at = None if whole else processors.on_device(self.sampling, scores.device)
+        sc = scores if whole else scores.index_select(0, at)
+        sc = torch.where((stuck if whole else stuck.index_select(0, at))[:, None], 0.0, sc)
+        probs = nn.functional.softmax(sc, dim=-1)  # [S, nb * V]
+        q = torch.empty_like(probs)
+        for i, b in enumerate(self.sampling):
+            q[i].exponential_(1, generator=self.members[b].generator)
+        idx = torch.topk(probs / q, k=K)[1]  # [S, K]
+        top = torch.gather(sc, 1, idx)
+        if whole:
+            return top, idx
+        best, best_idx = torch.topk(scores, k=K)
+        return best.index_copy(0, at, top), best_idx.index_copy(0, at, idx)
+
     def _grammars(self, log_probs: torch.Tensor) -> torch.Tensor:
         """Guided members' grammars on their rows of the processed log-probs [B, nb, V] (after min_new_tokens, as
         HF runs a generate() logits_processor on beam search's log-softmaxed scores): one bitmask, one fill, one
-        apply for every constrained row; the matchers from each member's host rows (`BeamSearch.guide_gens`)."""
+        apply for every constrained row; the matchers from each member's host rows (`BeamSearch.row_gens`)."""
         B, nb, V = log_probs.shape
         rows, matchers = [], []
         for i, s in enumerate(self.members):
-            if s.pipeline.guide is not None:
+            if s.guide is not None:
                 rows += range(i * nb, (i + 1) * nb)
-                matchers += s.pipeline.guide.matchers(s.guide_gens)
+                matchers += s.guide.matchers(s.row_gens)
         if not rows:
             return log_probs
         return guided.mask_rows(log_probs.view(B * nb, V), rows, matchers, V).view(B, nb, V)
@@ -234,7 +308,7 @@ class BeamGroup:
         return self.eos_mask
 
     def _stopped(self, cand_gen: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """`logits.StopCriteria` per member: max new tokens, an end id, or a stop word ending at column t."""
+        """Stopping per member (HF's `EosTokenCriteria | MaxLengthCriteria` plus stop words): max new tokens, an end id, or a stop word ending at column t."""
         done = (self.t + 1 >= self.max_new)[:, None] | (token[:, :, None] == self.eos[:, None, :]).any(-1)  # [B, K]
         if self.words is not None:
             pos = self.t[:, None] + self.word_pos[None, :]  # [B, M] window columns; < 0: before the first token
@@ -288,8 +362,8 @@ def beam_step(searches: list[BeamSearch], logits: torch.Tensor,
     rows beginning at starts[i] -> each search's (parents, tokens, done), or the `NoTokenLeft` that ends it.
     One device read-back for all of them."""
     key = searches[0].key
-    if any(s.spec is None or s.done or s.key != key for s in searches):
-        raise ValueError("beam_step() needs unfinished batchable beam searches with the same key")
+    if any(s.done or s.key != key for s in searches):
+        raise ValueError("beam_step() needs unfinished beam searches with the same key")
     g = _group_for(searches, logits.device)
     rows = g.rows(logits, starts)  # [B, nb, V]
     packed = readback(g.advance(rows))  # [B, 4 + 2 nb]

@@ -14,18 +14,18 @@ Scores follow Hugging Face:
   (the model's own distribution, independent of temperature / top-k / top-p / penalties); `cum_log_prob` = sum.
 Sampled sequences are returned in HF's row order (sampling order), not re-ranked.
 
-Greedy requests without score processors (`greedy.GreedySearch.eligible`) keep their state on the host, and the
-scheduler steps all of them at once with `step_greedy` (one batched argmax / log_softmax, one device read-back for
-every row). Beam search without sampling whose only score processor is min_new_tokens (`beam_batch.eligible`) is
-stepped with the other such requests of the same (num_beams, beams_to_keep) by `step_beams` (HF's batched
-`_beam_search` over [B, nb, V], one read-back per group). Sampling whose only score processors are min_new_tokens,
-temperature, top-k and top-p (`sampling_batch.SampleSearch.eligible`) is stepped with the other such requests by
-`step_samples` (the processors row-wise over all rows, each request's draw from its own seeded `torch.Generator`
-as transformers draws from `torch.manual_seed(seed)`, one read-back for all). Other beam searches and sampling
-(penalties, no-repeat-ngram, bad words: processors that need each row's context) step per request with one
-read-back each. Guided decoding (`guided.py`) does not change the path: guided greedy, sampling and beam rows step
-in `step_greedy` / `step_samples` / `step_beams` (one bitmask fill and one apply for the constrained rows of each);
-on the per-request paths the grammar is a processor of their `LogitsPipeline`.
+One implementation per search algorithm, each batched across requests with one device read-back per step for all
+of them, whatever the request's processors (a request stepped alone, e.g. its first step at the end of its
+prefill, is a batch of one):
+- greedy (`greedy.GreedySearch`, state on the host): `step_greedy`;
+- sampling (`sampling_batch.SampleSearch`, each request's draw from its own seeded `torch.Generator` as
+  transformers draws from `torch.manual_seed(seed)`): `step_samples`;
+- beam search and beam sampling (`beam.BeamSearch` state, stepped by `beam_batch.beam_step`: HF's batched
+  `_beam_search` over [B, nb, V]): `step_beams`, per (num_beams, beams_to_keep).
+The context processors (repetition / presence / frequency penalties, no-repeat-ngram, bad words) run batched over
+the rows that use them with per-row parameters (`processors.py`); min_new_tokens, the sampling warpers and
+guided decoding's grammar masks (`guided.py`) likewise; log probs and top log probs come back in the same
+read-back.
 """
 from __future__ import annotations
 
@@ -41,9 +41,8 @@ from . import beam_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
 from .guided import GrammarGuide, new_matcher
-from .logits import LogitsPipeline, StopCriteria
-from .sampling import Sampler, resolve_seed
-from .sampling_batch import SampleSearch, sample_step
+from .processors import Context
+from .sampling_batch import SampleSearch, resolve_seed, sample_step
 from .search import NoTokenLeft, Search
 
 
@@ -67,51 +66,37 @@ class Decoder:
         self.params = params
         self.vocab_size = vocab_size
         self._bad_words = len(bad_words_ids)
-        # grammar: an xgrammar CompiledGrammar (guided decoding). Greedy / batched sampling: the rows' matchers;
-        # beam search and the per-request paths: a processor of the pipeline (`step_beams` uses its matchers)
-        guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
-                                                          vocab_size=vocab_size)
-        self._guided = guide is not None
-        beam = params.beam_width > 1
-        sampling = bool(params.do_sample)
-        # HF keeps n_eos + 1 tokens in beam sampling warpers, 1 otherwise
-        min_keep = (len(eos_ids) + 1 if eos_ids else 2) if beam else 1
-        pipeline = LogitsPipeline(
-            prompt_len=len(prompt_ids), eos_ids=eos_ids, vocab_size=vocab_size,
-            repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
-            min_new_tokens=params.min_tokens, bad_words_ids=bad_words_ids, sampling=sampling,
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_tokens_to_keep=min_keep,
-            guide=guide)
-        stop = StopCriteria(eos_ids=eos_ids, max_new_tokens=params.max_tokens, stop_words_ids=stop_words_ids,
-                            vocab_size=vocab_size)
+        # grammar: an xgrammar CompiledGrammar (guided decoding): greedy / sampling rows' matchers, or beam search's
+        # `GrammarGuide` (a matcher per running beam, from its tokens)
+        self._guided = grammar is not None
+        # penalties, no-repeat-ngram and bad words, for any search (`processors.process`, batched across rows)
+        context = Context.build(params, prompt_ids, eos_ids, bad_words_ids, vocab_size)
         self._search: Search
-        if GreedySearch.eligible(params, bad_words_ids):  # batched across requests by `step_greedy` (guided too)
-            self._search = GreedySearch(max_new_tokens=params.max_tokens, eos_ids=eos_ids,
-                                        min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids,
-                                        matcher=None if grammar is None else new_matcher(grammar, eos_ids))
-        elif beam:
-            seed = resolve_seed(params.seed) if sampling else None
-            spec = None
-            if beam_batch.eligible(params, bad_words_ids):  # may step batched (`step_beams`, guided too)
-                spec = beam_batch.BatchSpec(
-                    eos=tuple(eos_ids), min_new=int(params.min_tokens) if eos_ids else 0,
-                    stop_words=tuple(tuple(int(t) for t in w) for w in stop_words_ids if len(w)))
+        if params.beam_width > 1:  # batched across requests by `step_beams` (guided, sampling, penalties too)
+            sampling = bool(params.do_sample)
+            spec = beam_batch.BatchSpec(
+                eos=tuple(eos_ids), min_new=int(params.min_tokens) if eos_ids else 0,
+                stop_words=tuple(tuple(int(t) for t in w) for w in stop_words_ids if len(w)), context=context,
+                temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
+                min_keep=len(eos_ids) + 1 if eos_ids else 2)  # HF keeps n_eos + 1 tokens in beam sampling warpers
+            guide = None if grammar is None else GrammarGuide(grammar, prompt_len=len(prompt_ids), end_ids=eos_ids,
+                                                              vocab_size=vocab_size)
             self._search = BeamSearch(
                 prompt_ids=prompt_ids, num_beams=params.beam_width, max_new_tokens=params.max_tokens,
                 length_penalty=params.length_penalty, early_stopping=params.early_stopping, n_eos=len(eos_ids),
-                pipeline=pipeline, stop=stop, generator_seed=seed, do_sample=sampling, batch_spec=spec)
-        elif SampleSearch.eligible(params, bad_words_ids):  # batched by `step_samples` (guided too)
+                batch_spec=spec, guide=guide, generator_seed=resolve_seed(params.seed) if sampling else None,
+                do_sample=sampling)
+        elif params.do_sample:  # batched by `step_samples` (guided, penalties too)
             self._search = SampleSearch(
                 num_rows=params.num_return_sequences, max_new_tokens=params.max_tokens, eos_ids=eos_ids,
                 min_new_tokens=params.min_tokens, temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, seed=params.seed, top_log_probs=params.top_log_probs,
-                stop_words_ids=stop_words_ids, grammar=grammar)
-        else:
-            self._search = Sampler(
-                prompt_ids=prompt_ids, num_rows=params.num_return_sequences if sampling else 1,
-                max_new_tokens=params.max_tokens, do_sample=sampling, pipeline=pipeline, stop=stop, seed=params.seed,
-                top_log_probs=params.top_log_probs)
+                stop_words_ids=stop_words_ids, grammar=grammar, context=context)
+        else:  # batched across requests by `step_greedy` (guided, penalties too)
+            self._search = GreedySearch(max_new_tokens=params.max_tokens, eos_ids=eos_ids,
+                                        min_new_tokens=params.min_tokens, stop_words_ids=stop_words_ids,
+                                        matcher=None if grammar is None else new_matcher(grammar, eos_ids),
+                                        context=context, top_log_probs=params.top_log_probs)
 
     @property
     def seed(self) -> int | None:
@@ -156,7 +141,7 @@ class Decoder:
     def beam_key(self):
         """None, or the key of the requests it may step with in `step_beams` (same num_beams and K)."""
         s = self._search
-        return s.key if isinstance(s, BeamSearch) and s.spec is not None else None
+        return s.key if isinstance(s, BeamSearch) else None
 
     def _no_token_error(self, e: NoTokenLeft) -> VLMError:
         """What left a row nothing to choose from: the model's logits, or the request's exclusions."""

@@ -1,10 +1,13 @@
-"""Multinomial sampling batched over requests, with its state on the host and one device read-back per step.
+"""Multinomial sampling (transformers 5.x `GenerationMixin._sample` with do_sample), batched over requests, with
+its state on the host and one device read-back per step: the engine's one implementation of sampling (beam
+sampling is `beam_batch.py`'s).
 
-A sampling request whose score processors are only min_new_tokens, temperature, top-k and top-p (no repetition /
-presence / frequency penalty, no no-repeat-ngram, no bad words: `SampleSearch.eligible`; those need each row's
-full context and keep `sampling.Sampler`) is stepped by `sample_step` with the other such requests of the decode
-step. The processors run once over all their rows [R, V] with per-row parameters, each the expression of
-`logits.LogitsPipeline` (transformers' warpers) made row-wise:
+Every sampling request is stepped by `sample_step` with the other sampling requests of the decode step (a request
+alone, e.g. its first step at the end of its prefill, is a batch of one). The processors run once over all their
+rows [R, V] with per-row parameters, each transformers' expression made row-wise:
+- repetition / presence / frequency penalties, no-repeat-ngram, bad words: `processors.process` (each row's
+  seen tokens and counts on the device, updated from the chosen tokens after the step; n-grams and bad word
+  prefixes matched on the host from its token lists);
 - min_new_tokens: the end ids of the rows still held set to -inf (the same -inf as `torch.where`);
 - temperature: `scores / t` per row, float32(t) in a [R, 1] column (on CUDA `tensor / python_float` is
   `a * (1.0f / float32(t))`, so there the column holds that fp32 reciprocal and multiplies); t = 1 is exact;
@@ -13,7 +16,8 @@ step. The processors run once over all their rows [R, V] with per-row parameters
   top-k compare with -inf (nothing removed);
 - top-p (`TopPLogitsWarper`): the same ascending sort, softmax, cumsum and scatter over [R, V] (each row sorted
   and summed on its own), compared with float32(1 - top_p) per row (the Python float HF compares with is cast to
-  fp32 likewise); rows without top-p compare with -1 (nothing removed); min_tokens_to_keep = 1.
+  fp32 likewise); rows without top-p compare with -1 (nothing removed); min_tokens_to_keep = 1
+  (`processors.warp`).
 
 The draw stays per request: HF draws `torch.multinomial(probs [n, V], 1, generator)` with the request's own
 generator, and the random numbers it consumes depend on that call's shape, so rows of different requests cannot
@@ -22,7 +26,8 @@ in tests/engine/test_sampling_batch.py) `q = empty_like(probs).exponential_(1, g
 `argmax(probs / q, -1)`. Here each request fills its own [n, V] block of q from its own generator (exactly the
 numbers its `multinomial` call would draw) and the division and argmax run once over every row. This also skips
 `multinomial`'s two validity checks, each a host sync on an accelerator: every row here is a valid distribution
-(a row with no finite score draws from uniform scores, as in `Sampler`, and its request fails after the step).
+(a row with no finite score draws from uniform scores, and its request fails after the step: a row with nothing
+to choose from has no distribution, and `multinomial` would reject it with a device-side assert on CUDA).
 Finished rows of a request (num_return_sequences n > 1) get uniform probabilities so that its block stays [n, V].
 
 Guided requests (`grammar`: one xgrammar matcher per row, fed the row's tokens on the host) get their grammar's
@@ -32,24 +37,31 @@ apply for every constrained row of the step (`guided.mask_rows`); the other rows
 Log probs are log_softmax of the raw logits, the chosen token's and (top_log_probs = k) one `topk` per distinct k
 (the order of exact ties in `topk` may depend on k). Everything comes back in ONE `.tolist()` of a
 [R, 3 + 2 max k] float64 tensor (ids < 2**53 and fp32 values are exact in float64); stopping (end ids, max tokens,
-stop words) is decided on the host, as `logits.StopCriteria` does on the device. Each request gets bit for bit
-what its own `Sampler` computes (on CPU, exact ties included; on CUDA the order of exact ties in `topk` can depend
-on the number of rows, as noted in beam_batch.py).
+stop words) is decided on the host (HF's `EosTokenCriteria | MaxLengthCriteria` plus token-level stop words).
+Each request gets bit for bit what it gets stepped alone (on CPU, exact ties included; on CUDA the order of exact
+ties in `topk` can depend on the number of rows, as noted in beam_batch.py), checked against transformers'
+`generate()` in tests/engine/test_decoding.py and test_sampling_batch.py.
 """
 from __future__ import annotations
 
 import math
+import random
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ..params import GenerationParams, Sequence_
-from . import guided
-from .sampling import resolve_seed
+from ..params import Sequence_
+from . import guided, processors
+from .processors import Context, RowContext
 from .search import NoTokenLeft
 
 StepOut = tuple[list[int], list[int], bool]  # (parents, tokens, done), as `search.Search.step`
+
+
+def resolve_seed(seed: Optional[int]) -> int:
+    """params.seed, or a fresh random seed when None."""
+    return random.getrandbits(63) if seed is None else int(seed)
 
 
 def readback(t: torch.Tensor) -> list:
@@ -62,23 +74,15 @@ class SampleSearch:
 
     append_only = True  # a row's tokens only ever grow: what was streamed is always their prefix
 
-    @staticmethod
-    def eligible(params: GenerationParams, bad_words_ids: Sequence[Sequence[int]]) -> bool:
-        """Sampling whose only score processors are min_new_tokens, temperature, top-k and top-p."""
-        p = params
-        return (p.beam_width == 1 and bool(p.do_sample) and p.repetition_penalty == 1.0
-                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.no_repeat_ngram_size
-                and not any(len(w) for w in bad_words_ids))
-
     def __init__(self, *, num_rows: int, max_new_tokens: int, eos_ids: Sequence[int], min_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: Optional[int] = None, top_log_probs: int = 0,
-                 stop_words_ids: Sequence[Sequence[int]] = (), grammar=None):
+                 stop_words_ids: Sequence[Sequence[int]] = (), grammar=None, context: Optional[Context] = None):
         self.n = num_rows
         # guided decoding: one xgrammar matcher per row (of n), fed that row's tokens on the host
         self.matchers = None if grammar is None else [guided.new_matcher(grammar, eos_ids) for _ in range(num_rows)]
         self.max_new = max_new_tokens
         self.eos = [int(e) for e in eos_ids]
-        self.min_new = int(min_new_tokens) if self.eos else 0  # as LogitsPipeline: no end id, nothing to hold
+        self.min_new = int(min_new_tokens) if self.eos else 0  # as HF: no end id, nothing to hold
         self.stop_words = sorted({tuple(int(t) for t in w) for w in stop_words_ids if len(w)}, key=len)
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         assert self.temperature > 0 and self.top_k >= 0 and 0 < self.top_p <= 1.0, "unvalidated params"
@@ -91,6 +95,8 @@ class SampleSearch:
         self.log_probs: list[list[float]] = [[] for _ in range(num_rows)]
         self.top_lp: list[list[list[float]]] = [[] for _ in range(num_rows)]
         self.top_ids: list[list[list[int]]] = [[] for _ in range(num_rows)]
+        # each row's context processors (penalties, no-repeat-ngram, bad words), or None
+        self.rows = None if context is None else [RowContext(context, self.tokens[r]) for r in range(num_rows)]
         self.done = False
 
     @property
@@ -114,9 +120,9 @@ class SampleSearch:
             if self.matchers is not None:
                 guided.accept(self.matchers[r], int(row[0]))
             if self.k:
-                kmax = (len(row) - 3) // 2
-                self.top_lp[r].append(row[3:3 + self.k])
-                self.top_ids[r].append([int(x) for x in row[3 + kmax:3 + kmax + self.k]])
+                lp, ids = processors.split_top(row, self.k)
+                self.top_lp[r].append(lp)
+                self.top_ids[r].append(ids)
             if not self._stopped(self.tokens[r]):
                 keep.append(i)
         tokens = [self.tokens[self.alive[i]][-1] for i in keep]
@@ -127,7 +133,7 @@ class SampleSearch:
         return ([0] * len(keep) if first else keep), tokens, False
 
     def _stopped(self, toks: list[int]) -> bool:
-        """`logits.StopCriteria` on the host: max new tokens, an end id, or a stop word just completed."""
+        """Stopping on the host: max new tokens, an end id, or a stop word just completed."""
         n = len(toks)
         if n >= self.max_new or toks[-1] in self.eos:
             return True
@@ -148,7 +154,7 @@ class SampleSearch:
         return lp, [list(x) for x in self.top_lp[r][start:end]], [list(x) for x in self.top_ids[r][start:end]]
 
     def finalize(self, n: int) -> list[Sequence_]:
-        """The first n rows in sampling order, as `Sampler.finalize`."""
+        """The first n rows in sampling order (HF's row order, not re-ranked)."""
         if not self.t:
             return [Sequence_([], "", 0.0, []) for _ in range(n)]
         out = []
@@ -167,50 +173,27 @@ def _on(device: torch.device, values: Union[list, torch.Tensor], dtype=torch.lon
     return t.to(device)
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return _on(device, values, torch.float32)[:, None]  # [R, 1]
-
-
 def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor,
-             row_ids: Optional[list[int]] = None) -> torch.Tensor:
-    """`LogitsPipeline` for sampling without context processors, row-wise: raw [R, V] fp32, row_of[j] = the search
-    of row j, row_ids[j] its row among the search's n (its alive rows, in order, by default) -> processed scores
-    [R, V]."""
+             row_ids: Optional[list[int]] = None, contexts: Optional[list] = None) -> torch.Tensor:
+    """The sampling processors (HF's order), row-wise: raw [R, V] fp32, row_of[j] = the search of row j, row_ids[j] its
+    row among the search's n (its alive rows, in order, by default), contexts[j] its `RowContext` or None ->
+    processed scores [R, V]."""
     V, dev = raw.shape[-1], raw.device
     scores = raw
+    if contexts is not None and any(c is not None for c in contexts):  # penalties, no-repeat-ngram, bad words
+        scores = processors.process(raw, contexts)
     held = [(j, e) for j, b in enumerate(row_of) if searches[b].t < searches[b].min_new for e in searches[b].eos]
     if held:  # MinNewTokensLengthLogitsProcessor
         rows, cols = zip(*held)
-        scores = raw.clone()
-        scores[_on(dev, list(rows)), _on(dev, list(cols))] = -math.inf
+        scores = scores.index_put((_on(dev, list(rows)), _on(dev, list(cols))), torch.tensor(-math.inf, device=dev))
     constrained = [j for j, b in enumerate(row_of) if searches[b].matchers is not None]
     if constrained:  # the grammars (after min_new_tokens, before the warpers): one bitmask, one fill, one apply
         if row_ids is None:
             row_ids = [searches[b].alive[j - row_of.index(b)] for j, b in enumerate(row_of)]
         matchers = [searches[row_of[j]].matchers[row_ids[j]] for j in constrained]
         scores = guided.mask_rows(scores, constrained, matchers, V)
-    temps = [searches[b].temperature for b in row_of]
-    if any(t != 1.0 for t in temps):  # TemperatureLogitsWarper
-        if dev.type == "cuda":  # CUDA's `a / python_float`: a * (1.0f / float32(t))
-            scores = scores * _on(dev, torch.ones(len(temps), 1) / _column(temps, torch.device("cpu")))
-        else:
-            scores = scores / _column(temps, dev)
-    ks = [min(max(searches[b].top_k, 1), V) if searches[b].top_k else 0 for b in row_of]
-    if any(ks):  # TopKLogitsWarper: remove below the k-th largest value
-        k_col = _on(dev, ks)[:, None]  # [R, 1]
-        kth = torch.topk(scores, max(ks))[0].gather(1, (k_col - 1).clamp(min=0))  # [R, 1]
-        kth = torch.where(k_col > 0, kth, -math.inf)
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    ps = [searches[b].top_p for b in row_of]
-    if any(p < 1.0 for p in ps):  # TopPLogitsWarper, min_tokens_to_keep = 1
-        limit = _column([1 - p if p < 1.0 else -1.0 for p in ps], dev)  # [R, 1] float32(1 - top_p)
-        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= limit
-        remove_sorted[..., -1:] = 0
-        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
-        scores = scores.masked_fill(remove, -math.inf)
-    return scores
+    return processors.warp(scores, [searches[b].temperature for b in row_of], [searches[b].top_k for b in row_of],
+                           [searches[b].top_p for b in row_of])
 
 
 def _draw(searches: list[SampleSearch], scores: torch.Tensor, pos: Optional[list[int]]) -> torch.Tensor:
@@ -230,22 +213,6 @@ def _draw(searches: list[SampleSearch], scores: torch.Tensor, pos: Optional[list
         off += s.n
     drawn = torch.argmax(probs / q, dim=-1)  # [N]
     return drawn if pos is None else drawn[_on(drawn.device, pos)]
-
-
-def _top_log_probs(searches: list[SampleSearch], row_of: list[int], logp: torch.Tensor) -> Optional[torch.Tensor]:
-    """[R, 2 max k] float64: the k best log probs then their ids per row (k = its search's top_log_probs; one
-    topk per distinct k), or None when no search asks."""
-    ks = [searches[b].k for b in row_of]
-    kmax = max(ks)
-    if not kmax:
-        return None
-    out = torch.zeros((len(ks), 2 * kmax), dtype=torch.float64, device=logp.device)
-    for k in sorted(set(ks) - {0}):
-        idx = _on(logp.device, [j for j, kj in enumerate(ks) if kj == k])
-        top = torch.topk(logp.index_select(0, idx), k, dim=-1)  # [rows_k, k] each, best first
-        out[idx, :k] = top.values.to(torch.float64)
-        out[idx, kmax:kmax + k] = top.indices.to(torch.float64)
-    return out
 
 
 def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
@@ -273,7 +240,8 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
         raw = logits.to(torch.float32)  # [R, V]
     else:
         raw = logits.index_select(0, _on(dev, idx)).to(torch.float32)  # [R, V]
-    scores = _process(searches, row_of, raw, row_ids)
+    contexts = [None if searches[b].rows is None else searches[b].rows[r] for b, r in zip(row_of, row_ids)]
+    scores = _process(searches, row_of, raw, row_ids, contexts)
     stuck = ~torch.isfinite(scores.amax(dim=-1))  # [R] no finite score: NaN, +inf or every token excluded
     scores = torch.where(stuck[:, None], 0.0, scores)  # a valid distribution; the request fails below
     tokens = _draw(searches, scores, None if all_alive else pos)  # [R]
@@ -281,9 +249,11 @@ def sample_step(searches: list[SampleSearch], logits: torch.Tensor,
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [R]
     cols = [tokens.to(torch.float64), stuck.to(torch.float64), chosen.to(torch.float64)]
     packed = torch.stack(cols, dim=1)  # [R, 3]
-    top = _top_log_probs(searches, row_of, logp)
+    top = processors.top_log_probs([searches[b].k for b in row_of], logp)
     if top is not None:
         packed = torch.cat((packed, top), dim=1)  # [R, 3 + 2 max k]
+    if any(c is not None for c in contexts):
+        processors.commit(contexts, tokens)  # before the read-back: the device state of the next step, no sync
     values = readback(packed)
     out: list[Union[StepOut, NoTokenLeft]] = []
     j = 0

@@ -1,7 +1,7 @@
-"""The interface every per-request search implements (beam search in `beam.py`, greedy / sampling in
-`sampling.py`); `decoder.Decoder` validates the parameters, builds one and delegates to it. Greedy
-(`greedy.greedy_step`) and beam search (`beam_batch.beam_step`) may also step several requests' searches at once;
-their per-request methods below then still work on each one."""
+"""The interface every search implements (greedy in `greedy.py`, sampling in `sampling_batch.py`, beam search and
+beam sampling in `beam.py` / `beam_batch.py`); `decoder.Decoder` validates the parameters, builds one and
+delegates to it. Each search's `step` is its batched step (`greedy.greedy_step`, `sampling_batch.sample_step`,
+`beam_batch.beam_step`) with the request alone; the scheduler steps several requests' searches at once there."""
 from __future__ import annotations
 
 from typing import Optional, Protocol
