@@ -43,6 +43,8 @@ class ImageLayout:
         """Every image takes one tile and `tile_tokens` tokens, whatever its size."""
         return True
 
+    whole_images = False  # the tower takes tiles of one size (True: whole images at their own size, Qwen2-VL)
+
     @property
     def tile_tokens(self) -> int:
         """Features of one tile after the select strategy (`spec.image_token_count`)."""

@@ -57,6 +57,7 @@ class PatchLayout:
     min_pixels: int
     max_pixels: int
     strategy: str = "full"
+    whole_images = True  # the tower takes whole images (`vision/qwen_backends.py`), grid from the size
 
     @property
     def fixed(self) -> bool:

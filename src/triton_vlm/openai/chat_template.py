@@ -67,8 +67,10 @@ def load_template(model_dir: Path, override: Optional[Path], tokenizer) -> tuple
 
 
 class ChatTemplate:
-    def __init__(self, source: str, tokenizer, origin: str = ""):
-        self.source, self.tokenizer, self.origin = source, tokenizer, origin
+    def __init__(self, source: str, tokenizer, origin: str = "", markers: tuple[str, ...] = (IMAGE_MARKER,)):
+        """`markers`: what stands for an image in a rendered prompt (`<image>`, and a family's own format such as
+        Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`, which its template writes)."""
+        self.source, self.tokenizer, self.origin, self.markers = source, tokenizer, origin, markers
         self.parts_format = bool(_PARTS_FORMAT.search(source))
         bos = getattr(tokenizer, "bos_token", None)
         self.bos = bos if isinstance(bos, str) and bos else None
@@ -97,16 +99,16 @@ class ChatTemplate:
             raise bad_request(f"the chat template refused the messages: {e}", param="messages") from None
         if self.bos and prompt.startswith(self.bos):
             prompt = prompt[len(self.bos):]
-        found = prompt.count(IMAGE_MARKER)
+        found = sum(prompt.count(m) for m in self.markers)
         if found != n_images:
-            raise bad_request(f"the chat template ({self.origin}) placed {found} {IMAGE_MARKER} markers for "
-                              f"{n_images} images", param="messages")
+            raise bad_request(f"the chat template ({self.origin}) placed {found} {' / '.join(self.markers)} markers "
+                              f"for {n_images} images", param="messages")
         return prompt
 
 
-def check_text(text: str, where: str) -> str:
+def check_text(text: str, where: str, markers: tuple[str, ...] = (IMAGE_MARKER,)) -> str:
     """Message text may not carry image markers or inline image tags: images come only as image_url parts."""
-    if IMAGE_MARKER in text or INLINE_IMAGE.search(text) or find_malformed_inline(text) is not None:
-        raise bad_request(f"{where} contains {IMAGE_MARKER!r} or an inline <img> tag; send images as image_url "
-                          "content parts", param="messages")
+    if any(m in text for m in markers) or INLINE_IMAGE.search(text) or find_malformed_inline(text) is not None:
+        raise bad_request(f"{where} contains an image marker ({' / '.join(markers)}) or an inline <img> tag; send "
+                          "images as image_url content parts", param="messages")
     return text

@@ -84,7 +84,7 @@ class VisionService:
         """`layout` / `packer`: the family's (`families/`); None: one tile per image, its features as they are."""
         self.backend, self.image_size, self.tokens, self.hidden = backend, image_size, tokens, hidden
         self.tile_hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        self.whole_images = hasattr(layout, "grid")  # native resolution (Qwen2-VL): the tower takes whole images
+        self.whole_images = getattr(layout, "whole_images", False)  # native resolution (Qwen2-VL): whole images
         self.cache, self.out_dtype = cache, out_dtype
         self.layout, self.packer = layout, packer or Packer()
         self.stats = VisionStats()
@@ -310,7 +310,7 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
     if mb > 0:  # the namespace: checkpoint content, backend, dtype
         cache = EmbeddingCache(mb * 2**20, f"{checkpoint_key(model_dir, 'float32')}/{backend.name}/{backend.dtype}")
     layout = family.layout(spec)
-    whole = hasattr(layout, "grid")  # native resolution (Qwen2-VL): image sizes of every kind, no fixed tile
+    whole = layout.whole_images  # native resolution (Qwen2-VL): image sizes of every kind, no fixed tile
     return VisionService(backend, layout.tile_hw if whole else spec.vision.image_size,
                          layout.max_tokens if whole else spec.vision.num_image_tokens, spec.text.hidden_size,
                          cache, out_dtype=getattr(torch, out_dtype), layout=layout,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from ...prompt import IMAGE_MARKER
 from ..chat_template import Turn, check_text
 from ..errors import bad_request
 from ..params import make_plan
@@ -23,9 +24,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await serve(request, "chat", lambda: _chat(frontend(request), body))
 
 
-def _turn(i: int, m: ChatMessage, call_ids: set[str]) -> tuple[Turn, list[str]]:
+def _turn(i: int, m: ChatMessage, call_ids: set[str],
+          markers: tuple[str, ...] = (IMAGE_MARKER,)) -> tuple[Turn, list[str]]:
     """A message's parts (text, or None for an image) and its image URLs, in order. `call_ids`: the ids of the
-    tool calls of the assistant messages so far (a tool message must answer one of them, as OpenAI requires)."""
+    tool calls of the assistant messages so far (a tool message must answer one of them, as OpenAI requires);
+    `markers`: the checkpoint's image markers, refused in message text."""
     where = f"messages[{i}]"
     role = "system" if m.role == "developer" else m.role
     extra: dict = {}
@@ -47,7 +50,7 @@ def _turn(i: int, m: ChatMessage, call_ids: set[str]) -> tuple[Turn, list[str]]:
             raise bad_request(f"{where}.content is required for role {m.role!r}", param="messages")
         return Turn(role, [], extra), []
     if isinstance(m.content, str):
-        return Turn(role, [check_text(m.content, f"{where}.content")], extra), []
+        return Turn(role, [check_text(m.content, f"{where}.content", markers)], extra), []
     parts, urls = [], []
     for k, part in enumerate(m.content):
         if isinstance(part, ImagePart):
@@ -57,7 +60,7 @@ def _turn(i: int, m: ChatMessage, call_ids: set[str]) -> tuple[Turn, list[str]]:
             parts.append(None)
             urls.append(part.image_url.url)
         else:
-            parts.append(check_text(part.text, f"{where}.content[{k}].text"))
+            parts.append(check_text(part.text, f"{where}.content[{k}].text", markers))
     return Turn(role, parts, extra), urls
 
 
@@ -73,7 +76,7 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest):
                           code="no_chat_template")
     turns, urls, call_ids = [], [], set()
     for i, m in enumerate(body.messages):
-        turn, message_urls = _turn(i, m, call_ids)
+        turn, message_urls = _turn(i, m, call_ids, fe.served.markers)
         turns.append(turn)
         urls += message_urls
     tools = plan_tools(body, fe.tool_call_parser)

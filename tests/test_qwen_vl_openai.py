@@ -1,0 +1,119 @@
+"""The OpenAI API on a Qwen2.5-VL checkpoint: one live tritonserver serving the tiny random checkpoint (its chat
+template writes `<|vision_start|><|image_pad|><|vision_end|>` per image) and one front end, driven by the official
+`openai` client with images of several sizes as data: URLs. The answers equal transformers' `generate()` on the
+prompt the same template renders: greedy, beam search (n sequences), streamed text equal to the unstreamed, usage
+counting each image's own number of tokens; the family's image marker typed into message text is refused."""
+from __future__ import annotations
+
+import base64
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from qwen_vl_cases import SIZES, Reference, build, png
+
+pytestmark = pytest.mark.server
+
+KIND = "qwen2_5_vl"
+NEW = 8
+IMAGES = {name: png(size, seed=90 + i) for i, (name, size) in enumerate(SIZES.items())}
+
+
+@pytest.fixture(scope="module")
+def qwen_api(tmp_path_factory):
+    """(the front end, the server) on one Qwen2.5-VL checkpoint, shared by this module's tests."""
+    from conftest import _start_server, _stop_server
+    from test_openai import Running
+
+    from triton_vlm.openai import FrontendConfig
+
+    model = build(tmp_path_factory.mktemp("qwen-openai"), KIND)
+    server = _start_server(tmp_path_factory, model, {}, "qwen-openai-server")
+    try:
+        fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=model,
+                                    triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
+    except BaseException:
+        _stop_server(server)
+        raise
+    yield fe, server
+    fe.stop()
+    _stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(qwen_api):
+    return qwen_api[0].client(timeout=180)
+
+
+@pytest.fixture(scope="module")
+def ref(qwen_api):
+    return Reference(qwen_api[1].model_path)
+
+
+def _url(data: bytes) -> str:
+    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+
+
+def _messages(names: list[str], question: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": _url(IMAGES[n])}} for n in names]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": question}]}]
+
+
+def _prompt(ref: Reference, n_images: int, question: str) -> str:
+    parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    return ref.tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                             tokenize=False)
+
+
+def _want(ref: Reference, names: list[str], question: str, beams: int = 1):
+    prompt, images = _prompt(ref, len(names), question), [IMAGES[n] for n in names]
+    seqs = ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams)
+    texts = [ref.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+    return texts, [len(s) for s in seqs], ref.inputs(prompt, images)["input_ids"].shape[1]
+
+
+CASES = [(["small"], "What is this?"), (["wide"], "What is this?"), (["tall"], "Describe it."),
+         (["tiny"], "What is this?"), (["large"], "What is this?"), (["large", "tiny", "tall"], "Compare them.")]
+
+
+def test_greedy_answers_and_usage_equal_generate(client, ref, qwen_api):
+    from triton_vlm.checkpoint import ModelInfo
+
+    info = ModelInfo.load(qwen_api[1].model_path)
+    with ThreadPoolExecutor(len(CASES)) as pool:  # at once: batched together in vision and the engine
+        answers = list(pool.map(lambda c: client.chat.completions.create(
+            model=KIND, messages=_messages(*c), max_tokens=NEW, temperature=0), CASES))
+    for (names, question), r in zip(CASES, answers):
+        texts, lengths, prompt_tokens = _want(ref, names, question)
+        assert r.choices[0].message.content == texts[0], names
+        assert r.usage.completion_tokens == lengths[0]
+        image_tokens = [info.image_tokens((SIZES[n][1], SIZES[n][0])) for n in names]
+        assert r.usage.prompt_tokens == prompt_tokens > sum(image_tokens), names
+    assert len({a.usage.prompt_tokens for a in answers[:5]}) > 3  # each image its own count
+    assert len({a.choices[0].message.content for a in answers}) > 1, "the answers depend on the image"
+
+
+def test_beam_search_equals_generate(client, ref):
+    r = client.chat.completions.create(model=KIND, messages=_messages(["tall", "small"], "Describe it."), n=2,
+                                       max_tokens=NEW, extra_body=dict(use_beam_search=True, best_of=3))
+    texts, lengths, prompt_tokens = _want(ref, ["tall", "small"], "Describe it.", beams=3)
+    assert [c.message.content for c in r.choices] == texts[:2]
+    assert r.usage.completion_tokens == sum(lengths[:2]) and r.usage.prompt_tokens == prompt_tokens
+
+
+def test_stream_equals_unstreamed(client, ref):
+    messages = _messages(["wide", "tall"], "Compare them.")
+    full = client.chat.completions.create(model=KIND, messages=messages, max_tokens=NEW)
+    chunks = list(client.chat.completions.create(model=KIND, messages=messages, max_tokens=NEW, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content == _want(ref, ["wide", "tall"], "Compare them.")[0][0]
+    assert chunks[-1].usage == full.usage
+
+
+def test_native_marker_in_message_text_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=KIND, max_tokens=2, messages=[
+            {"role": "user", "content": "look: <|vision_start|><|image_pad|><|vision_end|>"}])
+    assert "image marker" in str(ei.value) and "messages[0].content" in str(ei.value)
