@@ -15,6 +15,7 @@ from bench.routing import KVIndex, decode_batch, engine_key
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine import kv_events
 from triton_vlm.engine.engine import Engine, EngineConfig
+from triton_vlm.lora.format import Adapter, LoraModule, module_shape
 from triton_vlm.params import GenerationParams, GenerationRequest
 
 BS = 4
@@ -184,6 +185,24 @@ def test_image_identifiers_and_the_salt_enter_extra_keys(ckpt, published):
     assert image_blocks and all(keys[i] and len(keys[i][0]) == 64 for i in image_blocks)  # sha256 hex
     assert len({keys[i][0] for i in image_blocks}) == 1  # one image: one identifier
     assert all(not keys[i] for i in range(1, len(keys)) if i not in image_blocks)
+
+
+def test_adapter_blocks_carry_its_name_and_live_in_its_own_key_space(published):
+    """An adapter's blocks come with `lora_name`; the index keys them in that name's space (llm-d's effective
+    model name), so the same tokens without the adapter match nothing, and with it they match."""
+    eng, pub, sub = published()
+    spec, g = eng.model_config, torch.Generator().manual_seed(8)
+    mods = {(layer, m): LoraModule(torch.randn(2, module_shape(spec, m)[0], generator=g),
+                                   torch.randn(module_shape(spec, m)[1], 2, generator=g), 1.0)
+            for layer in range(spec.num_layers) for m in ("k_proj", "v_proj")}
+    ids = prompt(21, 9)
+    run(eng, "lora", ids, max_tokens=2, adapter=Adapter("french", mods))
+    stored = [e for e in sub.receive() if e["type"] == "BlockStored"]
+    assert stored and {e["lora_name"] for e in stored} == {"french"} and stored[0]["lora_id"] is None
+    index = KVIndex(block_size=BS)
+    index.apply("pod-a", "llava", stored)
+    assert index.match(ids, "llava") == {}  # the base model's key space: not these blocks
+    assert index.match(ids, "french") == {"pod-a": 21 // BS}
 
 
 def test_replay_resends_the_batches_from_a_sequence_number(ckpt):
