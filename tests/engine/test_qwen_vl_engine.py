@@ -157,3 +157,32 @@ def test_control_without_mrope_the_tokens_differ(ckpt):
         differ += got != _hf(model, ids, grids, pixels)[0].tolist()[:len(got)]
     assert differ >= 1
     eng.shutdown()
+
+
+def test_prefix_cache_keys_cover_the_image_sizes(ckpt):
+    """The same tokens and features with transposed image sizes (same token count, other M-RoPE positions) share no
+    block; the same request again reuses its prompt blocks and gives the same tokens."""
+    from triton_vlm.engine.prefix_cache import request_hasher
+
+    model, path, pre = ckpt
+    rope = mrope.PromptRope.for_checkpoint(path)
+    r, ids, grids, pixels = _inputs(pre, PROMPT, [_png(*SIZES[0], 0), _png(*SIZES[1], 1)])
+    feats = _features(model, grids, pixels)
+    hashes = []
+    for sizes in ([(60, 100), (300, 40)], [(100, 60), (300, 40)]):
+        req = GenerationRequest(request_id="h", input_ids=r.input_ids, params=GenerationParams(max_tokens=2),
+                                image_embeds=feats, image_sizes=sizes)
+        req.rope = rope(req.input_ids, req.image_sizes)
+        hashes.append(request_hasher(req, 8, model.config.image_token_id).prompt_hashes)
+    first_image = r.input_ids.index(model.config.image_token_id) // 8
+    assert hashes[0][:first_image] == hashes[1][:first_image]  # text before any image: the same positions
+    assert not set(hashes[0][first_image:]) & set(hashes[1][first_image:])
+    eng = Engine(path, EngineConfig(max_rows=4, kv_cache_tokens=2048, block_size=8, prefill_chunk=32))
+    req = lambda rid: GenerationRequest(request_id=rid, input_ids=r.input_ids, params=GenerationParams(max_tokens=8),
+                                        image_embeds=feats, image_sizes=[tuple(s) for s in r.image_sizes])
+    a = eng.generate([req("a")])["a"][-1]
+    b = eng.generate([req("b")])["b"][-1]
+    want = _hf(model, ids, grids, pixels, max=8)[0].tolist()
+    assert a.sequences[0].token_ids == b.sequences[0].token_ids == want[:len(a.sequences[0].token_ids)]
+    assert eng.cache.prefix_stats.hits >= (len(r.input_ids) // 8 - 1) * 8
+    eng.shutdown()

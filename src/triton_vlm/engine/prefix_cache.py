@@ -17,6 +17,8 @@ automatic prefix caching).
 - Adapter identity (`adapter_key`): the adapter's name and a SHA-256 of its weights (every module's A, B, scale,
   dtype), computed once per adapter object. Wire adapters are named by their task id, registry adapters by
   their folder: weights sent again under a task id hit only if they are the same weights.
+- M-RoPE (Qwen2-VL): a token's rotary position depends on the sizes (grids) of the images before it, so with M-RoPE
+  every span's digest also covers the prompt's image sizes; blocks after an image chain from its blocks.
 - Only full blocks are hashed, and a full block is never written again (copy-on-write touches a row's partial
   last block only), so a cached block's content is fixed until it is evicted. Blocks are registered after the
   forward that wrote them returned, never before.
@@ -32,6 +34,7 @@ publishes them in vLLM's format for llm-d's KV-cache indexer.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import weakref
@@ -188,5 +191,8 @@ def request_hasher(req, block_size: int, image_token_id: Optional[int]) -> Optio
     spans = image_spans(req.input_ids, req.image_embeds, image_token_id)
     if spans is None:
         return None
+    if getattr(req, "rope", None) is not None:  # M-RoPE: positions depend on every image's grid (its size)
+        grids = hashlib.sha256(b"mrope" + np.asarray(req.image_sizes, dtype=np.int64).tobytes()).digest()
+        spans = [dataclasses.replace(s, digest=hashlib.sha256(s.digest + grids).digest()) for s in spans]
     return RequestHasher(req.input_ids, block_size, spans=spans, image_token_id=image_token_id, adapter=req.adapter,
                          salt=req.cache_salt)
