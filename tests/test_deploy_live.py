@@ -142,8 +142,12 @@ SHORT_PROMPT, LONG_NEW_TOKENS, B_BEAMS = "USER: Say hello. ASSISTANT:", 240, 2
 
 @pytest.fixture(scope="module")
 def events_sub():
-    """The picker stand-in's KV-events subscriber (llm-d's central mode: it binds, the replicas connect)."""
-    sub = Subscriber(KVIndex(block_size=16))
+    """The picker stand-in's KV-events subscriber (llm-d's central mode: it binds, the replicas connect), with the
+    precise overlay's topic filter and block size."""
+    config, _ = epp_config(render(PRECISE))
+    [params] = [p["parameters"] for p in config["plugins"] if p["type"] == "precise-prefix-cache-producer"]
+    sub = Subscriber(KVIndex(block_size=params["tokenProcessorConfig"]["blockSize"]),
+                     topic_filter=params["kvEventsConfig"]["topicFilter"])
     yield sub
     sub.close()
 
