@@ -43,7 +43,8 @@ from .qwen_layout import (ATTN_INDEX, ATTN_SLOT, AUX_NAMES, POSITION_IDS, QWEN2_
                           WINDOW_SLOT, TowerConfig, aux_names, is_qwen_vision, tower_aux)
 
 __all__ = ["AUX_NAMES", "PATCHES", "OUTPUT", "POSITION_IDS", "ATTN_INDEX", "ATTN_SLOT", "WINDOW_INDEX", "WINDOW_SLOT",
-           "QWEN2_VL", "QWEN2_5_VL", "TowerConfig", "QwenTowerGraph", "aux_names", "export_tower_onnx", "is_qwen_vision", "tower_aux"]
+           "QWEN2_VL", "QWEN2_5_VL", "TowerConfig", "QwenTowerGraph", "aux_names", "example_inputs",
+           "export_tower_onnx", "is_qwen_vision", "tower_aux"]
 PATCHES, OUTPUT = "patches", "encoder_output"
 OPSET = 17
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -92,7 +93,8 @@ class _Groups:
     def build(cls, index: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> "_Groups":
         valid = index >= 0
         index = index.clamp(min=0)
-        mask = torch.where(valid, torch.tensor(0.0), torch.tensor(float("-inf")))[:, None, None, :]
+        zero = torch.zeros((), dtype=torch.float32, device=index.device)
+        mask = torch.where(valid, zero, zero - float("inf"))[:, None, None, :]
         return cls(index, cos[index].unsqueeze(2), sin[index].unsqueeze(2), mask, slot)
 
 
@@ -241,8 +243,9 @@ def example_inputs(graph: QwenTowerGraph, grids: Sequence[Sequence[int]], seed: 
     aux = tower_aux(grids, graph.config)
     n = aux[POSITION_IDS].shape[0]
     g = torch.Generator().manual_seed(seed)
-    patches = torch.randn(n, graph.config.patch_dim, generator=g).to(graph.dtype)
-    return (patches,) + tuple(torch.from_numpy(aux[name]) for name in graph.aux_names)
+    device = graph.patch_embed.proj.weight.device
+    patches = torch.randn(n, graph.config.patch_dim, generator=g).to(device, graph.dtype)
+    return (patches,) + tuple(torch.from_numpy(aux[name]).to(device) for name in graph.aux_names)
 
 
 def export_tower_onnx(graph: QwenTowerGraph, out: str | Path, grids_example: Sequence[Sequence[int]],
