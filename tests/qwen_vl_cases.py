@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 NATIVE = "<|vision_start|><|image_pad|><|vision_end|>"
+NATIVE_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 # (width, height) as PIL sizes: small, wide, tall, tiny (below min_pixels), larger than max_pixels, 150:1
 SIZES = {"small": (100, 60), "wide": (240, 50), "tall": (40, 300), "tiny": (5, 3), "large": (640, 480),
          "sliver": (600, 4)}
@@ -56,27 +57,58 @@ class Reference:
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir)).eval()
         self.eos = self.model.generation_config.eos_token_id
+        self.model_dir = model_dir
 
-    def inputs(self, prompt: str, images: list[bytes]) -> dict:
-        text, kw = prompt.replace("<image>", NATIVE), {}
+    def inputs(self, prompt: str, images: list[bytes], videos: tuple = ()) -> dict:
+        """`videos`: video files, sampled and turned into pixels by the server's own video path (`videos.py`:
+        transformers' video processor needs torchvision), so both sides see the same frames and pixels."""
+        text, kw = prompt.replace("<image>", NATIVE).replace("<video>", NATIVE_VIDEO), {}
         if images:
             px = self.image_processor([pil(b) for b in images], return_tensors="pt")
             kw = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"]}
-            for t, h, w in px["image_grid_thw"].tolist():
-                text = text.replace("<|image_pad|>", "<|placeholder|>" * (t * h * w // 4), 1)
-            text = text.replace("<|placeholder|>", "<|image_pad|>")
+            text = _expand(text, "<|image_pad|>", px["image_grid_thw"].tolist())
+        if videos:
+            rows, grids, seconds = zip(*(self.video(v) for v in videos))
+            kw |= {"pixel_values_videos": torch.from_numpy(np.concatenate(rows).reshape(sum(len(r) for r in rows),
+                                                                                        -1)),
+                   "video_grid_thw": torch.tensor(grids)}
+            if self.model.config.model_type == "qwen2_5_vl":
+                kw["second_per_grid_ts"] = torch.tensor(seconds)
+            text = _expand(text, "<|video_pad|>", grids)
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
-        kw["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
+        cfg = self.model.config
+        kw["mm_token_type_ids"] = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kw}
+
+    def video(self, data: bytes):
+        from triton_vlm.videos import VideoProcessor, decode_video, video_config  # noqa: PLC0415
+
+        cfg = video_config(self.model_dir)
+        return VideoProcessor(cfg)(decode_video(data, "video", cfg, 1 << 24))
 
     @torch.no_grad()
     def generate(self, prompt: str, images: list[bytes], max_new_tokens: int, beams: int = 1,
-                 num_return_sequences: int = 1, model=None, **gen) -> list[list[int]]:
+                 num_return_sequences: int = 1, model=None, videos: tuple = (), **gen) -> list[list[int]]:
         """New token ids of each returned sequence, cut after the first eos (as the server returns them)."""
-        x = self.inputs(prompt, images)
+        x = self.inputs(prompt, images, videos)
         out = (model or self.model).generate(**x, max_new_tokens=max_new_tokens, do_sample=False, num_beams=beams,
                                              num_return_sequences=num_return_sequences, pad_token_id=0, **gen)
         seqs = []
         for row in out[:, x["input_ids"].shape[1]:].tolist():
             seqs.append(row[:row.index(self.eos) + 1] if self.eos in row else row)
         return seqs
+
+
+def _expand(text: str, pad: str, grids) -> str:
+    """Each `pad` in turn -> t*h*w/4 copies (the processor's expansion)."""
+    for t, h, w in grids:
+        text = text.replace(pad, "<|placeholder|>" * (t * h * w // 4), 1)
+    return text.replace("<|placeholder|>", pad)
+
+
+def mp4(frames: int, size: tuple[int, int], seed: int, fps: int = 4) -> bytes:
+    """A video of random frames of PIL size (width, height)."""
+    from triton_vlm.videos import encode_mp4  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    return encode_mp4(rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), fps=fps)

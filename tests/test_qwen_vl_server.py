@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from qwen_vl_cases import NATIVE, SIZES, Reference, build, png
+from qwen_vl_cases import NATIVE, NATIVE_VIDEO, SIZES, Reference, build, mp4, png
 from triton_vlm_client import VLMClient, VLMClientError
 
 pytestmark = pytest.mark.server
@@ -119,3 +119,31 @@ def test_extreme_aspect_ratio_is_refused_and_the_server_answers_after(qwen):
         _ask(server, PROMPT, [png((2, 500), seed=3)])
     assert "aspect ratio" in ei.value.message
     assert _ask(server, PROMPT, [IMAGES["small"]]).output_ids == ref.generate(PROMPT, [IMAGES["small"]], NEW)
+
+
+VIDEOS = [mp4(10, (64, 48), seed=1), mp4(7, (40, 90), seed=2, fps=2), mp4(30, (120, 80), seed=3, fps=8)]
+VPROMPT = f"<|im_start|>user\n<video> then {NATIVE_VIDEO} and <image>: what happens?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_videos_equal_generate_on_the_same_frames(qwen, beams):
+    """Two videos (frame counts and rates that sample differently) and an image in one prompt: transformers'
+    generate() on the same sampled frames' pixels (pixel_values_videos, video_grid_thw, Qwen2.5-VL's
+    second_per_grid_ts) gives the server's tokens."""
+    server, ref = qwen
+    for videos in (VIDEOS[:2], VIDEOS[1:]):
+        with VLMClient(server.grpc_url, timeout=180) as c:
+            got = c.generate(VPROMPT, [IMAGES["small"]], videos=videos, max_tokens=NEW, beam_width=beams,
+                             num_return_sequences=beams, return_num_input_tokens=True)
+        want = ref.generate(VPROMPT, [IMAGES["small"]], NEW, beams=beams, num_return_sequences=beams, videos=videos)
+        assert got.output_ids == want
+        assert got.num_input_tokens == ref.inputs(VPROMPT, [IMAGES["small"]], videos)["input_ids"].shape[1]
+
+
+def test_bad_videos_are_refused_by_name(qwen):
+    server, _ = qwen
+    for videos, needle in (([b"not a video at all"], "videos[0]"), ([], "1 <video> markers but 0 videos")):
+        with pytest.raises(VLMClientError) as ei:
+            with VLMClient(server.grpc_url, timeout=60) as c:
+                c.generate("<video> what?", videos=videos, max_tokens=2)
+        assert needle in ei.value.message, ei.value.message

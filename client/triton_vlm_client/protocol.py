@@ -28,6 +28,7 @@ class TensorInfo(NamedTuple):
 # --- inputs ---------------------------------------------------------------------------------------------
 TEXT_INPUT = "text_input"
 IMAGES = "images"
+VIDEOS = "videos"
 BAD_WORDS = "bad_words"
 STOP_WORDS = "stop_words"
 MAX_TOKENS = "max_tokens"
@@ -83,6 +84,7 @@ EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, EARLY_STOPPING_NEVER = 0, 1, 2
 INPUTS: tuple[TensorInfo, ...] = (
     TensorInfo(TEXT_INPUT, BYTES, (1,)),
     TensorInfo(IMAGES, BYTES, (-1,)),
+    TensorInfo(VIDEOS, BYTES, (-1,)),
     TensorInfo(BAD_WORDS, BYTES, (-1,)),
     TensorInfo(STOP_WORDS, BYTES, (-1,)),
     TensorInfo(MAX_TOKENS, INT32, (1,)),

@@ -80,6 +80,16 @@ def early_stopping_wire(value: Any) -> int:
     return _EARLY_STOPPING[key]
 
 
+def _file_bytes(name: str, value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        from pathlib import Path  # noqa: PLC0415
+
+        return Path(value).read_bytes()
+    raise TypeError(f"{name} must hold file paths or encoded file bytes, got an item of {type(value).__name__}")
+
+
 def _words(name: str, value: Any) -> list[str]:
     words = [value] if isinstance(value, str) else list(value)
     for w in words:
@@ -126,6 +136,9 @@ def normalize_params(params: Mapping[str, Any], defaults: Mapping[str, Any] = CL
         dtype = P.INPUTS_BY_NAME[name].dtype
         if name == P.EARLY_STOPPING:
             out[name] = early_stopping_wire(value)
+        elif name == P.VIDEOS:  # files or their bytes -> base64 text (the server decodes it; JSON has no bytes)
+            out[name] = [base64.b64encode(_file_bytes(name, v)).decode("ascii") for v in
+                         ([value] if isinstance(value, (bytes, str)) else value)]
         elif dtype == P.BYTES:
             words = _words(name, value)
             if words:

@@ -42,6 +42,7 @@ def _in(name, dtype, dims=(1,), default=None, doc="", optional=True):
 TEXT_INPUT = "text_input"
 MAX_TOKENS = "max_tokens"
 IMAGES = "images"
+VIDEOS = "videos"
 BEAM_WIDTH = "beam_width"
 NUM_RETURN_SEQUENCES = "num_return_sequences"
 LENGTH_PENALTY = "length_penalty"
@@ -102,6 +103,10 @@ IMAGE_EMBEDS = "image_embeds"
 NUM_IMAGES = "num_images"
 IMAGE_SIZES = "image_sizes"  # (height, width) of each image: its tiles and token count follow from it
 IMAGE_FEATURE_LENS = "image_feature_lens"  # features of each image in image_embeds (the rest is padding)
+# native-resolution families (Qwen2-VL): each image's or video's patch grid (t, h, w) and a video's seconds per
+# temporal patch (0 for an image), in prompt order; zeros for the fixed-tile families
+MEDIA_GRIDS = "media_grids"
+MEDIA_SECONDS = "media_seconds"
 BAD_WORDS_IDS = "bad_words_ids"
 STOP_WORDS_IDS = "stop_words_ids"
 
@@ -182,6 +187,8 @@ ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False,
         doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
     _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
+    _in(VIDEOS, BYTES, (-1,), doc="encoded video files (or base64 of them), one per <video> marker, in order "
+                                  "(checkpoints that take videos: Qwen2-VL, Qwen2.5-VL)"),
     _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
     _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
 ) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
@@ -212,6 +219,7 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
 PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False),
     _in(IMAGES, BYTES, (-1,)),
+    _in(VIDEOS, BYTES, (-1,)),
     _in(MAX_TOKENS, INT32, optional=False),
     _in(BAD_WORDS, BYTES, (-1,)),
     _in(STOP_WORDS, BYTES, (-1,)),
@@ -223,12 +231,15 @@ PREPROCESS_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(STOP_WORDS_IDS, INT32, (-1,)),
     TensorSpec(DROPPED_IMAGES, INT32, (1,)),
     TensorSpec(NUM_IMAGES, INT32, (1,)),  # images of the row (pixel_values / image_sizes are padded beyond it)
-    TensorSpec(IMAGE_SIZES, INT32, (-1, 2)),  # [images, 2] (height, width) of each kept image
+    TensorSpec(IMAGE_SIZES, INT32, (-1, 2)),  # [images, 2] (height, width) of each kept image (a video's frames)
+    TensorSpec(MEDIA_GRIDS, INT32, (-1, 3)),  # [images, 3] (t, h, w) patches (native resolution; else zeros)
+    TensorSpec(MEDIA_SECONDS, FP32, (-1,)),  # [images] a video's seconds per temporal patch, 0 for an image
 )
 VISION_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(PIXEL_VALUES, FP32, (-1, 3, -1, -1)),
     _in(NUM_IMAGES, INT32),  # optional: without it every image of pixel_values is real
     _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional for llava-1.5 (one tile per image), required for LLaVA-NeXT
+    _in(MEDIA_GRIDS, INT32, (-1, 3)),  # optional: native resolution (Qwen2-VL); without it grids follow the sizes
 )
 VISION_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec(IMAGE_EMBEDS, FP32, (-1, -1, -1)),  # [images, T, hidden], each image zero padded to the longest
@@ -243,6 +254,8 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(NUM_IMAGES, INT32),  # optional: without it every image of image_embeds is real
     _in(IMAGE_FEATURE_LENS, INT32, (-1,)),  # optional: without it every image fills image_embeds' T
     _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional; M-RoPE checkpoints (Qwen2-VL): each image's grid follows from it
+    _in(MEDIA_GRIDS, INT32, (-1, 3)),  # optional; M-RoPE: each image's / video's grid (else from image_sizes)
+    _in(MEDIA_SECONDS, FP32, (-1,)),  # optional; Qwen2.5-VL's video time positions
 ) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
 LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
 

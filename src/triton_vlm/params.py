@@ -236,6 +236,8 @@ class GenerationRequest:
     adapter: Any = None  # a `lora.format.Adapter` applied to every row of this request, or None (base model)
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache blocks are shared only between requests of one salt
     image_sizes: Any = None  # [images, 2] (height, width) of the prompt's images: M-RoPE's grids (Qwen2-VL), or None
+    media_grids: Any = None  # [images, 3] (t, h, w) patches of each image / video (Qwen2-VL), or None (from sizes)
+    media_seconds: Any = None  # [images] a video's seconds per temporal patch (Qwen2.5-VL's time positions)
     rope: Any = None  # M-RoPE (Qwen2-VL): the prompt's 3-D positions and delta (`engine.mrope.MRopePrompt`), or None
 
     def end_ids(self, limits: ModelLimits) -> tuple[int, ...]:

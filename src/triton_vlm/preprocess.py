@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -38,6 +38,8 @@ from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, deco
 from .params import check_word_count, words_to_flat
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
+VIDEO_MARKER = "<video>"
+
 Text = Union[str, bytes]
 
 
@@ -49,6 +51,10 @@ class PreprocessResult:
     stop_words_ids: list[list[int]] = field(default_factory=list)
     dropped_images: int = 0  # images removed by truncation
     image_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n_kept, 2] (H, W)
+    # native-resolution families: each kept image's / video's patch grid (t, h, w) and a video's seconds per
+    # temporal patch (0 for an image); zeros for the fixed-tile families
+    media_grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # [n_kept, 3]
+    media_seconds: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.float32))  # [n_kept]
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Preprocessor:
         marker: str = IMAGE_MARKER,
         image_cache_size: int = 64,
         max_text_chars: int = 0,
+        max_videos: int = 2,
     ):
         """`max_text_chars`: longest prompt text accepted (inline images not counted); 0 = context length x
         `CHARS_PER_TOKEN_BOUND`. Longer text is refused before tokenization, which is linear but costs ~1 s per
@@ -101,8 +108,19 @@ class Preprocessor:
         self.max_images = max_images
         self.max_pixels = max_pixels
         self.marker = marker
+        family = get_family(self.info.pipeline)
         # any of these in the prompt takes the next of `images`: `<image>` and the family's own format
-        self.markers = (marker,) + get_family(self.info.pipeline).image_markers
+        self.markers = (marker,) + family.image_markers
+        self.whole_images = bool(getattr(self.info.layout, "whole_images", False))
+        self.video = None  # the family's videos (Qwen2-VL): `<video>` / its own marker paired with `videos`
+        if family.video_token is not None:
+            from .videos import VideoProcessor, video_config  # noqa: PLC0415 - PyAV only where videos are taken
+
+            self.video = VideoProcessor(video_config(model_dir))
+            self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(family.video_token))
+            self.video_token = family.video_token
+            self.video_markers = (VIDEO_MARKER,) + family.video_markers
+        self.max_videos = max_videos
         self.cache = ImageCache(image_cache_size)
         self.max_text_chars = max_text_chars or self.info.context_length * CHARS_PER_TOKEN_BOUND
 
@@ -125,10 +143,12 @@ class Preprocessor:
         """Parts -> [text ids | image placeholders] segments, tokenized in context (see module doc); image k
         takes counts[k] placeholders."""
         info = self.info
-        joined = "".join(p.text if isinstance(p, TextPart) else info.image_token for p in parts)
+        video_id = self.video_token_id if self.video is not None else None
+        joined = "".join(p.text if isinstance(p, TextPart) else
+                         self.video_token if p.kind == "video" else info.image_token for p in parts)
         ids = [int(t) for t in self.tokenizer(joined, add_special_tokens=True)["input_ids"]]
         n_images = sum(isinstance(p, ImagePart) for p in parts)
-        n_found = ids.count(info.image_token_id)
+        n_found = ids.count(info.image_token_id) + (ids.count(video_id) if video_id is not None else 0)
         if n_found != n_images:
             raise InvalidArgument(
                 f"text_input contains the model's image placeholder token {info.image_token!r} outside an image "
@@ -136,7 +156,7 @@ class Preprocessor:
                 "<img src=\"data:image/...;base64,...\"> tags")
         segments, current, k = [], [], 0
         for t in ids:
-            if t == info.image_token_id:
+            if t == info.image_token_id or (video_id is not None and t == video_id):
                 if current:
                     segments.append(_Segment(current))
                 segments.append(_Segment([t] * counts[k], image=k))
@@ -185,6 +205,7 @@ class Preprocessor:
         max_tokens: int | None = 16,
         bad_words: Sequence[Text] | None = None,
         stop_words: Sequence[Text] | None = None,
+        videos: Sequence[Union[bytes, str]] | None = None,
     ) -> PreprocessResult:
         info = self.info
         if text is None:
@@ -201,42 +222,78 @@ class Preprocessor:
                 f"max_tokens must be in [1, {info.context_length}] (the context length), got {max_tokens}")
         budget = info.context_length - max_tokens
 
+        videos = list(videos or ())
+        if len(videos) > self.max_videos:
+            raise InvalidArgument(f"too many videos: {len(videos)} in the request, at most {self.max_videos} are "
+                                  "allowed")
         parts = split_prompt(text, list(images or ()), image_start=info.image_start, image_end=info.image_end,
-                             marker=self.markers, max_images=self.max_images)
+                             marker=self.markers, max_images=self.max_images, videos=videos,
+                             video_markers=self.video_markers if self.video is not None else ())
         n_chars = sum(len(p.text) for p in parts if isinstance(p, TextPart))
         if n_chars > self.max_text_chars:
             raise InvalidArgument(
                 f"text_input holds {n_chars} characters of text (inline images not counted); at most "
                 f"{self.max_text_chars} are accepted (context length {info.context_length} x "
                 f"{CHARS_PER_TOKEN_BOUND}); send a shorter prompt")
-        # every image is decoded and validated (or found in the cache), including those truncation drops below
-        raws = [payload_to_bytes(p.payload, p.what) for p in parts if isinstance(p, ImagePart)]
-        keys = [image_key(r) for r in raws]
-        cached = [self.cache.get(k) for k in keys]
-        what = [p.what for p in parts if isinstance(p, ImagePart)]
-        decoded = [None if c is not None else decode_image(r, w, self.max_pixels)
-                   for r, c, w in zip(raws, cached, what)]
-
-        sizes = [c.size if c is not None else (im.height, im.width) for c, im in zip(cached, decoded)]
-        counts = [_image_tokens(info, size, w) for size, w in zip(sizes, what)]
-        segments = self._truncate(self._tokenize(parts, counts), budget, max_tokens)
-        kept_images = [s.image for s in segments if s.image >= 0]
-        input_ids = [t for s in segments for t in s.ids]
-        todo = [i for i in kept_images if cached[i] is None]
-        for i, px in zip(todo, self.image_processor.per_image([decoded[i] for i in todo])):
-            cached[i] = ProcessedImage(px, sizes[i])  # px [tiles, 3, H, W], its own array
-            self.cache.put(keys[i], cached[i])
-        h, w = self.info.image_size
-        pixel_values = np.concatenate([cached[i].pixels for i in kept_images]) if kept_images else \
-            np.zeros((0, 3, h, w), np.float32)  # [tiles, 3, H, W]
+        media = self._decode([p for p in parts if isinstance(p, ImagePart)])  # every one, also those dropped
+        segments = self._truncate(self._tokenize(parts, [m.count for m in media]), budget, max_tokens)
+        kept = [media[s.image] for s in segments if s.image >= 0]
+        self._process([m for m in kept if m.kind == "image"])
         return PreprocessResult(
-            input_ids=input_ids,
-            pixel_values=pixel_values,
+            input_ids=[t for s in segments for t in s.ids],
+            pixel_values=(np.concatenate([m.pixels for m in kept]) if kept else
+                          np.zeros((0, 3, *info.image_size), np.float32)),  # [tiles, 3, H, W]
             bad_words_ids=self.encode_words(bad_words, "bad_words"),
             stop_words_ids=self.encode_words(stop_words, "stop_words"),
-            dropped_images=len(decoded) - len(kept_images),
-            image_sizes=np.array([sizes[i] for i in kept_images], np.int32).reshape(-1, 2),
+            dropped_images=len(media) - len(kept),
+            image_sizes=np.array([m.size for m in kept], np.int32).reshape(-1, 2),
+            media_grids=np.array([m.grid for m in kept], np.int32).reshape(-1, 3),
+            media_seconds=np.array([m.seconds for m in kept], np.float32),
         )
+
+    def _decode(self, parts: list[ImagePart]) -> list["_Media"]:
+        """Every image and video of the prompt decoded and validated (images found in the cache are not), with its
+        placeholder count: a request's validity never depends on what truncation drops."""
+        out = []
+        for p in parts:
+            if p.kind == "video":
+                from .videos import decode_video  # noqa: PLC0415
+
+                video = decode_video(p.payload, p.what, self.video.cfg, self.max_pixels)
+                rows, grid, seconds = self.video(video)  # the patches now: a video is never cached here
+                out.append(_Media("video", video.size, grid[0] * grid[1] * grid[2] // self.video.cfg.merge ** 2,
+                                  grid, seconds, pixels=rows))
+                continue
+            raw = payload_to_bytes(p.payload, p.what)
+            key = image_key(raw)
+            hit = self.cache.get(key)
+            im = None if hit is not None else decode_image(raw, p.what, self.max_pixels)
+            size = hit.size if hit is not None else (im.height, im.width)
+            grid = self.info.layout.grid(size) if self.whole_images else (0, 0, 0)
+            out.append(_Media("image", size, _image_tokens(self.info, size, p.what), grid, 0.0,
+                              pixels=None if hit is None else hit.pixels, decoded=im, key=key))
+        return out
+
+    def _process(self, images: list["_Media"]) -> None:
+        """The checkpoint's image processor on the kept images not found in the cache (all in one call)."""
+        todo = [m for m in images if m.pixels is None]
+        for m, px in zip(todo, self.image_processor.per_image([m.decoded for m in todo])):
+            m.pixels = px  # [tiles, 3, H, W], its own array
+            self.cache.put(m.key, ProcessedImage(px, m.size))
+
+
+@dataclass
+class _Media:
+    """One image or video of a prompt while it is preprocessed."""
+
+    kind: str  # "image" or "video"
+    size: tuple[int, int]  # (height, width) of the image / of the video's frames
+    count: int  # placeholder tokens
+    grid: tuple[int, int, int]  # (t, h, w) patches (native resolution; zeros for the fixed-tile families)
+    seconds: float  # a video's seconds per temporal patch; 0 for an image
+    pixels: Optional[np.ndarray] = None  # [tiles, 3, H, W] once processed (or found in the cache)
+    decoded: Any = None  # the decoded PIL image still to process
+    key: bytes = b""  # an image's cache key (the SHA-256 of its file)
 
 
 def _image_tokens(info: ModelInfo, size: tuple[int, int], what: str) -> int:
@@ -258,6 +315,8 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
     shape = results[0].pixel_values.shape[1:]
     pixel_values = np.zeros((b, max(n_tiles), *shape), np.float32)  # [B, tiles, 3, H, W]
     sizes = np.zeros((b, max(n_img), 2), np.int32)  # [B, images, 2]
+    grids = np.zeros((b, max(n_img), 3), np.int32)  # [B, images, 3]
+    seconds = np.zeros((b, max(n_img)), np.float32)  # [B, images]
     words = {}
     for name, get in ((N.BAD_WORDS_IDS, lambda r: r.bad_words_ids), (N.STOP_WORDS_IDS, lambda r: r.stop_words_ids)):
         flats = [words_to_flat(get(r)) for r in results]
@@ -268,6 +327,8 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
         input_ids[i, :len(r.input_ids)] = r.input_ids
         pixel_values[i, :n_tiles[i]] = r.pixel_values
         sizes[i, :n_img[i]] = r.image_sizes
+        grids[i, :n_img[i]] = r.media_grids
+        seconds[i, :n_img[i]] = r.media_seconds
     return {
         N.INPUT_IDS: input_ids,
         N.PIXEL_VALUES: pixel_values,
@@ -275,4 +336,6 @@ def stack_rows(results: Sequence[PreprocessResult]) -> dict[str, np.ndarray]:
         N.DROPPED_IMAGES: np.array([[r.dropped_images] for r in results], np.int32),  # [B, 1]
         N.NUM_IMAGES: np.array([[n] for n in n_img], np.int32),  # [B, 1]
         N.IMAGE_SIZES: sizes,
+        N.MEDIA_GRIDS: grids,
+        N.MEDIA_SECONDS: seconds,
     }

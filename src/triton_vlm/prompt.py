@@ -56,19 +56,22 @@ class ImagePart:
     payload: Union[bytes, str]  # encoded image file, base64 text or data URL; decoded later by content
     index: int  # position among the prompt's images, in prompt order (0-based)
     what: str  # how error messages name this image, e.g. "images[1]" or "inline image 0 of text_input"
+    kind: str = "image"  # or "video" (a video file of `videos`, Qwen2-VL)
 
 
 Part = Union[TextPart, ImagePart]
 
 
-def _pattern(markers: tuple[str, ...]) -> re.Pattern:
+def _pattern(markers: tuple[str, ...], video_markers: tuple[str, ...] = ()) -> re.Pattern:
     alts = [f"(?P<inline>{INLINE_IMAGE.pattern})"]
     if any(markers):
         alts.append("(?P<marker>" + "|".join(re.escape(m) for m in markers if m) + ")")
+    if any(video_markers):
+        alts.append("(?P<video>" + "|".join(re.escape(m) for m in video_markers if m) + ")")
     return re.compile("|".join(alts))
 
 
-_PATTERNS: dict[tuple[str, ...], re.Pattern] = {}
+_PATTERNS: dict[tuple, re.Pattern] = {}
 
 
 def split_prompt(
@@ -79,6 +82,8 @@ def split_prompt(
     image_end: str = "",
     marker: str | tuple[str, ...] = IMAGE_MARKER,
     max_images: int | None = None,
+    videos: Sequence[Union[bytes, str]] = (),
+    video_markers: tuple[str, ...] = (),
 ) -> list[Part]:
     """text (+ images for the markers) -> [TextPart | ImagePart, ...] in prompt order, markers added. `marker`:
     the image marker, or several (a family's own format besides `<image>`: Qwen2-VL's
@@ -89,33 +94,44 @@ def split_prompt(
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be str, got {type(text).__name__}")
-    images = list(images or ())
+    images, videos = list(images or ()), list(videos or ())
     markers = (marker,) if isinstance(marker, str) else tuple(marker)
     marker = markers[0] if markers else ""
-    pat = _PATTERNS.get(markers) or _PATTERNS.setdefault(markers, _pattern(markers))
+    key = (markers, tuple(video_markers))
+    pat = _PATTERNS.get(key) or _PATTERNS.setdefault(key, _pattern(markers, tuple(video_markers)))
     matches = list(pat.finditer(text))
-    n_markers = sum(1 for m in matches if m.group("inline") is None)
-    n_inline = len(matches) - n_markers
+    n_videos = sum(1 for m in matches if m.lastgroup == "video")
+    if n_videos != len(videos):
+        shown = video_markers[0] if video_markers else "<video>"
+        raise InvalidArgument(
+            f"text_input has {n_videos} {shown} markers but {len(videos)} videos were sent in `videos`"
+            + ("" if video_markers else " (this checkpoint takes no videos)")
+            + f"; send exactly one video per {shown} marker, in order")
+    n_markers = sum(1 for m in matches if m.lastgroup == "marker")
+    n_inline = len(matches) - n_markers - n_videos
     if n_markers != len(images):
         inline_note = f" (plus {n_inline} inline <img> images, which carry their own data)" if n_inline else ""
         raise InvalidArgument(
             f"text_input has {n_markers} {marker} markers{inline_note} but {len(images)} images were sent in "
             f"`images`; send exactly one image per {marker} marker, in order")
-    if max_images is not None and len(matches) > max_images:
+    if max_images is not None and len(matches) - n_videos > max_images:
         raise InvalidArgument(
-            f"too many images: {len(matches)} in the request ({n_markers} {marker} markers, {n_inline} inline), "
+            f"too many images: {len(matches) - n_videos} in the request ({n_markers} {marker} markers, {n_inline} inline), "
             f"at most {max_images} are allowed")
 
     parts: list[Part] = []
     pending = ""  # text waiting to become a TextPart
     pos = 0
-    next_listed = 0
+    next_listed = next_video = 0
     n_seen_inline = 0
     for idx, m in enumerate(matches):
         pending += text[pos:m.start()] + image_start
         if pending:
             parts.append(TextPart(pending))
-        if m.group("inline") is not None:
+        if m.lastgroup == "video":
+            parts.append(ImagePart(videos[next_video], idx, f"videos[{next_video}]", kind="video"))
+            next_video += 1
+        elif m.group("inline") is not None:
             parts.append(ImagePart(m.group("b64"), idx, f"inline image {n_seen_inline} of text_input"))
             n_seen_inline += 1
         else:

@@ -68,6 +68,12 @@ class TextSpec:
     layer_windows: tuple[int, ...] = ()
     # M-RoPE (Qwen2-VL): the rotary frequencies' split between the temporal, height and width positions; () = 1-D
     mrope_section: tuple[int, ...] = ()
+    video_token_id: Optional[int] = None  # Qwen2-VL's video placeholder id; None for a family without videos
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """Every id whose positions take vision features, in the order the features come (prompt order)."""
+        return tuple(i for i in (self.image_token_id, self.video_token_id) if i is not None)
 
     @property
     def kv_groups(self) -> int:
@@ -191,7 +197,8 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
-        layer_windows=_layer_windows(text), mrope_section=_mrope(text))
+        layer_windows=_layer_windows(text), mrope_section=_mrope(text),
+        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id))
 
 
 def _mrope(text: Any) -> tuple[int, ...]:

@@ -186,3 +186,24 @@ def test_prefix_cache_keys_cover_the_image_sizes(ckpt):
     assert a.sequences[0].token_ids == b.sequences[0].token_ids == want[:len(a.sequences[0].token_ids)]
     assert eng.cache.prefix_stats.hits >= (len(r.input_ids) // 8 - 1) * 8
     eng.shutdown()
+
+
+def test_video_positions_equal_transformers(ckpt):
+    """Videos (several frames per temporal patch, Qwen2.5-VL's time spacing) and an image in one prompt."""
+    from triton_vlm.videos import encode_mp4
+
+    model, path, pre = ckpt
+    rng = np.random.default_rng(4)
+    videos = [encode_mp4(rng.integers(0, 255, (n, 48, 64, 3), dtype=np.uint8), fps=fps) for n, fps in ((10, 4), (30, 8))]
+    r = pre("<video> a <|vision_start|><|video_pad|><|vision_end|> b <image> c", [_png(*SIZES[0], 0)], 8,
+            videos=videos)
+    ids = torch.tensor([r.input_ids])
+    cfg = model.config
+    kinds = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    grids = torch.tensor(r.media_grids)
+    kw = {"second_per_grid_ts": torch.tensor(r.media_seconds[:2])} if cfg.model_type == "qwen2_5_vl" else {}
+    want, delta = model.model.get_rope_index(ids, kinds, grids[2:], grids[:2], **kw)
+    got = mrope.PromptRope.for_checkpoint(path)(r.input_ids, r.image_sizes, [tuple(g) for g in r.media_grids],
+                                                list(r.media_seconds))
+    assert torch.equal(got.positions, want[:, 0]) and got.delta == int(delta)
+    assert grids[0, 0] == 2 and grids[1, 0] == 3  # several temporal patches each

@@ -50,7 +50,8 @@ class TritonPythonModel:
 
                 self.kv_events = kv_events.attach(
                     backend, p["kv_events_endpoint"], replay_endpoint=p.get("kv_events_replay_endpoint") or None,
-                    topic=p.get("kv_events_topic") or kv_events.default_topic(model_dir.name))
+                    topic=p.get("kv_events_topic") or kv_events.default_topic(model_dir.name),
+                    layout=p.get("kv_events_layout") or "map")
             tokenizer, image_token_id, context = backend.tokenizer, backend.image_token_id, backend.max_context
         else:
             raise ValueError(f"llm parameter backend must be 'engine' or 'hf', got {kind!r}")

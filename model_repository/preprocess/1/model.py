@@ -32,6 +32,7 @@ class TritonPythonModel:
             image_end=p.get("image_end", ""),
             image_cache_size=config.parse_int(p, "image_cache_size", 64),
             max_text_chars=config.parse_int(p, "max_text_chars", 0),
+            max_videos=config.parse_int(p, "max_videos", 2),
         )
         self.lora = _LoraCheck(self.pre.info.model_dir, p.get("lora_dir") or None,
                                config.parse_int(p, "max_lora_rank", 64))
@@ -53,15 +54,18 @@ class TritonPythonModel:
     def _row(self, request, row):
         self.lora(request, row)
         images = tensors.blobs(request, N.IMAGES, row)
+        videos = tensors.blobs(request, N.VIDEOS, row)
         if row is not None:
-            while images and not images[-1]:  # padding of a row with fewer images than the others
-                images.pop()
+            for media in (images, videos):
+                while media and not media[-1]:  # padding of a row with fewer images than the others
+                    media.pop()
         return self.pre(
             tensors.scalar(request, _IN[N.TEXT_INPUT], row),
             images,
             tensors.scalar(request, _IN[N.MAX_TOKENS], row),
             tensors.strings(request, N.BAD_WORDS, row),
             tensors.strings(request, N.STOP_WORDS, row),
+            videos,
         )
 
 

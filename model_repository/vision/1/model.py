@@ -65,7 +65,8 @@ def _row(request, row):
 
     return VisionInput(pixels=tensors.input_array(request, N.PIXEL_VALUES, row),
                        sizes=tensors.input_array(request, N.IMAGE_SIZES, row),
-                       num_images=tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row))
+                       num_images=tensors.scalar(request, N.spec(N.NUM_IMAGES, N.VISION_INPUTS), row),
+                       grids=tensors.input_array(request, N.MEDIA_GRIDS, row))
 
 
 def _response(results):

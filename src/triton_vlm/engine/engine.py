@@ -257,7 +257,7 @@ class Engine:
     def submit(self, req: GenerationRequest, on_result: Callable[[GenerationResult], None]) -> None:
         need = self.validate(req)
         if self.rope is not None:  # the prompt's 3-D positions, here on the caller's thread
-            req.rope = self.rope(req.input_ids, req.image_sizes)
+            req.rope = self.rope(req.input_ids, req.image_sizes, req.media_grids, req.media_seconds)
         if req.adapter is not None:
             self.lora_slots.check(req.adapter)  # larger than the whole device level: it could never run
         p = req.params
@@ -268,7 +268,7 @@ class Engine:
         active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(worst=need),
                         make_detok=self._make_detok if p.stream else None)
         if self.config.enable_prefix_caching:  # hashed here, on the caller's thread, not the engine's
-            active.kv.hasher = request_hasher(req, self.config.block_size, self.image_token_id)
+            active.kv.hasher = request_hasher(req, self.config.block_size, self.model_config.placeholder_ids)
         with self._cond:
             if self._closed:
                 raise Unavailable("the engine is shut down")

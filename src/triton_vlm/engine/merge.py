@@ -18,15 +18,16 @@ def count_mismatch(tokens: int, features: int) -> InvalidArgument:
 
 
 def merge_image_embeds(input_ids: torch.Tensor, text_embeds: torch.Tensor, image_embeds: Optional[torch.Tensor],
-                       image_token_id: Optional[int]) -> torch.Tensor:
+                       image_token_id: Optional[int] | tuple[int, ...]) -> torch.Tensor:
     """input_ids [P], text_embeds [P, hidden], image_embeds [images, T, hidden] (or [N, hidden]) or None.
 
     Returns [P, hidden]: text_embeds with the placeholder rows replaced by the image features.
     """
-    if image_token_id is None:  # a plain Llama: no placeholders
+    ids = () if image_token_id is None else (image_token_id,) if isinstance(image_token_id, int) else image_token_id
+    if not ids:  # a plain Llama: no placeholders
         is_image = torch.zeros_like(input_ids, dtype=torch.bool)
-    else:
-        is_image = input_ids == image_token_id  # [P]
+    else:  # [P]: images' and (Qwen2-VL) videos' placeholders, their features in prompt order
+        is_image = torch.isin(input_ids, torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device))
     tokens = int(is_image.sum())
     if image_embeds is None:
         if tokens:

@@ -23,6 +23,7 @@ import torch
 from ..errors import InvalidArgument
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
+MAX_SECONDS = 3600.0  # a video's seconds per temporal patch
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class MRopeSpec:
     video_token_id: int
     merge: int  # spatial merge size (2x2 patches -> one token)
     tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
+    max_position: int = 1 << 30  # positions must stay inside the rotary tables (the context length)
 
 
 @dataclass
@@ -55,13 +57,14 @@ def _vision_positions(start: int, grid: Grid, merge: int, interval: Optional[tor
 
 def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRopeSpec,
                      seconds: Optional[Sequence[float]] = None) -> MRopePrompt:
-    """The prompt's M-RoPE positions: `grids` are its images' and videos' in prompt order; `seconds` each video's
-    seconds per temporal patch (Qwen2.5-VL). Raises InvalidArgument when the placeholders do not match the grids."""
+    """The prompt's M-RoPE positions: `grids` are its images' and videos' in prompt order; `seconds` each one's
+    seconds per temporal patch (read for videos, Qwen2.5-VL; None: 1). Raises InvalidArgument when the placeholders
+    do not match the grids."""
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
     kinds = torch.zeros_like(ids)
     kinds[ids == spec.image_token_id] = 1
     kinds[ids == spec.video_token_id] = 2
-    parts, pos, i, g, v = [], 0, 0, 0, 0
+    parts, pos, i, g = [], 0, 0, 0
     n = len(ids)
     while i < n:
         if kinds[i] == 0:
@@ -81,16 +84,21 @@ def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRop
                                   f"{i} of input_ids")
         interval = None
         if kind == 2 and spec.tokens_per_second is not None:
-            sec = torch.tensor(float(seconds[v]) if seconds is not None else 1.0, dtype=torch.float32)
-            interval = spec.tokens_per_second * sec
+            sec = float(seconds[g]) if seconds is not None and g < len(seconds) else 1.0
+            if not 0.0 <= sec <= MAX_SECONDS:
+                raise InvalidArgument(f"media_seconds of video {g} is {sec}; 0 to {MAX_SECONDS} is allowed")
+            interval = spec.tokens_per_second * torch.tensor(sec, dtype=torch.float32)
         parts.append(_vision_positions(pos, grid, spec.merge, interval))
         pos += max(grid[1], grid[2]) // spec.merge
-        v += kind == 2
         g, i = g + 1, i + count
     if g != len(grids):
         raise InvalidArgument(f"{len(grids)} image grids but placeholders for {g} images in input_ids")
     positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
-    delta = int(positions.max()) + 1 - n if n else 0
+    top = int(positions.max()) if n else 0
+    if top >= spec.max_position:
+        raise InvalidArgument(f"the prompt's rotary positions reach {top}; the checkpoint's tables end at "
+                              f"{spec.max_position - 1} (media_seconds / grids too large)")
+    delta = top + 1 - n if n else 0
     return MRopePrompt(positions, delta)
 
 
@@ -127,17 +135,21 @@ class PromptRope:
         family = family_of(spec)
         cfg = family.rope_config(spec)
         return cls(MRopeSpec(spec.text.mrope_section, cfg["image_token_id"], cfg["video_token_id"], cfg["merge"],
-                             cfg["tokens_per_second"]), family.layout(spec).grid)
+                             cfg["tokens_per_second"], spec.text.max_position_embeddings), family.layout(spec).grid)
 
-    def __call__(self, input_ids: Sequence[int], image_sizes) -> Optional[MRopePrompt]:
+    def __call__(self, input_ids: Sequence[int], image_sizes, grids=None, seconds=None) -> Optional[MRopePrompt]:
+        """`grids` (t, h, w) per image / video when sent (`media_grids`), else from `image_sizes`; `seconds`: each
+        medium's seconds per temporal patch (videos')."""
         s = self.spec
         if not any(t in (s.image_token_id, s.video_token_id) for t in input_ids):
             if image_sizes is not None and len(image_sizes):
                 raise InvalidArgument(f"image_sizes has {len(image_sizes)} rows but input_ids hold no image "
                                       "placeholders")
             return None
-        if image_sizes is None:
-            raise InvalidArgument("input 'image_sizes' ([images, 2] height, width) is required: this checkpoint's "
-                                  "image token positions (M-RoPE) depend on each image's size")
-        grids = [self.grid_of((int(h), int(w))) for h, w in image_sizes]
-        return prompt_positions(input_ids, grids, s)
+        if grids is None:
+            if image_sizes is None:
+                raise InvalidArgument("input 'image_sizes' ([images, 2] height, width) is required: this "
+                                      "checkpoint's image token positions (M-RoPE) depend on each image's size")
+            grids = [self.grid_of((int(h), int(w))) for h, w in image_sizes]
+        return prompt_positions(input_ids, grids, s, seconds)
+

@@ -122,13 +122,14 @@ def adapter_key(adapter) -> bytes:
     return key
 
 
-def image_spans(input_ids: Sequence[int], image_embeds, image_token_id: Optional[int]) -> Optional[list[ImageSpan]]:
+def image_spans(input_ids: Sequence[int], image_embeds,
+                image_token_id: Optional[int] | tuple[int, ...]) -> Optional[list[ImageSpan]]:
     """The prompt's feature rows cut into spans, each hashed: a span ends where an image ends ([images, T, hidden]:
     every T rows) and where the placeholders stop being adjacent, so with [N, hidden] features (images of
     different lengths, concatenated) each image's own run of placeholders is still a span of its own. None when
     the embeddings do not fit the placeholders (the prefill refuses the request with the reason)."""
     ids = np.asarray(input_ids, dtype=np.int64)
-    pos = np.flatnonzero(ids == image_token_id) if image_token_id is not None else np.zeros(0, np.int64)
+    pos = np.flatnonzero(np.isin(ids, image_token_id)) if image_token_id is not None else np.zeros(0, np.int64)
     if image_embeds is None:
         return [] if len(pos) == 0 else None
     feats = image_embeds
@@ -147,7 +148,7 @@ class RequestHasher:
     """Block hashes of one request: the prompt's full blocks at once, later blocks as rows fill them."""
 
     def __init__(self, input_ids: Sequence[int], block_size: int, *, spans: list[ImageSpan],
-                 image_token_id: Optional[int], adapter=None, salt: Optional[str] = None):
+                 image_token_id: Optional[int] | tuple[int, ...], adapter=None, salt: Optional[str] = None):
         self.block_size, self.spans = block_size, spans
         self.lora_name = None if adapter is None else adapter.name
         self.salt = salt
@@ -158,7 +159,7 @@ class RequestHasher:
         self.prompt_len = len(input_ids)
         ids = np.asarray(input_ids, dtype=np.int64)
         # placeholder positions of the prompt, in order (ordinal k is at position self._ph[k])
-        self._ph = np.flatnonzero(ids == image_token_id).tolist() if spans else []
+        self._ph = np.flatnonzero(np.isin(ids, image_token_id)).tolist() if spans else []
         self.prompt_hashes: list[BlockHash] = []
         parent = self.root
         for b in range(len(ids) // block_size):
@@ -185,7 +186,8 @@ class RequestHasher:
         return digest
 
 
-def request_hasher(req, block_size: int, image_token_id: Optional[int]) -> Optional[RequestHasher]:
+def request_hasher(req, block_size: int,
+                   image_token_id: Optional[int] | tuple[int, ...]) -> Optional[RequestHasher]:
     """The hasher of a `GenerationRequest`, or None when its images do not fit its placeholders (such a request
     fails at prefill and caches nothing)."""
     spans = image_spans(req.input_ids, req.image_embeds, image_token_id)

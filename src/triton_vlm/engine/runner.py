@@ -89,7 +89,7 @@ class ModelRunner:
         embeddings of the generated tokens it computes again -> [prefill_len, hidden]."""
         dev = self.model.device
         ids = torch.tensor(a.req.input_ids, dtype=torch.long, device=dev)
-        embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds, self.model.config.image_token_id)
+        embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds, self.model.config.placeholder_ids)
         resume = a.kv.resume_ids
         if resume is None or len(resume) == a.prompt_len:
             return embeds

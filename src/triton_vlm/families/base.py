@@ -95,6 +95,8 @@ class Family:
     image_start: str = ""  # text the checkpoint's processor writes around each image's placeholders
     image_end: str = ""
     mrope = False  # 3-D rotary positions for image tokens (Qwen2-VL's M-RoPE)
+    video_token: Optional[str] = None  # the placeholder of video frames (None: the family takes no videos)
+    video_markers: tuple[str, ...] = ()  # prompt text that stands for a video besides `<video>`
     # where the vision tensors live, by their transformers-5 names (`weight_source.TensorSource` maps every saved
     # layout, the hub's `vision_tower.vision_model.` and `multi_modal_projector.` included, to these)
     weight_prefixes: dict[str, tuple[str, ...]] = {

@@ -109,6 +109,8 @@ class Qwen2VL(Family):
     image_markers = (VISION_START + IMAGE_PAD + VISION_END,)  # the checkpoint's own format, kept as a marker
     image_start, image_end = VISION_START, VISION_END
     mrope = True
+    video_token = VIDEO_PAD
+    video_markers = (VISION_START + VIDEO_PAD + VISION_END,)
 
     def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> PatchLayout:
         v = spec.hf_config.vision_config

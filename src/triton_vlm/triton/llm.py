@@ -184,6 +184,11 @@ class LLMService:
         sizes = tensors.input_array(request, N.IMAGE_SIZES, row)  # [images, 2]: M-RoPE's grids (Qwen2-VL)
         if sizes is not None:
             sizes = sizes.reshape(-1, 2)[:n_images if n_images is not None else None]
+        grids = tensors.input_array(request, N.MEDIA_GRIDS, row)  # [images, 3], or zeros (fixed-tile families)
+        if grids is not None:
+            grids = grids.reshape(-1, 3)[:n_images if n_images is not None else None]
+            grids = [tuple(int(v) for v in g) for g in grids] if grids.any() else None
+        seconds = tensors.input_array(request, N.MEDIA_SECONDS, row)
         lens = tensors.input_array(request, N.IMAGE_FEATURE_LENS, row)
         if emb is not None and lens is not None:
             emb = unpad_images(emb, lens.reshape(-1))  # [features, hidden] when the images' lengths differ
@@ -201,6 +206,9 @@ class LLMService:
             dropped_images=0 if dropped is None else int(dropped.reshape(-1)[0]),
             cache_salt=tensors.scalar(request, _SALT, row),  # checked by GenerationRequest.validate
             image_sizes=None if sizes is None else [(int(h), int(w)) for h, w in sizes],
+            media_grids=grids,
+            media_seconds=None if seconds is None or grids is None else
+            [float(v) for v in seconds.reshape(-1)[:len(grids)]],
         )
 
     def _adapter(self, request, row=None):

@@ -61,6 +61,7 @@ class VisionInput:
     pixels: Optional[np.ndarray]  # [tiles, 3, H, W] (padding rows beyond the real images' tiles allowed)
     sizes: Optional[np.ndarray] = None  # [images, 2] (height, width); required when tiles depend on the size
     num_images: Optional[int] = None  # real images (None: every image the other inputs describe)
+    grids: Optional[np.ndarray] = None  # [images, 3] (t, h, w) patches: native resolution (videos need them)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Encoded:
 @dataclass
 class _Image:
     tiles: Optional[np.ndarray]  # [t, 3, H, W], None when its features came from the cache or the batch
-    size: tuple[int, int]
+    size: tuple  # (height, width); for a native-resolution tower its patch grid (t, h, w)
     key: Optional[bytes] = None  # the embedding cache's key (from the content), None without a cache
     slot: object = None  # index into this call's encoded images, or the cached features [T, hidden]
 
@@ -150,12 +151,17 @@ class VisionService:
             raise InvalidArgument(f"input 'image_sizes' has {len(sizes)} rows for {n} images")
         elif not self.fixed and ((sizes[:n] <= 0).any() or (sizes[:n] > MAX_SIDE).any()):
             raise InvalidArgument(f"input 'image_sizes' must hold sizes in [1, {MAX_SIDE}], got {sizes[:n].tolist()}")
-        tiles = [1] * n if self.fixed else [self.layout.tiles(tuple(sz)) for sz in sizes[:n].tolist()]
+        if self.whole_images:  # the patch grid of each image or video: sent, or from the image's size
+            keys = _grids(x.grids, n, self.layout.merge) or [self.layout.grid(tuple(sz)) for sz in sizes[:n].tolist()]
+            tiles = [t * h * w for t, h, w in keys]
+        else:
+            keys = [tuple(sz) for sz in sizes[:n].tolist()]
+            tiles = [1] * n if self.fixed else [self.layout.tiles(k) for k in keys]
         if sum(tiles) > pixels.shape[0] or (x.num_images is None and sum(tiles) != pixels.shape[0]):
             raise InvalidArgument(f"input 'pixel_values' has {pixels.shape[0]} tiles; image_sizes "
                                   f"{sizes[:n].tolist()} take {sum(tiles)}")
         starts = np.cumsum([0] + tiles)
-        return [_Image(pixels[a:b], tuple(size)) for a, b, size in zip(starts, starts[1:], sizes[:n].tolist())]
+        return [_Image(pixels[a:b], key) for a, b, key in zip(starts, starts[1:], keys)]
 
     def _place(self, images: list[_Image], todo: list, todo_keys: dict) -> None:
         """Per image of a row: cached features, the slot of the same content earlier in this call, or a new slot
@@ -204,7 +210,7 @@ class VisionService:
     def _run_whole(self, todo: list[_Image]) -> list[torch.Tensor]:
         """Native-resolution towers: whole images per backend call (at most `max_batch` images and
         `max_patches` patches, or one larger image alone) -> each image's features [tokens_i, hidden]."""
-        grids = [self.layout.grid(img.size) for img in todo]
+        grids = [img.size for img in todo]  # (t, h, w) each
         out: list[torch.Tensor] = []
         start = 0
         while start < len(todo):
@@ -216,7 +222,7 @@ class VisionService:
             part = np.concatenate([img.tiles for img in todo[start:end]])  # [patches, 3, T*P, P]
             feats = self.backend.encode(part, grids[start:end])  # [tokens, hidden]
             self.stats.batch_sizes.append(end - start)
-            counts = [self.layout.tokens(img.size) for img in todo[start:end]]
+            counts = [t * h * w // self.layout.merge ** 2 for t, h, w in grids[start:end]]
             if feats.shape[0] != sum(counts):
                 raise Internal(f"the tower gave {feats.shape[0]} features for {counts} tokens")
             out += list(torch.split(feats, counts))
@@ -265,6 +271,29 @@ def pad_tokens(embeds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             padded[:, :e.shape[1]] = e
             e = padded
         out.append(e)
+    return out
+
+
+MAX_GRID_PATCHES = 1 << 20  # patches of one image or video (a 16-Mpx image has 85k; transformers' largest video less)
+
+
+def _grids(grids, n: int, merge: int) -> Optional[list[tuple[int, int, int]]]:
+    """`media_grids` of a row's n real images as (t, h, w) tuples, checked; None when not sent (or all zeros: a
+    fixed-tile family's)."""
+    if grids is None:
+        return None
+    arr = np.asarray(grids)
+    if arr.size == 0 or not arr.any():
+        return None
+    if arr.ndim != 2 or arr.shape[1] != 3 or not np.issubdtype(arr.dtype, np.integer) or len(arr) < n:
+        raise InvalidArgument(f"input 'media_grids' must be [images, 3] integers (t, h, w) for {n} images, got "
+                              f"shape {list(arr.shape)} of {arr.dtype}")
+    out = [tuple(int(v) for v in g) for g in arr[:n]]
+    for g in out:
+        t, h, w = g
+        if t < 1 or h < merge or w < merge or h % merge or w % merge or t * h * w > MAX_GRID_PATCHES:
+            raise InvalidArgument(f"input 'media_grids' holds {list(g)}: t >= 1, h and w positive multiples of "
+                                  f"{merge}, at most {MAX_GRID_PATCHES} patches are allowed")
     return out
 
 

@@ -1,0 +1,217 @@
+"""Video payloads -> sampled RGB frames -> Qwen2-VL's video patches, with the limits a server needs.
+
+A payload is what a request carried for one video: the file itself (raw bytes, from the gRPC/binary `videos`
+input) or base64 text of it, optionally as a `data:video/<subtype>;base64,` URL. The file is opened by PyAV
+(FFmpeg's demuxers and decoders, in the wheel); the container's frame count and average rate are what transformers'
+PyAV reader reports (`video_utils.read_video_pyav`), and the frames kept are those the checkpoint's video processor
+samples (`Qwen2VLVideoProcessor.sample_frames` with `fps`: total / rate x fps frames, clamped to
+[min_frames, max_frames] and to the file's frames, floored to a multiple of the temporal patch, taken at
+`arange(0, total, total / n)`).
+
+Limits, checked before the pixels are decoded where the container says them: the file size (`max_bytes`), the frame
+count (`MAX_FRAMES` in the file), each frame's pixels (`max_pixels`, the image cap), the decoded frames actually
+present. Every problem raises `InvalidArgument` naming the video (`what`).
+
+Pixels (`VideoProcessor`): each sampled frame resized to `smart_resize` of its size (the video processor's
+min / max pixels), bicubic as the checkpoint's image processor resizes (PIL: torchvision, which transformers' video
+processor resizes with, is not installed here), rescaled and normalised with the processor's mean and std, then cut
+into patches exactly as `Qwen2VLVideoProcessor.patchify` does: `[grid_t * grid_h * grid_w, 3 * 2 * 14 * 14]`
+rows, carried as `[rows, 3, 28, 14]` like an image's. Given these pixels, the model's answer is transformers' own.
+"""
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+from PIL import Image
+
+from .errors import InvalidArgument
+from .images import payload_to_bytes
+
+DEFAULT_MAX_VIDEO_BYTES = 64 << 20
+MAX_FRAMES = 4096  # frames a file may hold (each is decoded to be counted or kept)
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The checkpoint's video processor settings (`video_preprocessor_config.json`, else the image processor's)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 768
+    patch: int = 14
+    temporal: int = 2
+    merge: int = 2
+    mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    rescale: float = 1 / 255
+
+    @classmethod
+    def from_json(cls, cfg: dict, fallback: dict) -> "VideoConfig":
+        c = cfg or fallback
+        size = c.get("size") or {}
+        pick = lambda *keys, default: next((c[k] for k in keys if c.get(k) is not None), default)  # noqa: E731
+        return cls(fps=float(pick("fps", default=2.0)), min_frames=int(pick("min_frames", default=4)),
+                   max_frames=int(pick("max_frames", default=768)),
+                   min_pixels=int(c.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+                   max_pixels=int(c.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 768),
+                   patch=int(pick("patch_size", default=14)), temporal=int(pick("temporal_patch_size", default=2)),
+                   merge=int(pick("merge_size", default=2)), mean=tuple(pick("image_mean", default=cls.mean)),
+                   std=tuple(pick("image_std", default=cls.std)),
+                   rescale=float(pick("rescale_factor", default=1 / 255)))
+
+
+@dataclass
+class Video:
+    """A decoded video: its sampled frames and what the positions need."""
+
+    frames: list  # sampled RGB PIL images, all of one size
+    size: tuple[int, int]  # (height, width) of a frame
+    total_frames: int
+    fps: float
+
+    @property
+    def sampled_fps(self) -> float:
+        """transformers' `VideoMetadata.sampled_fps`."""
+        return len(self.frames) / self.total_frames * self.fps if self.total_frames and self.fps else (self.fps or 24)
+
+
+def _open(data: bytes, what: str):
+    import av  # noqa: PLC0415
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception as e:  # noqa: BLE001 - av raises its own error types for every demuxer failure
+        raise InvalidArgument(f"{what}: not a video file PyAV can open ({type(e).__name__}: {e})") from None
+    if not container.streams.video:
+        container.close()
+        raise InvalidArgument(f"{what}: the file holds no video stream")
+    return container
+
+
+def sample_indices(total: int, fps: float, cfg: VideoConfig) -> list[int]:
+    """`Qwen2VLVideoProcessor.sample_frames` with `fps`: the indices of the frames kept."""
+    import torch  # noqa: PLC0415
+
+    max_frames = math.floor(min(cfg.max_frames, total) / cfg.temporal) * cfg.temporal
+    n = total / fps * cfg.fps
+    n = min(max(n, cfg.min_frames), max_frames, total)
+    n = math.floor(n / cfg.temporal) * cfg.temporal
+    if n <= 0:
+        raise ValueError(f"{total} frames at {fps:g} fps give no sample of {cfg.temporal} frames")
+    return torch.arange(0, total, total / n).int().tolist()
+
+
+def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
+                 max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> Video:
+    data = payload_to_bytes(payload, what)
+    if len(data) > max_bytes:
+        raise InvalidArgument(f"{what}: {len(data)} bytes; at most {max_bytes} are accepted")
+    container = _open(data, what)
+    try:
+        stream = container.streams.video[0]
+        total, rate = int(stream.frames or 0), float(stream.average_rate or 0)
+        w, h = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+        if not 0 < total <= MAX_FRAMES or rate <= 0:
+            raise InvalidArgument(f"{what}: the container reports {total} frames at {rate:g} fps; 1 to {MAX_FRAMES} "
+                                  "frames at a known rate are accepted")
+        if not 0 < w * h <= max_pixels:
+            raise InvalidArgument(f"{what}: frames of {w}x{h} pixels; at most {max_pixels} pixels per frame")
+        try:
+            keep = sample_indices(total, rate, cfg)
+        except ValueError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
+        frames = _frames(container, set(keep), what)
+    finally:
+        container.close()
+    if len(frames) != len(keep):
+        raise InvalidArgument(f"{what}: the container reports {total} frames but only {len(frames)} of the "
+                              f"{len(keep)} sampled could be decoded")
+    sizes = {f.size for f in frames}
+    if len(sizes) != 1:
+        raise InvalidArgument(f"{what}: frames of several sizes {sorted(sizes)}; one size is required")
+    fw, fh = frames[0].size
+    return Video(frames, (fh, fw), total, rate)
+
+
+def _frames(container, keep: set[int], what: str) -> list:
+    out, last = [], max(keep)
+    try:
+        for i, frame in enumerate(container.decode(video=0)):
+            if i in keep:
+                out.append(frame.to_image().convert("RGB"))
+            if i >= last:
+                break
+    except Exception as e:  # noqa: BLE001 - a corrupt stream raises from inside FFmpeg
+        raise InvalidArgument(f"{what}: broken video stream ({type(e).__name__}: {e})") from None
+    return out
+
+
+def patchify(video: np.ndarray, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """`Qwen2VLVideoProcessor.patchify` for one video [frames, C, H, W] -> rows [t*h*w, C*T*P*P], (t, h, w)."""
+    if pad := -video.shape[0] % cfg.temporal:
+        video = np.concatenate([video, np.repeat(video[-1:], pad, axis=0)])
+    f, c, height, width = video.shape
+    t, h, w, m, p = f // cfg.temporal, height // cfg.patch, width // cfg.patch, cfg.merge, cfg.patch
+    x = video.reshape(t, cfg.temporal, c, h // m, m, p, w // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(t * h * w, c * cfg.temporal * p * p)), (t, h, w)
+
+
+class VideoProcessor:
+    """Sampled frames -> (patches [rows, 3, T*P, P] float32, grid (t, h, w), seconds per temporal patch)."""
+
+    def __init__(self, cfg: VideoConfig):
+        self.cfg = cfg
+
+    def grid(self, video: Video) -> tuple[int, int, int]:
+        from .families.qwen2_vl import smart_resize  # noqa: PLC0415
+
+        c = self.cfg
+        h, w = smart_resize(video.size[0], video.size[1], c.patch * c.merge, c.min_pixels, c.max_pixels)
+        frames = len(video.frames) + (-len(video.frames) % c.temporal)
+        return (frames // c.temporal, h // c.patch, w // c.patch)
+
+    def __call__(self, video: Video) -> tuple[np.ndarray, tuple[int, int, int], float]:
+        c = self.cfg
+        _, gh, gw = self.grid(video)
+        size = (gw * c.patch, gh * c.patch)  # PIL (width, height)
+        mean = np.asarray(c.mean, np.float32)[:, None, None]
+        std = np.asarray(c.std, np.float32)[:, None, None]
+        arr = np.stack([np.asarray(f.resize(size, Image.BICUBIC), np.float32).transpose(2, 0, 1)
+                        for f in video.frames])  # [frames, 3, H, W]
+        arr = (arr * np.float32(c.rescale) - mean) / std
+        rows, grid = patchify(arr.astype(np.float32), c)
+        return rows.reshape(-1, 3, c.temporal * c.patch, c.patch), grid, c.temporal / video.sampled_fps
+
+
+def encode_mp4(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:
+    """[frames, H, W, 3] uint8 -> an MP4 file (tests and demos build their videos with it)."""
+    import av  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.height, stream.width = frames.shape[1], frames.shape[2]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def video_config(model_dir: Any) -> VideoConfig:
+    from pathlib import Path  # noqa: PLC0415
+
+    from .spec import read_json  # noqa: PLC0415
+
+    d = Path(model_dir)
+    return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),
+                                 read_json(d / "preprocessor_config.json"))
