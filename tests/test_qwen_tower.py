@@ -111,6 +111,16 @@ def test_batch_matches_transformers_and_each_image_alone(tower):
     assert (start, token) == (inputs[0].shape[0], out.shape[0])
 
 
+def test_eager_attention_matches_sdpa(tower):
+    """The exported form (explicit fp32 softmax) and torch's fused attention agree."""
+    model, graph, weights = tower
+    eager = QwenTowerGraph(model.config.vision_config, weights, attention="eager")
+    inputs = example_inputs(graph, GRIDS, seed=6)
+    torch.testing.assert_close(_run(eager, inputs), _run(graph, inputs), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        eager.set_attention("flash")
+
+
 def test_groups_matter(tower):
     """The batch's frames and (2.5-VL) windows change the result: attending across them is not the tower."""
     _, graph, _ = tower

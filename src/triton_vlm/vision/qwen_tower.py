@@ -86,7 +86,8 @@ class _Groups:
     index: torch.Tensor  # [G, L], padding clamped to 0
     cos: torch.Tensor  # [G, L, 1, head_dim] fp32
     sin: torch.Tensor
-    mask: torch.Tensor  # [G, 1, 1, L] fp32: 0 for a patch, -inf for padding
+    keep: torch.Tensor  # [G, 1, 1, L] bool: a patch, not padding
+    mask: torch.Tensor  # the same as fp32 to add: 0 for a patch, -inf for padding
     slot: torch.Tensor  # [N]
 
     @classmethod
@@ -95,7 +96,7 @@ class _Groups:
         index = index.clamp(min=0)
         zero = torch.zeros((), dtype=torch.float32, device=index.device)
         mask = torch.where(valid, zero, zero - float("inf"))[:, None, None, :]
-        return cls(index, cos[index].unsqueeze(2), sin[index].unsqueeze(2), mask, slot)
+        return cls(index, cos[index].unsqueeze(2), sin[index].unsqueeze(2), valid[:, None, None, :], mask, slot)
 
 
 class _Attention(nn.Module):
@@ -105,6 +106,7 @@ class _Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
+        self.sdpa = True  # QwenTowerGraph.set_attention
 
     def forward(self, x: torch.Tensor, groups: _Groups) -> torch.Tensor:
         qkv = self.qkv(x)[groups.index]  # [G, L, 3 * width]
@@ -112,10 +114,13 @@ class _Attention(nn.Module):
         q, k, v = qkv.reshape(g, n, 3, self.heads, self.head_dim).unbind(2)  # [G, L, H, D]
         q, k = _rotate(q, groups.cos, groups.sin), _rotate(k, groups.cos, groups.sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [G, H, L, D]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        probs = torch.softmax(scores.float() + groups.mask, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(g * n, self.heads * self.head_dim)
-        return self.proj(out[groups.slot])
+        if self.sdpa and not (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=groups.keep, scale=self.scale)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+            probs = torch.softmax(scores.float() + groups.mask, dim=-1).to(v.dtype)
+            out = torch.matmul(probs, v)
+        return self.proj(out.transpose(1, 2).reshape(g * n, self.heads * self.head_dim)[groups.slot])
 
 
 class _Mlp(nn.Module):
@@ -181,9 +186,15 @@ class QwenTowerGraph(nn.Module):
     """The tower: `forward(patches [N, patch_dim], *aux in aux_names order) -> [N / merge**2, out_hidden]`.
 
     `weights`: the tower's tensors keyed without the `model.visual.` prefix (what `TensorSource.with_prefixes`
-    returns); missing or misshapen tensors are refused with `CheckpointError` naming them, others are ignored."""
+    returns); missing or misshapen tensors are refused with `CheckpointError` naming them, others are ignored.
 
-    def __init__(self, vision_config: Any, weights: Mapping[str, torch.Tensor]):
+    `attention`: "sdpa" (torch's `scaled_dot_product_attention`, padding as a boolean mask: a fused kernel where
+    one applies, no [G, heads, L, L] scores) or "eager" (explicit fp32 scores and softmax). The ONNX export always
+    traces the eager form."""
+
+    ATTENTIONS = ("sdpa", "eager")
+
+    def __init__(self, vision_config: Any, weights: Mapping[str, torch.Tensor], attention: str = "sdpa"):
         super().__init__()
         cfg = TowerConfig.from_config(vision_config)
         self.config = cfg
@@ -196,7 +207,14 @@ class QwenTowerGraph(nn.Module):
             self.merger = _Merger(cfg)
         self.to_empty(device="cpu")
         self._load(weights)
+        self.set_attention(attention)
         self.eval()
+
+    def set_attention(self, attention: str) -> None:
+        if attention not in self.ATTENTIONS:
+            raise ValueError(f"attention must be one of {self.ATTENTIONS}, got {attention!r}")
+        for block in self.blocks:
+            block.attn.sdpa = attention == "sdpa"
 
     def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
         expected = self.state_dict()
