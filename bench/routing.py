@@ -73,21 +73,23 @@ def engine_key(h) -> int:
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict]]:
-    """A `KVEventBatch` payload -> (ts, events as dicts), read by position as llm-d's vLLM adapter reads it."""
+    """A `KVEventBatch` payload -> (ts, events as dicts by vLLM's field names). Events in either layout, as
+    llm-d-kv-cache's vLLM adapter reads them (v0.9.0: a tagged map is read by name, a tagged array by position,
+    `fieldAt`: absent trailing fields are None)."""
     batch = msgpack.unpackb(payload, raw=False)
     ts, events = batch[0], batch[1]
+    names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                             "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"),
+             "BlockRemoved": ("block_hashes", "medium", "group_idx"), "AllBlocksCleared": ()}
     out = []
     for f in events:
-        at = (lambda i: f[i] if i < len(f) else None)  # noqa: E731 - llm-d's fieldAt
-        if f[0] == "BlockStored":
-            out.append(dict(type="BlockStored", block_hashes=f[1], parent_block_hash=f[2], token_ids=f[3],
-                            block_size=f[4], lora_id=at(5), medium=at(6), lora_name=at(7), extra_keys=at(8)))
-        elif f[0] == "BlockRemoved":
-            out.append(dict(type="BlockRemoved", block_hashes=f[1], medium=at(2)))
-        elif f[0] == "AllBlocksCleared":
-            out.append(dict(type="AllBlocksCleared"))
+        tag = f.get("type") if isinstance(f, dict) else f[0]
+        if tag not in names:
+            raise ValueError(f"unknown event tag {tag!r}")
+        if isinstance(f, dict):
+            out.append({"type": tag, **{k: f.get(k) for k in names[tag]}})
         else:
-            raise ValueError(f"unknown event tag {f[0]!r}")
+            out.append({"type": tag, **{k: f[i + 1] if i + 1 < len(f) else None for i, k in enumerate(names[tag])}})
     return ts, out
 
 

@@ -79,9 +79,9 @@ def published(ckpt):
     """An engine publishing its events on a loopback port, and a subscriber connected to it."""
     made = []
 
-    def make(**kw):
+    def make(layout="map", **kw):
         eng = make_engine(ckpt[1], **kw)
-        pub = kv_events.attach(eng, "tcp://127.0.0.1:*", topic="kv@pod-a@llava")
+        pub = kv_events.attach(eng, "tcp://127.0.0.1:*", topic="kv@pod-a@llava", layout=layout)
         sub = Sub(pub)
         sub.receive(0.1)
         made.append((eng, pub, sub))
@@ -94,17 +94,26 @@ def published(ckpt):
         eng.shutdown()
 
 
-def test_stored_on_prefill_and_decode_in_vllms_layout(published):
-    eng, pub, sub = published()
+STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_stored_on_prefill_and_decode_in_vllms_layout(published, layout):
+    eng, pub, sub = published(layout=layout)
     ids = prompt(23, 1)
     answer, _ = run(eng, "t1", ids, max_tokens=12)
     events = sub.receive()
     topic, seq, payload = sub.frames[-1]
     assert topic == b"kv@pod-a@llava" and len(seq) == 8
-    raw = msgpack.unpackb(payload, raw=False)
-    assert isinstance(raw[0], float) and isinstance(raw[1], list)  # [ts, events]: array_like, no dp rank
+    ts, raw, rank = msgpack.unpackb(payload, raw=False)  # the batch: array_like, [ts, events, dp rank]
+    assert isinstance(ts, float) and rank == 0
+    if layout == "map":  # vLLM since #42892: tagged maps, omit_defaults (no extra_keys here), one KV group
+        assert all(list(f) == ["type", *STORED, "group_idx", "kv_cache_spec_kind"] for f in raw)
+        assert all((f["group_idx"], f["kv_cache_spec_kind"]) == (0, "full_attention") for f in raw)
+    else:  # before: positional, tag first, trailing defaults omitted
+        assert all(f[0] == "BlockStored" and len(f) == 1 + len(STORED) for f in raw)
     stored = [e for e in events if e["type"] == "BlockStored"]
-    assert stored and all(len(f) == 8 for f in msgpack.unpackb(payload, raw=False)[1])  # no extra_keys at all
+    assert stored
     hashes = [h for e in stored for h in e["block_hashes"]]
     tokens = [t for e in stored for t in e["token_ids"]]
     # the prompt's 5 full blocks, then the answer's full blocks (the last token is never fed back)

@@ -7,11 +7,16 @@ Wire format (vLLM's `vllm/distributed/kv_events.py`, `ZmqEventPublisher`; what l
 - A ZMQ PUB socket (bound for `tcp://*:PORT`, `ipc://` or `inproc://`, else connected); each message is three
   frames: the topic (`kv@<pod>@<model>`: llm-d's subscribers filter on `kv@` and read the pod and model from it),
   the sequence number (8 bytes, big-endian, from 0) and the payload.
-- The payload is msgpack of a `KVEventBatch` encoded as msgspec's `array_like=True, omit_defaults=True` does:
-  `[ts, [event, ...]]`; each event an array whose first item is its tag:
-  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
-  extra_keys]` (extra_keys left out when no block has any), `["BlockRemoved", block_hashes, medium]`,
-  `["AllBlocksCleared"]`.
+- The payload is msgpack of a `KVEventBatch` as msgspec encodes vLLM's structs: the batch an array
+  (`array_like`), `[ts, [event, ...], data_parallel_rank]` (rank 0). Each event, in `layout` "map" (vLLM since
+  #42892, 2026-06: llm-d-kv-cache reads it since v0.9.0, the one llm-d-router v0.10.0 uses) a map tagged by
+  "type": `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+  "medium", "lora_name", ["extra_keys",] "group_idx": 0, "kv_cache_spec_kind": "full_attention"}` (omit_defaults:
+  no extra_keys when no block has any), `{"type": "BlockRemoved", "block_hashes", "medium", "group_idx": 0}`,
+  `{"type": "AllBlocksCleared"}`; in `layout` "array" (vLLM before, `array_like=True`, for consumers built
+  before the change) the same fields by position, tag first, without the group fields:
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name(,
+  extra_keys)]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
 - With `replay_endpoint` a ROUTER socket answers a request `[b"", start_seq (8 bytes)]` with every buffered
   `[b"", seq, payload]` from that sequence number on, then `[b"", -1 (8 bytes, signed), b""]`.
 
@@ -27,8 +32,9 @@ held for this pod) and when it closes.
 
 Never able to stop the engine: the engine thread only appends to a bounded deque (`stored` / `removed`, O(1), no
 lock, no I/O); a background thread batches what is there every `interval_s`, encodes and sends without blocking
-(`zmq.NOBLOCK`; a PUB socket drops for a subscriber past its high-water mark); idle, it looks every `idle_s`. When the deque is full, or the
-send fails, events are dropped and counted (`dropped`), and the failure logged; nothing is raised to the engine.
+(`zmq.NOBLOCK`; a PUB socket drops for a subscriber past its high-water mark); idle, it looks every `idle_s`.
+When the deque is full, or the send fails, events are dropped and counted (`dropped`), and the failure logged;
+nothing is raised to the engine.
 """
 from __future__ import annotations
 
@@ -48,6 +54,14 @@ from .prefix_cache import BlockHash, RequestHasher
 
 log = logging.getLogger("triton_vlm")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+LAYOUTS = ("map", "array")
+FIELDS = {  # vLLM's field order (BlockStored: the fields before the HMA group fields)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "extra_keys"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+GROUP = {"BlockStored": {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}, "BlockRemoved": {"group_idx": 0}}
 
 
 @dataclass
@@ -67,8 +81,10 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, *, topic: str, block_size: int, medium: str = "GPU",
                  replay_endpoint: Optional[str] = None, max_events: int = 100_000, buffer_batches: int = 10_000,
-                 hwm: int = 100_000, interval_s: float = 0.005, idle_s: float = 0.05):
-        self.topic, self.block_size, self.medium = topic.encode(), block_size, medium
+                 hwm: int = 100_000, interval_s: float = 0.005, idle_s: float = 0.05, layout: str = "map"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv_events_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.topic, self.block_size, self.medium, self.layout = topic.encode(), block_size, medium, layout
         self.max_events, self.interval_s, self.idle_s = max_events, interval_s, idle_s
         self.dropped = self.sent_batches = 0
         self._events: deque = deque()
@@ -135,7 +151,7 @@ class KVEventPublisher:
         if not pending:
             return
         events = self.encode(pending)
-        payload = msgpack.packb([time.time(), events], use_bin_type=True)
+        payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
         seq = next(self._seq)
         try:
             self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
@@ -145,8 +161,8 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
 
     def encode(self, pending: list) -> list:
-        """Events in vLLM's array layout; consecutive stores of one chain (same adapter) become one BlockStored,
-        consecutive removals one BlockRemoved (as vLLM emits them per step)."""
+        """Events in vLLM's layout (`self.layout`); consecutive stores of one chain (same adapter) become one
+        BlockStored, consecutive removals one BlockRemoved (as vLLM emits them per step)."""
         out: list = []
         for e in pending:
             last = out[-1] if out else None
@@ -173,7 +189,9 @@ class KVEventPublisher:
         for ev in out:  # omit_defaults: no extra_keys when no block has any
             if ev[0] == "BlockStored" and not any(ev[8]):
                 del ev[8]
-        return out
+        if self.layout == "array":
+            return out
+        return [{"type": ev[0], **dict(zip(FIELDS[ev[0]], ev[1:])), **GROUP.get(ev[0], {})} for ev in out]
 
     def _serve_replay(self) -> None:
         while self._replay.poll(0):
@@ -201,11 +219,12 @@ class KVEventPublisher:
                 s.close(linger=0)
 
 
-def attach(engine, endpoint: str, *, topic: str, replay_endpoint: Optional[str] = None) -> KVEventPublisher:
+def attach(engine, endpoint: str, *, topic: str, replay_endpoint: Optional[str] = None,
+           layout: str = "map") -> KVEventPublisher:
     """Publish `engine`'s prefix-cache events on `endpoint` (e.g. `tcp://*:5557`)."""
     cache = engine.cache
     medium = "GPU" if cache.device.type == "cuda" else "CPU"
     publisher = KVEventPublisher(endpoint, topic=topic, block_size=cache.block_size, medium=medium,
-                                 replay_endpoint=replay_endpoint)
+                                 replay_endpoint=replay_endpoint, layout=layout)
     cache.events = publisher
     return publisher
