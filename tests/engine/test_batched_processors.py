@@ -34,7 +34,7 @@ def random_context(rng: random.Random, prompt: list[int]) -> processors.Context:
 
 def transformers_row(ctx: processors.Context, ids: list[int], scores: torch.Tensor) -> torch.Tensor:
     """One row [1, V] through transformers' processors in the engine's order (`logits.py`)."""
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=scores.device)
     if ctx.repetition != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(ctx.repetition)(input_ids, scores)
     if ctx.pf:
@@ -47,10 +47,12 @@ def transformers_row(ctx: processors.Context, ids: list[int], scores: torch.Tens
     return scores
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed", range(3))
-def test_rows_equal_transformers_processors_step_after_step(seed):
+def test_rows_equal_transformers_processors_step_after_step(seed, device):
     """64 rows with their own penalties, n-gram sizes, bad words and prompts (some rows without any processor),
-    12 steps in one `process` + `commit` each: every row bit for bit transformers' processors on its own."""
+    12 steps in one `process` + `commit` each: every row bit for bit transformers' processors on its own (on
+    CUDA `a / python_float` is a multiplication by its fp32 reciprocal: the batched penalty must be too)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     rows: list = []
@@ -63,6 +65,7 @@ def test_rows_equal_transformers_processors_step_after_step(seed):
     for step in range(12):
         scores = (torch.randn(64, V, generator=g) * 3).round(decimals=1)  # ties and negatives
         scores[::5] = scores[::5].abs()
+        scores = scores.to(device)
         got = processors.process(scores.clone(), rows)
         for j, r in enumerate(rows):
             if r is None:

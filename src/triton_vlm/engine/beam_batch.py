@@ -308,7 +308,8 @@ class BeamGroup:
         return self.eos_mask
 
     def _stopped(self, cand_gen: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Stopping per member (HF's `EosTokenCriteria | MaxLengthCriteria` plus stop words): max new tokens, an end id, or a stop word ending at column t."""
+        """Stopping per member (HF's `EosTokenCriteria | MaxLengthCriteria` plus stop words): max new tokens, an
+        end id, or a stop word ending at column t."""
         done = (self.t + 1 >= self.max_new)[:, None] | (token[:, :, None] == self.eos[:, None, :]).any(-1)  # [B, K]
         if self.words is not None:
             pos = self.t[:, None] + self.word_pos[None, :]  # [B, M] window columns; < 0: before the first token

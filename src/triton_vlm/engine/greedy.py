@@ -136,7 +136,7 @@ def greedy_step(searches: list[GreedySearch], logits: torch.Tensor) -> list[Unio
     held = [(i, e) for i, s in enumerate(searches) if s.t < s.min_new for e in s.eos]
     if held:  # MinNewTokensLengthLogitsProcessor: end ids -inf for the rows not yet min_new_tokens long
         at = to_device(held, raw.device)  # [held, 2] (row, end id)
-        scores = scores.index_put((at[:, 0], at[:, 1]), torch.tensor(-math.inf, device=raw.device))
+        scores = scores.index_put((at[:, 0], at[:, 1]), scores.new_full((), -math.inf))  # no host copy
     guided_rows = [i for i, s in enumerate(searches) if s.matcher is not None]
     if guided_rows:  # the grammars (after min_new_tokens, as HF runs a generate() logits_processor): one bitmask
         scores = guided.mask_rows(scores, guided_rows, [searches[i].matcher for i in guided_rows], raw.shape[-1])

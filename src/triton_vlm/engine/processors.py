@@ -147,7 +147,8 @@ def _rows_where(rows: list, pred: Callable) -> list[int]:
     return [j for j, r in enumerate(rows) if r is not None and pred(r)]
 
 
-def update_rows(scores: torch.Tensor, idx: list[int], fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+def update_rows(scores: torch.Tensor, idx: list[int],
+                fn: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
     """fn applied to the rows idx of scores [R, V] (all of them without an index when idx is every row)."""
     if len(idx) == scores.shape[0]:
         return fn(scores, idx)
@@ -184,7 +185,7 @@ def ban(scores: torch.Tensor, bans: Bans) -> torch.Tensor:
     if not bans:
         return scores
     at = on_device(bans, scores.device)  # [n, 2]
-    return scores.index_put((at[:, 0], at[:, 1]), torch.tensor(-math.inf, device=scores.device))
+    return scores.index_put((at[:, 0], at[:, 1]), scores.new_full((), -math.inf))  # a fill, no host copy
 
 
 def bad_words(scores: torch.Tensor, ctxs: list[Context], hits: Bans) -> torch.Tensor:
@@ -193,7 +194,7 @@ def bad_words(scores: torch.Tensor, ctxs: list[Context], hits: Bans) -> torch.Te
     bias = torch.stack([c.single_bias(V, dev) for c in ctxs])  # [r, V]
     if hits:
         at = on_device(hits, dev)
-        bias = bias.index_put((at[:, 0], at[:, 1]), torch.tensor(-math.inf, device=dev))
+        bias = bias.index_put((at[:, 0], at[:, 1]), bias.new_full((), -math.inf))
     return scores + bias
 
 

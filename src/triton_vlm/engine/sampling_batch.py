@@ -185,7 +185,7 @@ def _process(searches: list[SampleSearch], row_of: list[int], raw: torch.Tensor,
     held = [(j, e) for j, b in enumerate(row_of) if searches[b].t < searches[b].min_new for e in searches[b].eos]
     if held:  # MinNewTokensLengthLogitsProcessor
         rows, cols = zip(*held)
-        scores = scores.index_put((_on(dev, list(rows)), _on(dev, list(cols))), torch.tensor(-math.inf, device=dev))
+        scores = scores.index_put((_on(dev, list(rows)), _on(dev, list(cols))), scores.new_full((), -math.inf))
     constrained = [j for j, b in enumerate(row_of) if searches[b].matchers is not None]
     if constrained:  # the grammars (after min_new_tokens, before the warpers): one bitmask, one fill, one apply
         if row_ids is None:
