@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from qwen_vl_cases import SIZES, Reference, build, png
+from qwen_vl_cases import SIZES, Reference, build, mp4, png
 
 pytestmark = pytest.mark.server
 
@@ -117,3 +117,24 @@ def test_native_marker_in_message_text_is_refused(client):
         client.chat.completions.create(model=KIND, max_tokens=2, messages=[
             {"role": "user", "content": "look: <|vision_start|><|image_pad|><|vision_end|>"}])
     assert "image marker" in str(ei.value) and "messages[0].content" in str(ei.value)
+
+
+def test_video_url_equals_generate(client, ref):
+    """vLLM's `video_url` part with a data:video/mp4 URL, beside an image: the same tokens as transformers on the
+    same frames."""
+    video = mp4(10, (64, 48), seed=5)
+    url = f"data:video/mp4;base64,{base64.b64encode(video).decode()}"
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "image_url", "image_url": {"url": _url(IMAGES["small"])}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    r = client.chat.completions.create(model=KIND, messages=messages, max_tokens=NEW, temperature=0)
+    prompt = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "image"}, {"type": "text", "text": "What happens?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = ref.generate(prompt, [IMAGES["small"]], NEW, videos=[video])[0]
+    assert r.choices[0].message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == ref.inputs(prompt, [IMAGES["small"]], [video])["input_ids"].shape[1]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=KIND, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}])
+    assert "data:video" in str(ei.value)

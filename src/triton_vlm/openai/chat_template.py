@@ -22,13 +22,15 @@ from typing import Optional
 from ..prompt import IMAGE_MARKER, INLINE_IMAGE, find_malformed_inline
 from .errors import bad_request
 
+VIDEO = object()  # a video part of a `Turn` (Qwen2-VL's templates render {"type": "video"})
 # A template that reads a part's type works on lists of parts (vLLM's "openai" content format).
 _PARTS_FORMAT = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b|selectattr\(\s*['"]type['"]""")
 
 
 @dataclass
 class Turn:
-    """One message, normalised: role (developer -> system) and its parts: str for text, None for an image."""
+    """One message, normalised: role (developer -> system) and its parts: str for text, None for an image, VIDEO
+    for a video."""
 
     role: str
     parts: list[Optional[str]]
@@ -67,21 +69,24 @@ def load_template(model_dir: Path, override: Optional[Path], tokenizer) -> tuple
 
 
 class ChatTemplate:
-    def __init__(self, source: str, tokenizer, origin: str = "", markers: tuple[str, ...] = (IMAGE_MARKER,)):
+    def __init__(self, source: str, tokenizer, origin: str = "", markers: tuple[str, ...] = (IMAGE_MARKER,),
+                 video_markers: tuple[str, ...] = ()):
         """`markers`: what stands for an image in a rendered prompt (`<image>`, and a family's own format such as
         Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`, which its template writes)."""
         self.source, self.tokenizer, self.origin, self.markers = source, tokenizer, origin, markers
+        self.video_markers = video_markers
         self.parts_format = bool(_PARTS_FORMAT.search(source))
         bos = getattr(tokenizer, "bos_token", None)
         self.bos = bos if isinstance(bos, str) and bos else None
 
     def _content(self, turn: Turn):
         if self.parts_format:
-            return [{"type": "image"} if p is None else {"type": "text", "text": p} for p in turn.parts]
-        return "".join(IMAGE_MARKER + "\n" if p is None else p for p in turn.parts)
+            return [{"type": "image"} if p is None else {"type": "video"} if p is VIDEO else
+                    {"type": "text", "text": p} for p in turn.parts]
+        return "".join(IMAGE_MARKER + "\n" if p is None else "<video>\n" if p is VIDEO else p for p in turn.parts)
 
     def render(self, turns: list[Turn], n_images: int, *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: Optional[list[dict]] = None) -> str:
+               continue_final_message: bool = False, tools: Optional[list[dict]] = None, n_videos: int = 0) -> str:
         """The prompt text with one `<image>` marker per image (checked: a template that drops or repeats images
         is refused). The tokenizer's BOS is removed from the front: the ensemble's tokenizer adds it. `tools`
         (OpenAI's function definitions) reach the template as `transformers` passes them (a template that does
@@ -103,6 +108,10 @@ class ChatTemplate:
         if found != n_images:
             raise bad_request(f"the chat template ({self.origin}) placed {found} {' / '.join(self.markers)} markers "
                               f"for {n_images} images", param="messages")
+        found = sum(prompt.count(m) for m in self.video_markers)
+        if found != n_videos:
+            raise bad_request(f"the chat template ({self.origin}) placed {found} video markers for {n_videos} "
+                              "videos", param="messages")
         return prompt
 
 

@@ -65,6 +65,26 @@ def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     return _checked(data, "the image of a data URL", max_bytes)
 
 
+DEFAULT_MAX_VIDEO_BYTES = 64 << 20
+
+
+def decode_video_data_url(url: str, max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> bytes:
+    """A `video_url`: only data:video/...;base64 URLs (the file is decoded and checked by preprocess)."""
+    if not url.startswith("data:"):
+        raise bad_request("video_url accepts data:video/<type>;base64,<data> URLs only", param="messages")
+    header, sep, payload = url.partition(",")
+    media = header[5:].split(";", 1)[0].lower()
+    if not sep or ";base64" not in header or (media and not media.startswith("video/")):
+        raise bad_request(f"a video data URL must be data:video/<type>;base64,<data>, got {header[:40]!r}",
+                          param="messages")
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise bad_request(f"video data URL is over {max_bytes} bytes", param="messages")
+    try:
+        return base64.b64decode(payload.strip(), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise bad_request(f"video data URL is not valid base64 ({e})", param="messages") from None
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
     allowed_domains: tuple[str, ...] = ()  # host names; "*.example.org" allows its subdomains

@@ -50,7 +50,16 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str  # a data:video/<type>;base64, URL (vLLM's form)
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):

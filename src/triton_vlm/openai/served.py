@@ -54,14 +54,18 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
     return out
 
 
-def image_markers(spec) -> tuple[str, ...]:
-    """What stands for an image in a prompt of this checkpoint: `<image>` and its family's own format."""
+def image_markers(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What stands for an image and for a video in a prompt of this checkpoint: `<image>` and its family's own
+    format; `<video>` and its family's (none for a family that takes no videos)."""
     from ..families import family_for_config  # noqa: PLC0415
     from ..prompt import IMAGE_MARKER  # noqa: PLC0415
     from ..spec import read_json  # noqa: PLC0415
 
     family = family_for_config(read_json(spec.model_dir / "config.json"))
-    return (IMAGE_MARKER,) + (family.image_markers if family is not None else ())
+    if family is None:
+        return (IMAGE_MARKER,), ()
+    videos = ("<video>",) + family.video_markers if family.video_token is not None else ()
+    return (IMAGE_MARKER,) + family.image_markers, videos
 
 
 class ServedModel:
@@ -79,8 +83,8 @@ class ServedModel:
         self.context_length = context_length or spec.context_length
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         source, origin = load_template(self.model_dir, chat_template, self.tokenizer)
-        self.markers = image_markers(spec)
-        self.chat = ChatTemplate(source, self.tokenizer, origin, self.markers) if source else None
+        self.markers, self.video_markers = image_markers(spec)
+        self.chat = ChatTemplate(source, self.tokenizer, origin, self.markers, self.video_markers) if source else None
         self.adapters = Adapters(Path(lora_dir).expanduser().resolve() if lora_dir else None)
         self.defaults = generation_defaults(self.model_dir)
 

@@ -59,6 +59,7 @@ class TritonRequest:
     lora_name: Optional[str] = None
     stream: bool = False
     ignore_eos: bool = False  # min_tokens = max_tokens: EOS is never chosen
+    videos: list[bytes] = field(default_factory=list)  # video files (checkpoints that take videos)
 
 
 @dataclass
@@ -255,6 +256,8 @@ class TritonClient:
         add_scalar(ens, N.TEXT_INPUT, req.prompt)
         if req.images:
             add_input(ens, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
+        if req.videos:
+            add_input(ens, N.VIDEOS, N.BYTES, [1, len(req.videos)], bytes_tensor(req.videos))
         if req.stop_words:
             add_input(ens, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
                       bytes_tensor([w.encode() for w in req.stop_words]))
@@ -268,6 +271,8 @@ class TritonClient:
         add_scalar(pre, N.TEXT_INPUT, req.prompt)
         if req.images:
             add_input(pre, N.IMAGES, N.BYTES, [1, len(req.images)], bytes_tensor(req.images))
+        if req.videos:
+            add_input(pre, N.VIDEOS, N.BYTES, [1, len(req.videos)], bytes_tensor(req.videos))
         if req.stop_words:
             add_input(pre, N.STOP_WORDS, N.BYTES, [1, len(req.stop_words)],
                       bytes_tensor([w.encode() for w in req.stop_words]))

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from ...prompt import IMAGE_MARKER
-from ..chat_template import Turn, check_text
+from ..chat_template import VIDEO, Turn, check_text
 from ..errors import bad_request
 from ..params import make_plan
 from ..responses import ChatFormat
-from ..schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, ChatMessage, ImagePart, unsupported_fields
+from ..media import decode_video_data_url
+from ..schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, ChatMessage, ImagePart, VideoPart, unsupported_fields
 from ..service import Frontend
 from ..structured import apply, request_guide
 from ..tools import ToolOutput, history_calls, plan_tools
@@ -53,12 +54,13 @@ def _turn(i: int, m: ChatMessage, call_ids: set[str],
         return Turn(role, [check_text(m.content, f"{where}.content", markers)], extra), []
     parts, urls = [], []
     for k, part in enumerate(m.content):
-        if isinstance(part, ImagePart):
+        if isinstance(part, (ImagePart, VideoPart)):
             if role != "user":
-                raise bad_request(f"{where}.content[{k}]: images are accepted in user messages only",
+                raise bad_request(f"{where}.content[{k}]: images and videos are accepted in user messages only",
                                   param="messages")
-            parts.append(None)
-            urls.append(part.image_url.url)
+            is_image = isinstance(part, ImagePart)
+            parts.append(None if is_image else VIDEO)
+            urls.append(part.image_url.url if is_image else (VIDEO, part.video_url.url))
         else:
             parts.append(check_text(part.text, f"{where}.content[{k}].text", markers))
     return Turn(role, parts, extra), urls
@@ -76,19 +78,23 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest):
                           code="no_chat_template")
     turns, urls, call_ids = [], [], set()
     for i, m in enumerate(body.messages):
-        turn, message_urls = _turn(i, m, call_ids, fe.served.markers)
+        turn, message_urls = _turn(i, m, call_ids, fe.served.markers + fe.served.video_markers)
         turns.append(turn)
         urls += message_urls
     tools = plan_tools(body, fe.tool_call_parser)
     guide = request_guide(body, tools.guide)
     plan = make_plan(body, fe.served.defaults)
     apply(plan.inputs, guide)
-    images = await fe.media.load_all(urls)
+    videos = [decode_video_data_url(u[1]) for u in urls if isinstance(u, tuple)]
+    if videos and not fe.served.video_markers:
+        raise bad_request(f"the model {fe.served.base_id} takes no videos", param="messages")
+    images = await fe.media.load_all([u for u in urls if not isinstance(u, tuple)])
     prompt = fe.served.chat.render(turns, len(images), add_generation_prompt=body.add_generation_prompt,
-                                   continue_final_message=body.continue_final_message, tools=tools.tools)
+                                   continue_final_message=body.continue_final_message, tools=tools.tools,
+                                   n_videos=len(videos))
     rid = request_id("chatcmpl", body.request_id)
     job = TritonRequest(rid, prompt, images, plan.max_tokens, plan.inputs, plan.stop, lora_name,
-                        stream=plan.stream_engine, ignore_eos=plan.ignore_eos)
+                        stream=plan.stream_engine, ignore_eos=plan.ignore_eos, videos=videos)
     fmt = ChatFormat(body.model, rid, ToolOutput(tools) if tools.mode else None)
     if plan.stream:
         return await fe.stream(fmt, [job], plan)
