@@ -19,7 +19,7 @@ import torch
 from .engine.merge import merge_image_embeds
 from .errors import InvalidArgument, VLMError
 from .hf_peft import PeftAdapters
-from .spec import CheckpointSpec
+from .spec import CheckpointError, CheckpointSpec
 from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
 
 log = logging.getLogger("triton_vlm")
@@ -73,7 +73,11 @@ class HFGenerator:
         from .families import family_of  # noqa: PLC0415
 
         self.device = torch.device(device)
-        model_class = getattr(transformers, family_of(CheckpointSpec.load(model_dir)).model_class)  # the family's
+        family = family_of(CheckpointSpec.load(model_dir))
+        if family.mrope:  # generate() from merged embeddings would need the grids' 3-D positions passed in
+            raise CheckpointError(f"llm backend 'hf' does not serve {family.name} (M-RoPE positions from image "
+                                  "embeddings); use backend 'engine', which is exact to transformers for it")
+        model_class = getattr(transformers, family.model_class)  # the family's
         self.model = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         cfg = self.model.config
