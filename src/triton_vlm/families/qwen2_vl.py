@@ -87,8 +87,8 @@ class PatchLayout:
 
     @property
     def max_tokens(self) -> int:
-        return max(self.tokens(self.largest_image), self.tokens((self.patch * self.merge, self.max_pixels //
-                                                                  (self.patch * self.merge))))
+        f = self.patch * self.merge  # smart_resize keeps h*w <= max_pixels: an image of any aspect ratio fits
+        return max(self.tokens(self.largest_image), self.max_pixels // (f * f))
 
     @property
     def max_tiles(self) -> int:
