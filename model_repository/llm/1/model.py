@@ -16,6 +16,9 @@ from triton_vlm.triton.llm import LLMService
 class TritonPythonModel:
     def initialize(self, args):
         config.setup_logging()
+        from triton_vlm.server.cpu_layout import apply_llm_cpus
+
+        apply_llm_cpus()  # the CPUs the launcher reserved for this stub, before any thread pool starts
         p = config.model_parameters(args)
         model_dir = config.resolve_model_path(p.get("model_path", ""))
         device = p.get("device") or "cpu"

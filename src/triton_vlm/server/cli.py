@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from ..paths import cache_dir
-from . import rundir
+from . import cpu_layout, rundir
 from .auth import API_KEY_HEADER, ENV_API_KEY, bearer, check_key
 from .frontend import OpenAIFrontend
 from .process import TritonServer
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         children.append(frontend)
     if not stopping.is_set():
-        _print_banner(args, model, log_file)
+        _print_banner(args, model, log_file, server.cpu_layout)
         rc = _supervise(stopping, args.timeout, *children)
     else:
         rc = 0
@@ -173,7 +173,7 @@ def _start_frontend(args, server: TritonServer, model: Path, run_dir: Path) -> O
         extra += ["--tool-call-parser", args.tool_call_parser]
     frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{args.metrics_port}/metrics", str(model),
                               port=args.openai_port, lora_dir=args.lora_dir, extra_args=tuple(extra),
-                              log_file=run_dir / "openai.log", api_key=args.api_key)
+                              log_file=run_dir / "openai.log", api_key=args.api_key, cpu_layout=server.cpu_layout)
     try:
         frontend.start().wait_ready(min(args.timeout, 120.0))
     except (RuntimeError, TimeoutError, OSError) as e:
@@ -222,7 +222,7 @@ def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
     return model, params
 
 
-def _print_banner(args, model: Path, log_file: Path | None) -> None:
+def _print_banner(args, model: Path, log_file: Path | None, layout=None) -> None:
     try:
         answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model, api_key=args.api_key)
         if not args.model:  # the demo adapters too
@@ -239,6 +239,8 @@ def _print_banner(args, model: Path, log_file: Path | None) -> None:
           + (f"  OpenAI  http://localhost:{args.openai_port}/v1  (chat/completions, completions, models; "
              f"/metrics)\n" if args.openai_port else "")
           + (f"  log     {log_file}\n" if log_file else "")
+          + (f"  CPUs    {layout.describe()} ({cpu_layout.MODE_ENV}=none: every process on every CPU)\n"
+             if layout is not None else "")
           + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "")
           + ("  API key required on the OpenAI API and on Triton's HTTP and gRPC (all but health); the client\n"
              "          and curl below read it from $TRITON_VLM_API_KEY\n" if args.api_key else "") +

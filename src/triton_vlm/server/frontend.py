@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import procs
+from . import cpu_layout, procs
 
 
 @dataclass
@@ -35,6 +35,7 @@ class OpenAIFrontend:
     exit_timeout: int = 10
     proc: subprocess.Popen | None = None
     name: str = "the OpenAI front end"
+    cpu_layout: object = None  # `cpu_layout.CpuLayout`: the front end runs on its `rest` CPUs (None: every CPU)
     _log_offset: int = 0
 
     @property
@@ -57,8 +58,8 @@ class OpenAIFrontend:
             if self.api_key:
                 env["TRITON_VLM_API_KEY"] = self.api_key
             self.proc = procs.spawn(self.command(), env=env,
-                                    stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    start_new_session=True, preexec_fn=procs.die_with_parent())
+                                    stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                    preexec_fn=cpu_layout.preexec(self.cpu_layout, procs.die_with_parent()))
         finally:
             if out is not None:
                 out.close()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import REPO_ROOT
-from . import diagnose, gpu, procs, rundir
+from . import cpu_layout, diagnose, gpu, procs, rundir
 from .auth import ADMIN_HEADER, restricted_args
 from .install import prepare_server_tree, server_env
 from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
@@ -74,6 +74,7 @@ class TritonServer:
     # (over gRPC the metadata `triton-grpc-protocol-authorization`); None: they stay open (`auth.py`)
     api_key: str | None = None
     name: str = "tritonserver"
+    cpu_layout: "cpu_layout.CpuLayout | None" = None  # set by start(): the CPUs of the llm stub and of the rest
     _own_run_dir: bool = field(default=False, repr=False)
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
 
@@ -131,11 +132,17 @@ class TritonServer:
         procs.remove_stale_shm()
         self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = self.command(binary, tree, repo, params)
+        device = params.get("llm", {}).get("device") or params.get("*", {}).get("device") or "cpu"
+        threads = int(env.get("OMP_NUM_THREADS") or 1)
+        self.cpu_layout = cpu_layout.plan(env.get(cpu_layout.MODE_ENV), device, threads)
+        if self.cpu_layout is not None:  # vLLM's CPU layout: the llm stub on its own cores (`cpu_layout.py`)
+            env = dict(env, **{cpu_layout.LLM_CPUS_ENV: ",".join(map(str, self.cpu_layout.llm))})
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
         try:  # its own process group (stop() ends stubs with it); SIGTERM when the launcher dies, even by SIGKILL
             self._log_offset = out.tell() if out is not None else 0
             self.proc = procs.spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    start_new_session=True, preexec_fn=procs.die_with_parent())
+                                    start_new_session=True,
+                                    preexec_fn=cpu_layout.preexec(self.cpu_layout, procs.die_with_parent()))
         finally:
             if out is not None:
                 out.close()

@@ -1,0 +1,88 @@
+"""Which CPUs the server's processes run on when the llm runs on a CPU: vLLM's CPU layout for ours.
+
+vLLM's CPU backend binds its model worker's threads to their own cores and keeps the rest for everything else
+(`reserve_cpu_num`). Without a layout, our llm stub's decode thread shares every core with tritonserver, the
+other stubs, the OpenAI front end and a local client, and is preempted in the middle of its steps. Measured on a
+2-core machine (`bench.peer_ab`, concurrency 16, `vllm bench serve`, alternating on one server): the llm stub alone
+on the first core, everything else on the other, 1.37x the tokens/s of no layout (docs/performance.md).
+
+`plan(mode, device, threads)` -> `CpuLayout` or None:
+- mode `auto` (the default, `TRITON_VLM_CPU_LAYOUT`): a layout when the llm's device is `cpu` and this process may
+  run on at least 2 CPUs; `none`: never (every process on every allowed CPU, as before);
+- the llm gets the first `threads` allowed CPUs (its OpenMP threads, `install.server_env`), at most all but one; the
+  other processes get the rest.
+The launcher starts tritonserver and the front end on `rest` (`preexec`), so Triton's stubs inherit it, and passes
+`llm` in `LLM_CPUS_ENV`; the llm stub moves every thread of its own process onto them at load (`apply_llm_cpus`).
+A CPU the system refuses leaves that process as it was (logged): a layout never stops the server from starting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+log = logging.getLogger("triton_vlm")
+MODE_ENV = "TRITON_VLM_CPU_LAYOUT"
+LLM_CPUS_ENV = "TRITON_VLM_LLM_CPUS"
+MODES = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    llm: tuple[int, ...]  # the llm stub's CPUs
+    rest: tuple[int, ...]  # every other process of the server
+
+    def describe(self) -> str:
+        return f"llm stub on CPU {_ranges(self.llm)}, the other processes on CPU {_ranges(self.rest)}"
+
+
+def _ranges(cpus: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def plan(mode: Optional[str], device: str, threads: int) -> Optional[CpuLayout]:
+    mode = (mode or "auto").strip().lower()
+    if mode not in MODES:
+        log.warning("%s=%r is not one of %s; using none", MODE_ENV, mode, "/".join(MODES))
+        return None
+    if mode == "none" or not (device or "cpu").startswith("cpu") or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if len(cpus) < 2:
+        return None
+    k = max(1, min(threads, len(cpus) - 1))
+    return CpuLayout(cpus[:k], cpus[k:])
+
+
+def preexec(layout: Optional[CpuLayout], then: Optional[Callable[[], None]] = None) -> Optional[Callable[[], None]]:
+    """A `preexec_fn` that moves the child onto `layout.rest` (then runs `then`, e.g. `procs.die_with_parent()`)."""
+    if layout is None:
+        return then
+
+    def run() -> None:
+        try:
+            os.sched_setaffinity(0, layout.rest)
+        except OSError:
+            pass  # the child keeps its parent's CPUs
+        if then is not None:
+            then()
+
+    return run
+
+
+def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
+    """In the llm stub: every thread of this process onto the CPUs the launcher reserved for it (threads started
+    later inherit them); None when no layout was asked for or the system refused it."""
+    value = environ.get(LLM_CPUS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        cpus = tuple(int(c) for c in value.split(","))
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
+    except (OSError, ValueError) as e:
+        log.warning("llm: CPU layout %s=%r not applied (%s); running on every allowed CPU", LLM_CPUS_ENV, value, e)
+        return None
+    log.info("llm: running on CPU %s (the other processes of the server on the rest)", _ranges(cpus))
+    return cpus
