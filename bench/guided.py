@@ -12,8 +12,8 @@ of all 16 / wall time, the prefill included, medians over the rounds):
   when their document completes, so tok/s counts the tokens they generated.
 Step cost: `greedy_step` alone over [16, V] logits, every row guided vs none (min of 50), the guide's own cost in
 a decode step without the model's noise.
-Guided sampling step cost: 16 guided sampling requests stepped per request (`Sampler` + `GrammarGuide`, the path
-guided sampling took before it was batched) vs in one `sample_step`, alternated (`sampling_step_cost`).
+Guided sampling step cost: 16 guided sampling requests in one `sample_step` (every request's path since the
+per-request sampler was removed), and the grammar's mask per request vs for all rows (`sampling_step_cost`).
 Compile time: the first compilation of each guide (a fresh `GuideCompiler`, the tokenizer info built first and
 timed on its own) vs the same guide again (the LRU's hit), medians of 20 cached calls. The ratio to unconstrained
 is taken per round (modes interleaved) and its median printed: on a shared machine the absolute tok/s drift.
@@ -112,40 +112,20 @@ def step_cost(engine, rows: int, repeats: int = 50) -> dict:
 
 def sampling_step_cost(engine, rows: int, steps: int = 8, repeats: int = 15) -> dict:
     """Guided sampling's own cost per decode step, without the model: `rows` requests (one row each, json_schema,
-    temperature 1.3, top-k 50) stepped `steps` times over [rows, V] logits, (a) each on the per-request path
-    (`sampling.Sampler` with `guided.GrammarGuide` in its pipeline: one bitmask fill, one apply and one read-back
-    per request and step; guided sampling's path before it was batched) and (b) all in one `sample_step` (one
-    bitmask, one fill, one apply for every constrained row, one read-back). The two alternate within each repeat
-    (a shared machine's drift falls on both); per step, minimum and median over the repeats. Also the grammar's
-    mask alone for the same rows: one `mask_rows` per request vs one for all (`mask_*`)."""
+    temperature 1.3, top-k 50) stepped `steps` times over [rows, V] logits in one `sample_step` (one bitmask, one
+    fill, one apply for every constrained row, one read-back; every request takes this path since the per-request
+    sampler was removed), and the grammar's mask alone for the same rows: one `mask_rows` per request vs one for
+    all (`mask_*`), alternated within each repeat; per step, minimum and median over the repeats."""
     import torch  # noqa: PLC0415
 
-    from triton_vlm.engine.guided import GrammarGuide  # noqa: PLC0415
-    from triton_vlm.engine.logits import LogitsPipeline, StopCriteria  # noqa: PLC0415
-    from triton_vlm.engine.sampling import Sampler  # noqa: PLC0415
     from triton_vlm.engine.sampling_batch import SampleSearch, sample_step  # noqa: PLC0415
     from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
 
     V, eos = engine.model_config.vocab_size, list(engine.eos_ids)
     grammar = engine.guide_compiler().compile(GuidedDecoding("json_schema", SCHEMA))
-    prompt = engine.tokenizer(PROMPT)["input_ids"]
     gen = torch.Generator().manual_seed(0)
     logits = [torch.randn(rows, V, generator=gen) * 4 for _ in range(steps)]
     sampling = dict(temperature=1.3, top_k=50, top_p=1.0)
-
-    def per_request() -> float:
-        searches = [Sampler(prompt_ids=prompt, num_rows=1, max_new_tokens=64, do_sample=True, seed=i,
-                            pipeline=LogitsPipeline(prompt_len=len(prompt), eos_ids=eos, vocab_size=V,
-                                                    sampling=True, **sampling,
-                                                    guide=GrammarGuide(grammar, prompt_len=len(prompt),
-                                                                       end_ids=eos, vocab_size=V)),
-                            stop=StopCriteria(eos_ids=eos, max_new_tokens=64, vocab_size=V, stop_words_ids=()))
-                    for i in range(rows)]
-        t0 = time.perf_counter()
-        for x in logits:
-            for i, s in enumerate(searches):
-                s.step(x[i:i + 1])
-        return (time.perf_counter() - t0) / steps
 
     def batched() -> float:
         searches = [SampleSearch(num_rows=1, max_new_tokens=64, eos_ids=eos, min_new_tokens=0, seed=i,
@@ -170,7 +150,7 @@ def sampling_step_cost(engine, rows: int, steps: int = 8, repeats: int = 15) -> 
         mask_rows(logits[0], range(rows), matchers, V)
         return time.perf_counter() - t0
 
-    pairs = ((("per_request", per_request), ("batched", batched)),
+    pairs = ((("batched", batched),),
              (("mask_per_request", masks_per_request), ("mask_batched", masks_batched)))
     times: dict[str, list[float]] = {name: [] for pair in pairs for name, _ in pair}
     for r in range(repeats):

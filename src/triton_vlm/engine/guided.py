@@ -11,11 +11,12 @@ whitespace beyond the separators ", " and ": " (vLLM's `disable-any-whitespace`)
 in free whitespace between tokens (a model that knows no JSON otherwise fills max_tokens with newlines). A guide
 the library cannot compile is refused with `InvalidArgument` carrying the library's own message.
 
-`GrammarGuide` is the per-request logits processor. It runs in `LogitsPipeline` where transformers runs a
-`logits_processor` passed to `generate()`: `_merge_criteria_processor_list` appends custom processors after the
-built-in ones (penalties, no-repeat-ngram, bad words, min new tokens) and before the sampling warpers
-(temperature, top-k, top-p); in beam search on the log-softmaxed scores, as HF's `_beam_search` processes them.
-xgrammar's own `contrib.hf.LogitsProcessor` is the reference the tests compare with.
+The grammar's mask comes where transformers runs a `logits_processor` passed to `generate()`:
+`_merge_criteria_processor_list` appends custom processors after the built-in ones (penalties, no-repeat-ngram, bad
+words, min new tokens, batched in `processors.py`) and before the sampling warpers (temperature, top-k, top-p); in
+beam search on the log-softmaxed scores, as HF's `_beam_search` processes them. xgrammar's own
+`contrib.hf.LogitsProcessor` is the reference the tests compare with. `GrammarGuide` keeps one request's matcher
+states (a beam request's, whose rows fork); called as a processor it masks its rows of a scores tensor.
 
 Matcher state per row: a row's state is a function of the tokens it generated, so the guide keeps one
 `GrammarMatcher` per distinct generated sequence of the live rows; at each step a row's matcher is its parent's
@@ -32,11 +33,8 @@ in `greedy.greedy_step`, guided sampling rows in `sampling_batch.sample_step` (a
 warpers), guided beam rows in `beam_batch.beam_step` (on the log-softmaxed scores after min_new_tokens). These are
 three calls per decode step at most (one per batched step; beam groups one per (num_beams, K)), not one: the mask
 must come where HF applies it in each path (beams: after log_softmax, whose normalisation the mask would change
-if applied to the raw logits), so no single pre-split apply serves all three. Requests with penalties,
-no-repeat-ngram or bad words (processors that need each row's context) and beam sampling stay on the
-per-request paths (`sampling.Sampler`, `beam.BeamSearch`): `GrammarGuide` masks the request's rows with one
-bitmask, one fill and one apply, its rows' tokens given by the search from its host lists (`GrammarGuide.rows`;
-no device read-back).
+if applied to the raw logits), so no single pre-split apply serves all three. Every request takes these batched
+steps, penalties, no-repeat-ngram, bad words and beam sampling included (the per-request paths were removed).
 """
 from __future__ import annotations
 
@@ -177,8 +175,8 @@ def accept(matcher: xgr.GrammarMatcher, token: int) -> None:
 
 
 class GrammarGuide:
-    """One request's grammar as a processor of `LogitsPipeline` (sampling, beam search, greedy with penalties):
-    masks the scores of the request's rows, each row by the matcher of its own generated tokens."""
+    """One request's grammar states (`matchers`: the matcher of each row from its own generated tokens, used by the
+    batched beam step); called as a logits processor, it masks the scores of the request's rows."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, *, prompt_len: int, end_ids: Sequence[int],
                  vocab_size: int):

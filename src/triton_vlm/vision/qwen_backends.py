@@ -2,7 +2,8 @@
 
 Interface (`VisionService` calls it for a `PatchLayout` family): `backend.encode(patches [N, 3, T*P, P] fp32 numpy,
 grids [(t, h, w), ...]) -> features [N / merge^2, hidden]` (torch, on the backend's device), the images' features
-in order; `max_patches` bounds N per call (attention inside the graph is dense over the call: `qwen_tower.py`).
+in order; `max_patches` bounds N per call (attention runs per frame / window, padded to the call's longest:
+frames x heads x L^2 scores, `qwen_tower.py`; images of similar sizes batch with the least padding).
 
 - `torch`: `QwenTowerGraph` from the checkpoint's `model.visual.` tensors, in `vision_bits` on `vision_device`;
 - `onnxruntime`: the same graph exported once per checkpoint content (`export.cached_onnx`), inputs `patches` +
@@ -26,7 +27,7 @@ from .qwen_tower import PATCHES, QwenTowerGraph, export_tower_onnx, tower_aux
 
 log = logging.getLogger("triton_vlm")
 TOWER_PREFIX = ("model.visual.",)
-MAX_PATCHES = 8192  # patches per encoder call (dense scores: [heads, N, N] fp32)
+MAX_PATCHES = 8192  # patches per encoder call
 EXPORT_GRIDS = ((1, 4, 6), (2, 4, 4))  # the export's example batch (any grids: the axes are dynamic)
 
 
