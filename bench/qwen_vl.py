@@ -15,9 +15,10 @@ Two random checkpoints (built once, cached) share the text model's shape (Qwen2:
 Every request is one image of 224x224, 448x224 or 448x448 px (distinct pixels per request, so the embedding cache
 never hides the vision cost) and a short prompt, streamed, `max_tokens == min_tokens`. Measured client side, as
 `bench.next_tiling`: time to first token at concurrency 1 (p50/p90, and the mean per image size), tokens/s at
-concurrency 8. The vision encoder's share comes from Triton's own counters of the `vision` model, scraped before and
-after each concurrency-1 row: `nv_inference_request_duration_us` (queue + compute) per vision request over the
-client's mean TTFT of the same row; the vision service's `triton_vlm_vision_images_encoded_total` and
+concurrency 8. The vision encoder's share comes from Triton's own counters of the `vision` model
+(`nv_inference_request_duration_us`: queue + compute, per vision request), scraped before and after each
+concurrency-1 request (outside its timing), so per image size, and around the whole row: over the client's mean
+TTFT of the same requests. The vision service's `triton_vlm_vision_images_encoded_total` and
 `triton_vlm_embedding_cache_hits_total` show every image went through the encoder. Both servers run at once and
 their rows alternate, 3 rounds (2 with --quick); the table gives the median of the rounds. Writes
 `bench/results/qwen_vl.json` and prints a markdown table with the machine.
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -93,15 +95,24 @@ def image(i: int) -> bytes:
     return buf.getvalue()
 
 
-def one(client, i: int, max_tokens: int) -> tuple[float, float, int, int]:
-    """(time to first token s, total s, new tokens, size index) of one streamed request."""
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float  # send -> the first streamed piece
+    total_s: float
+    tokens: int  # new tokens
+    size: int  # its image's index in SIZES
+    vision_ms: float = float("nan")  # the vision model's request time (Triton's), scraped around it at c=1
+
+
+def one(client, i: int, max_tokens: int) -> Sample:
+    """One streamed request of image `i`."""
     t0 = time.perf_counter()
     first, tokens = None, 0
     for piece in client.stream(PROMPT, [image(i)], max_tokens=max_tokens, min_tokens=max_tokens):
         first = first or time.perf_counter()
         tokens += len(piece.token_ids)
     total = time.perf_counter() - t0
-    return (first or time.perf_counter()) - t0, total, tokens, i % len(SIZES)
+    return Sample((first or time.perf_counter()) - t0, total, tokens, i % len(SIZES))
 
 
 def scrape(url: str) -> dict[str, dict[str, float]]:
@@ -127,9 +138,12 @@ def vision_share(before: dict, after: dict, ttft_mean_s: float) -> dict:
 
 
 def row(url: str, start: int, n: int, concurrency: int, max_tokens: int, metrics: Optional[str] = None) -> dict:
+    """`n` requests from `concurrency` clients; with `metrics` (Triton's URL), the vision counters around the row,
+    and at concurrency 1 around each request too (outside its timing: the vision time of each image size)."""
     from triton_vlm_client import VLMClient  # noqa: PLC0415
 
     lock, tickets, samples = threading.Lock(), iter(range(start, start + n)), []
+    each = metrics is not None and concurrency == 1
 
     def worker() -> None:
         with VLMClient(url, timeout=300) as c:
@@ -138,7 +152,11 @@ def row(url: str, start: int, n: int, concurrency: int, max_tokens: int, metrics
                     i = next(tickets, None)
                 if i is None:
                     return
+                was = scrape(metrics) if each else {}
                 s = one(c, i, max_tokens)
+                if each:
+                    s = replace(s, vision_ms=triton_per_request(was, scrape(metrics)).get("vision", {}).get(
+                        "request_ms", float("nan")))
                 with lock:
                     samples.append(s)
 
@@ -153,13 +171,17 @@ def row(url: str, start: int, n: int, concurrency: int, max_tokens: int, metrics
     return summarise(samples, wall, before, scrape(metrics) if metrics else {})
 
 
-def summarise(samples: list[tuple[float, float, int, int]], wall: float, before: dict, after: dict) -> dict:
-    ttft = sorted(s[0] for s in samples)
-    out = {"requests": len(samples), "tokens": sum(s[2] for s in samples),
-           "tokens_per_s": sum(s[2] for s in samples) / wall, "ttft_p50_s": statistics.median(ttft),
+def _by_size(samples: list[Sample], field: str) -> list[float]:
+    return [statistics.fmean([getattr(s, field) for s in samples if s.size == k] or [float("nan")])
+            for k in range(len(SIZES))]
+
+
+def summarise(samples: list[Sample], wall: float, before: dict, after: dict) -> dict:
+    ttft = sorted(s.ttft_s for s in samples)
+    out = {"requests": len(samples), "tokens": sum(s.tokens for s in samples),
+           "tokens_per_s": sum(s.tokens for s in samples) / wall, "ttft_p50_s": statistics.median(ttft),
            "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))], "ttft_mean_s": statistics.fmean(ttft),
-           "ttft_mean_by_size_s": [statistics.fmean([s[0] for s in samples if s[3] == k] or [float("nan")])
-                                   for k in range(len(SIZES))]}
+           "ttft_mean_by_size_s": _by_size(samples, "ttft_s"), "vision_ms_by_size": _by_size(samples, "vision_ms")}
     return out | (vision_share(before, after, out["ttft_mean_s"]) if after else {})
 
 
@@ -194,10 +216,13 @@ def result(name: str, info, rounds: list[tuple[dict, dict]]) -> dict:
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(x.get(key, float("nan")) for x in rows)
 
+    def by_size(key: str) -> list[float]:
+        return [statistics.median(x[key][k] for x in c1) for k in range(len(SIZES))]
+
+    ttft, vision = by_size("ttft_mean_by_size_s"), by_size("vision_ms_by_size")
     return {"model": name, "image_tokens": [info.image_tokens((h, w)) for w, h in SIZES], "rounds": rounds,
-            "ttft_p50_s": med(c1, "ttft_p50_s"), "ttft_p90_s": med(c1, "ttft_p90_s"),
-            "ttft_mean_by_size_s": [statistics.median(x["ttft_mean_by_size_s"][k] for x in c1)
-                                    for k in range(len(SIZES))],
+            "ttft_p50_s": med(c1, "ttft_p50_s"), "ttft_p90_s": med(c1, "ttft_p90_s"), "ttft_mean_by_size_s": ttft,
+            "vision_ms_by_size": vision, "vision_share_by_size": [v / 1000 / t for v, t in zip(vision, ttft)],
             "vision_request_ms": med(c1, "vision_request_ms"), "vision_share_of_ttft": med(c1, "vision_share_of_ttft"),
             "tokens_per_s": med(c8, "tokens_per_s"),
             "images_encoded": sum(x.get("vision_images_encoded", 0) for r in rounds for x in r),
@@ -207,11 +232,14 @@ def result(name: str, info, rounds: list[tuple[dict, dict]]) -> dict:
 def markdown(results: list[dict], meta: dict) -> str:
     sizes = " / ".join(f"{w}x{h}" for w, h in SIZES)
     lines = [f"| model | image tokens ({sizes}) | TTFT p50 / p90 (c=1) | mean TTFT by size (c=1) | "
-             "vision per request (c=1) | vision share of TTFT | tok/s (c=8) |", "|---|---|---:|---:|---:|---:|---:|"]
+             "vision ms by size (share of TTFT) | vision share of TTFT, all sizes | tok/s (c=8) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         by_size = " / ".join(f"{t * 1000:.0f}" for t in r["ttft_mean_by_size_s"])
+        vision = " / ".join(f"{v:.0f} ({100 * f:.0f}%)" for v, f in zip(r["vision_ms_by_size"],
+                                                                        r["vision_share_by_size"]))
         lines.append(f"| {r['model']} | {' / '.join(map(str, r['image_tokens']))} | {r['ttft_p50_s'] * 1000:.0f} / "
-                     f"{r['ttft_p90_s'] * 1000:.0f} ms | {by_size} ms | {r['vision_request_ms']:.1f} ms | "
+                     f"{r['ttft_p90_s'] * 1000:.0f} ms | {by_size} ms | {vision} | "
                      f"{100 * r['vision_share_of_ttft']:.0f}% | {r['tokens_per_s']:.1f} |")
     lines += ["", f"`{meta['command']}`, {meta['date']}; every image through the encoder: "
               + ", ".join(f"{r['model']} {r['images_encoded']:.0f} encoded, {r['cache_hits']:.0f} cache hits"

@@ -84,10 +84,11 @@ def test_vision_share_from_scraped_counters(metrics_server):
     metrics_server.text = _metrics(4, 40_000, 4, 1)
     before = qwen_vl.scrape(url)
     metrics_server.text = _metrics(13, 130_000 + 9 * 50_000, 13, 1)  # 9 requests of 50 ms more
-    samples = [(0.2 + 0.1 * (i % 3), 1.0, 32, i % 3) for i in range(9)]  # TTFT 0.2 / 0.3 / 0.4 s by size
+    samples = [qwen_vl.Sample(0.2 + 0.1 * (i % 3), 1.0, 32, i % 3, 10.0 * (i % 3 + 1)) for i in range(9)]
     got = qwen_vl.summarise(samples, 10.0, before, qwen_vl.scrape(url))
     assert got["requests"] == 9 and got["tokens_per_s"] == pytest.approx(28.8)
     assert got["ttft_mean_by_size_s"] == pytest.approx([0.2, 0.3, 0.4]) and got["ttft_p50_s"] == pytest.approx(0.3)
+    assert got["vision_ms_by_size"] == pytest.approx([10.0, 20.0, 30.0])
     assert got["vision_request_ms"] == pytest.approx(60.0)  # (490 - 40) ms / 9 requests
     assert got["vision_compute_infer_ms"] == pytest.approx(59.0)
     assert got["vision_share_of_ttft"] == pytest.approx(0.2)  # 60 ms of a 300 ms mean TTFT
@@ -101,6 +102,7 @@ def test_medians_over_rounds_and_the_table(tmp_path):
 
     def c1(ttft, vision_ms):
         return {"ttft_p50_s": ttft, "ttft_p90_s": 2 * ttft, "ttft_mean_by_size_s": [ttft, ttft, 3 * ttft],
+                "vision_ms_by_size": [vision_ms / 5, vision_ms, 2 * vision_ms],
                 "vision_request_ms": vision_ms, "vision_share_of_ttft": vision_ms / 1000 / ttft,
                 "vision_images_encoded": 9, "embedding_cache_hits": 0}
 
@@ -113,5 +115,6 @@ def test_medians_over_rounds_and_the_table(tmp_path):
     meta = {"command": "python -m bench.qwen_vl --quick", "date": "d", "machine": machine.describe(),
             "kernel_races": {}}
     md = qwen_vl.markdown([r], meta)
-    assert "| qwen2-vl | 64 / 128 / 256 | 200 / 400 ms | 200 / 200 / 600 ms | 30.0 ms | 20% | 60.0 |" in md
+    assert ("| qwen2-vl | 64 / 128 / 256 | 200 / 400 ms | 200 / 200 / 600 ms | 6 (3%) / 30 (15%) / 60 (10%) | 20% | "
+            "60.0 |") in md
     assert "qwen2-vl 75 encoded, 0 cache hits" in md and f"- cpu: {machine.cpu_model()} (" in md
