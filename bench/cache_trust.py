@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from triton_vlm.engine.prefix_cache import tensor_digest
+from triton_vlm.engine.kv.prefix_cache import tensor_digest
 from triton_vlm.vision import service as S
 
 

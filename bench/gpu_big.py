@@ -249,7 +249,7 @@ def baseline(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: 
 @torch.inference_mode()
 def agreement_reference(check: Check, gen, prompts: Prompts, s: Shapes) -> list:
     """transformers greedy tokens of the agreement prompts, one `generate()` batch: [(ids, feats, tokens)]."""
-    from triton_vlm.engine.merge import merge_image_embeds  # noqa: PLC0415
+    from triton_vlm.engine.model.merge import merge_image_embeds  # noqa: PLC0415
 
     cases = [prompts.next() for _ in range(s.agreement_prompts)]
     ids = torch.tensor([c[0] for c in cases], device=check.device)  # [B, P]

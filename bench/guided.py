@@ -61,7 +61,7 @@ def one_round(engine, mode: str, n: int, max_tokens: int, tag: str) -> tuple[int
 
 
 def compile_times(engine) -> dict:
-    from triton_vlm.engine.guided import GuideCompiler  # noqa: PLC0415
+    from triton_vlm.engine.search.guided import GuideCompiler  # noqa: PLC0415
     from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -89,8 +89,8 @@ def step_cost(engine, rows: int, repeats: int = 50) -> dict:
     machine)."""
     import torch  # noqa: PLC0415
 
-    from triton_vlm.engine.greedy import GreedySearch, greedy_step  # noqa: PLC0415
-    from triton_vlm.engine.guided import new_matcher  # noqa: PLC0415
+    from triton_vlm.engine.search.greedy import GreedySearch, greedy_step  # noqa: PLC0415
+    from triton_vlm.engine.search.guided import new_matcher  # noqa: PLC0415
     from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
 
     V = engine.model_config.vocab_size
@@ -118,7 +118,7 @@ def sampling_step_cost(engine, rows: int, steps: int = 8, repeats: int = 15) -> 
     all (`mask_*`), alternated within each repeat; per step, minimum and median over the repeats."""
     import torch  # noqa: PLC0415
 
-    from triton_vlm.engine.sampling_batch import SampleSearch, sample_step  # noqa: PLC0415
+    from triton_vlm.engine.search.sampling_batch import SampleSearch, sample_step  # noqa: PLC0415
     from triton_vlm.params import GuidedDecoding  # noqa: PLC0415
 
     V, eos = engine.model_config.vocab_size, list(engine.eos_ids)
@@ -135,7 +135,7 @@ def sampling_step_cost(engine, rows: int, steps: int = 8, repeats: int = 15) -> 
             sample_step(searches, x, list(range(rows)))
         return (time.perf_counter() - t0) / steps
 
-    from triton_vlm.engine.guided import mask_rows, new_matcher  # noqa: PLC0415
+    from triton_vlm.engine.search.guided import mask_rows, new_matcher  # noqa: PLC0415
 
     matchers = [new_matcher(grammar, eos) for _ in range(rows)]
 

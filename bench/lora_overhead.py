@@ -7,7 +7,7 @@ through `Engine.generate` twice: once on the base model, once with 4 distinct ad
 all seven projections of every layer) cycling over the requests, so every prefill and decode batch mixes them.
 Best of `--repeats` runs each; one torch thread (as the served stubs). Prints both and the ratio.
 
-`--profile` then runs the adapter case once more with timers on the adapter code (`engine/lora.py`): the A GEMM
+`--profile` then runs the adapter case once more with timers on the adapter code (`engine/lora/lora.py`): the A GEMM
 (`F.linear` on the stacked A), building the stacks (`_stack`), and the rest of `LoraBatch.add` (the mask, B's
 GEMM fused with the sum (`addmm_`), lookups), as shares of the run's wall time.
 """
@@ -90,7 +90,7 @@ def profile(engine, adapters, beam: int, n: int) -> None:
     """Where the adapter time goes, as shares of one adapter run's wall time."""
     import types  # noqa: PLC0415
 
-    from triton_vlm.engine import lora as L  # noqa: PLC0415
+    from triton_vlm.engine.lora import lora as L  # noqa: PLC0415
 
     saved = (L.F, L._stack, L.LoraBatch.add)
     linear, stack, delta = _Timed(torch.nn.functional.linear), _Timed(L._stack), _Timed(L.LoraBatch.add)

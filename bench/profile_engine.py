@@ -93,13 +93,13 @@ MLP_PROJ = {"gate_up_proj", "down_proj"}
 
 
 def instrument(timers: Timers) -> None:
-    from triton_vlm.engine import decoder as dec_mod  # noqa: PLC0415
+    from triton_vlm.engine.search import decoder as dec_mod  # noqa: PLC0415
     from triton_vlm.engine import engine as eng_mod  # noqa: PLC0415
-    from triton_vlm.engine import attention as attn_mod  # noqa: PLC0415
+    from triton_vlm.engine.model import attention as attn_mod  # noqa: PLC0415
     from triton_vlm.engine.cpu import cpu_decode as cpu_attn_mod  # noqa: PLC0415
     from triton_vlm.engine.cpu import cpu_forward as cpu_fwd_mod  # noqa: PLC0415
-    from triton_vlm.engine import kv_cache as kv_mod  # noqa: PLC0415
-    from triton_vlm.engine import model as model_mod  # noqa: PLC0415
+    from triton_vlm.engine.kv import kv_cache as kv_mod  # noqa: PLC0415
+    from triton_vlm.engine.model import model as model_mod  # noqa: PLC0415
     from triton_vlm.engine import output as out_mod  # noqa: PLC0415
     from triton_vlm.engine import runner as runner_mod  # noqa: PLC0415
     from triton_vlm.engine import scheduler as sch_mod  # noqa: PLC0415

@@ -264,7 +264,7 @@ def capacity(s: Settings, prompt_tokens: int) -> dict:
     """Rows and KV blocks the largest (beam, concurrency) row needs at once vs the engine's max_rows and KV
     cache (the engine reserves `kv_cache.blocks_needed` per request at admission)."""
     from triton_vlm.engine.engine import EngineConfig  # noqa: PLC0415
-    from triton_vlm.engine.kv_cache import blocks_needed  # noqa: PLC0415
+    from triton_vlm.engine.kv.kv_cache import blocks_needed  # noqa: PLC0415
 
     beam, conc, block = max(s.beams), max(s.concurrency), EngineConfig.block_size
     need = conc * blocks_needed(prompt_tokens, s.max_tokens, beam, block) * block

@@ -176,7 +176,7 @@ def test_vision_hashes_many_images_on_threads_with_the_same_keys():
 
 # --- cache_salt in the engine's block hashes -------------------------------------------------------------------
 def test_cache_salt_enters_the_first_block_hash():
-    from triton_vlm.engine.prefix_cache import RequestHasher
+    from triton_vlm.engine.kv.prefix_cache import RequestHasher
 
     ids = list(range(100, 164))  # 4 blocks of 16
 

@@ -137,7 +137,7 @@ def test_renames_are_transformers_own(pairs, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
-    from triton_vlm.engine.weights import load_config, load_weights
+    from triton_vlm.engine.model.weights import load_config, load_weights
     from triton_vlm.families import family_of
     from triton_vlm.spec import CheckpointSpec
     from triton_vlm.vision.encoder import VisionEncoder
@@ -219,7 +219,7 @@ def test_no_lm_head_without_tied_embeddings_is_refused(pairs, tmp_path):
     """transformers would start such an lm_head from random values; the engine refuses instead of guessing."""
     from safetensors.torch import load_file, save_file
 
-    from triton_vlm.engine.weights import load_config, load_weights
+    from triton_vlm.engine.model.weights import load_config, load_weights
     from triton_vlm.spec import CheckpointError
 
     d = _copy(pairs["llava-mistral-clip"][0], tmp_path / "m")

@@ -1,4 +1,4 @@
-"""KV-cache events (engine/kv_events.py): the prefix cache's blocks stored / removed / cleared, published on ZMQ
+"""KV-cache events (engine/kv/kv_events.py): the prefix cache's blocks stored / removed / cleared, published on ZMQ
 in vLLM's layout and decoded here positionally as llm-d-kv-cache's vLLM adapter decodes them; an llm-d-style
 index fed by them (bench.routing.KVIndex: its own keys recomputed from the events' token ids) finds a chat's next
 turn on the engine that holds its blocks; a dead or failing subscriber never blocks or stops the engine."""
@@ -13,7 +13,7 @@ import zmq
 
 from bench.routing import KVIndex, decode_batch, engine_key
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine import kv_events
+from triton_vlm.engine.kv import kv_events
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.lora.format import Adapter, LoraModule, module_shape
 from triton_vlm.params import GenerationParams, GenerationRequest

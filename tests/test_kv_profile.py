@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine import attention, profile
+from triton_vlm.engine.model import attention
+from triton_vlm.engine import profile
 from triton_vlm.engine.cpu import cpu_decode
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.kv_cache import blocks_needed
+from triton_vlm.engine.kv.kv_cache import blocks_needed
 from triton_vlm.engine.profile import KVBudgetError, MemoryProbe
 
 MiB = 2**20

@@ -197,7 +197,7 @@ def _cut(rows: list[list[int]], ends: set[int]) -> list[list[int]]:
 def test_llama3_and_yi_text_models_equal_generate(tmp_path_factory, name):
     """Prompts from the checkpoint's chat template; images of every shape, several in one prompt; beams 1 and 3."""
     from triton_vlm.demo.next_checkpoint import build_random_llava_next
-    from triton_vlm.engine.model import rope_inv_freq
+    from triton_vlm.engine.model.model import rope_inv_freq
     from triton_vlm.spec import CheckpointSpec
 
     d = build_random_llava_next(tmp_path_factory.mktemp("next-text") / name, **TEXT_VARIANTS[name])
@@ -318,7 +318,7 @@ def test_bad_vision_inputs_are_refused_alone(ckpts):
 
 
 def test_llm_checks_image_counts_both_ways(ckpts):
-    from triton_vlm.engine.merge import merge_image_embeds
+    from triton_vlm.engine.model.merge import merge_image_embeds
     from triton_vlm.triton.llm import unpad_images
 
     emb = torch.randn(2, 10, 8)

@@ -256,7 +256,7 @@ def _tiny(name: str, rank: int = 2, scale: float = 1.0):
 
 
 def test_device_slots_evict_only_idle_adapters_least_recent_first():
-    from triton_vlm.engine.adapter_slots import DeviceAdapters
+    from triton_vlm.engine.lora.adapter_slots import DeviceAdapters
 
     evicted = []
     slots = DeviceAdapters(max_adapters=2, max_bytes=10**6, on_evict=lambda a: evicted.append(a.name))
@@ -472,7 +472,7 @@ def test_stack_cache_charges_the_bytes_it_allocates(half):
     """A set's charge is the nbytes of the tensors built for it that do not share the adapters' memory: nothing
     for one fp32 adapter (its own tensors), its fp32 copies for one fp16 adapter, the fp32 stacks of a pair
     (twice the pair's fp16 bytes)."""
-    from triton_vlm.engine.lora import StackCache
+    from triton_vlm.engine.lora.lora import StackCache
 
     a, b = (_half(x) if half else x for x in (_tiny("a", rank=64), _tiny("b", rank=64)))
     stacks = StackCache(max_sets=8)
@@ -489,7 +489,7 @@ def test_stack_cache_charges_the_bytes_it_allocates(half):
 
 
 def test_stack_cache_is_bounded_in_bytes_and_keeps_the_current_set():
-    from triton_vlm.engine.lora import StackCache
+    from triton_vlm.engine.lora.lora import StackCache
 
     a, b, c = _tiny("a"), _tiny("b"), _tiny("c")
     one = a.nbytes

@@ -44,7 +44,7 @@ def fake_backend(monkeypatch):
 
 
 def test_gateway_gauge_is_one_series_following_the_adapters(fake_backend):
-    from triton_vlm.engine.adapter_slots import DeviceAdapters
+    from triton_vlm.engine.lora.adapter_slots import DeviceAdapters
     from triton_vlm.lora.cache import CacheStats
 
     info = {"now": LoraInfo((), (), 4)}

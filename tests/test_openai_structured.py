@@ -406,7 +406,7 @@ def test_the_refused_keywords_are_the_ones_xgrammar_ignores(keyword):
     import jsonschema
     import xgrammar as xgr
 
-    from triton_vlm.engine.guided_schema import UNENFORCED, unenforced_keyword
+    from triton_vlm.engine.search.guided_schema import UNENFORCED, unenforced_keyword
 
     schema, doc = BREAKING[keyword]
     assert keyword in UNENFORCED or keyword == "allOf"
@@ -423,7 +423,7 @@ def test_string_lengths_are_sent_as_patterns_without_control_characters():
     guide sent carries the equivalent pattern instead, which it enforces."""
     import xgrammar as xgr
 
-    from triton_vlm.engine.guided_schema import string_lengths_as_patterns
+    from triton_vlm.engine.search.guided_schema import string_lengths_as_patterns
 
     def accepts(schema, doc):
         return xgr.testing._is_grammar_accept_string(

@@ -228,7 +228,7 @@ def test_server_command_line_has_the_cuda_pool_only_on_a_gpu(tmp_path):
 # --- diagnosis of a failed start -------------------------------------------------------------------------------
 LOG = r'''I1123 12:34:23.121936 6546 pb_stub.cc:366] "Failed to initialize Python stub: AssertionError: x"
 E1123 12:34:15.626057 6546 server.cc:241] "CudaDriverHelper has not been initialized."
-E1123 12:34:24.821003 6546 model_lifecycle.cc:642] "failed to load 'llm' version 1: Internal: AssertionError: Torch not compiled with CUDA enabled\n\nAt:\n  /venv/torch/cuda/__init__.py(522): _lazy_init\n  /src/triton_vlm/engine/weights.py(62): take\n"
+E1123 12:34:24.821003 6546 model_lifecycle.cc:642] "failed to load 'llm' version 1: Internal: AssertionError: Torch not compiled with CUDA enabled\n\nAt:\n  /venv/torch/cuda/__init__.py(522): _lazy_init\n  /src/triton_vlm/engine/model/weights.py(62): take\n"
 I1123 12:34:24.821037 6546 model_lifecycle.cc:777] "failed to load 'llm'"
 E1123 12:34:24.885942 6546 model_repository_manager.cc:703] "Invalid argument: ensemble 'ensemble' depends on 'llm' which has no loaded version."
 error: creating server: Internal - failed to load all models
@@ -239,7 +239,7 @@ def test_the_failing_models_error_is_found_in_the_log():
     assert diagnose.failure_cause(LOG) == (
         "model 'llm' failed to load: AssertionError: Torch not compiled with CUDA enabled\n"
         "  at /venv/torch/cuda/__init__.py(522): _lazy_init\n"
-        "  at /src/triton_vlm/engine/weights.py(62): take")
+        "  at /src/triton_vlm/engine/model/weights.py(62): take")
 
 
 def test_without_a_model_failure_the_notable_error_lines_are_shown():

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .engine.merge import merge_image_embeds
+from .engine.model.merge import merge_image_embeds
 from .errors import InvalidArgument, VLMError
 from .hf_peft import PeftAdapters
 from .spec import CheckpointError, CheckpointSpec
@@ -48,13 +48,13 @@ class PresenceFrequencyPenalty:
     expression as the engine's (`engine.logits.presence_frequency_penalty`), over the ids after the prompt.
     `generate()` puts custom processors after its own (repetition penalty ... min new tokens), before the
     sampling warpers; the engine applies them right after the repetition penalty, which gives the same scores
-    (see `engine/logits.py`)."""
+    (see `engine/search/logits.py`)."""
 
     def __init__(self, prompt_len: int, presence: float, frequency: float):
         self.prompt_len, self.presence, self.frequency = prompt_len, float(presence), float(frequency)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from .engine.logits import presence_frequency_penalty  # noqa: PLC0415
+        from .engine.search.logits import presence_frequency_penalty  # noqa: PLC0415
 
         return presence_frequency_penalty(input_ids[:, self.prompt_len:], scores, self.presence, self.frequency)
 
@@ -179,7 +179,7 @@ class HFGenerator:
             return None
         from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
 
-        from .engine.detok import IncrementalDetokenizer  # noqa: PLC0415
+        from .engine.search.detok import IncrementalDetokenizer  # noqa: PLC0415
 
         detok = IncrementalDetokenizer(self.tokenizer)
         rid = req.request_id

@@ -33,7 +33,7 @@ class GuidedDecoding:
 
     guide_type: one of `names.GUIDE_TYPES`: `json` (any JSON; the guide is ignored), `json_schema` (a JSON
     schema), `regex`, `ebnf_grammar` (GBNF, root rule `root`), `structural_tag` (xgrammar's structural tag
-    JSON) or `choice` (a JSON list of strings, vLLM's guided_choice). The engine compiles it (engine/guided.py),
+    JSON) or `choice` (a JSON list of strings, vLLM's guided_choice). The engine compiles it (engine/search/guided.py),
     refusing a guide the library cannot compile with InvalidArgument."""
 
     guide_type: str

@@ -20,9 +20,11 @@ import torch.nn.functional as F
 def check(out_path: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from triton_vlm.engine import attention, gemm
+    from triton_vlm.engine.model import attention
+
+    from triton_vlm.engine.cpu import gemm
     from triton_vlm.engine.cpu import cpu_decode
-    from triton_vlm.engine.model import LlamaModel
+    from triton_vlm.engine.model.model import LlamaModel
 
     gk, dk = gemm.decode_kernel(), cpu_decode.kernel(attention.decode_torch)
     result = {"gemv": gk is not None, "decode": dk is not None, "forward": False}
@@ -63,7 +65,7 @@ def check(out_path: str) -> dict:
 
 def overflow() -> dict:
     """The gemv kernel told a weight has more K rows than its buffer holds: it reads past the buffer's end."""
-    from triton_vlm.engine import gemm
+    from triton_vlm.engine.cpu import gemm
     from triton_vlm.engine.cpu import gemv
 
     gk = gemm.decode_kernel()

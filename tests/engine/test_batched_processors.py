@@ -1,4 +1,4 @@
-"""The context logits processors batched across rows (`engine/processors.py`): every row's processed scores equal,
+"""The context logits processors batched across rows (`engine/search/processors.py`): every row's processed scores equal,
 bit for bit, transformers' own processors on that row alone (repetition penalty, no-repeat-ngram, bad words; the
 presence / frequency penalty's one expression, `logits.presence_frequency_penalty`), step after step as the rows'
 device state and n-gram indexes are updated; and in the engine, requests with those processors and log probs
@@ -12,9 +12,9 @@ import torch
 from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from test_decode_batch import ckpt, each_alone  # noqa: F401 - fixture
-from triton_vlm.engine import processors
+from triton_vlm.engine.search import processors
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.logits import presence_frequency_penalty
+from triton_vlm.engine.search.logits import presence_frequency_penalty
 from triton_vlm.params import GenerationParams, GenerationRequest
 
 V = 53

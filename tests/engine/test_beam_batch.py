@@ -14,8 +14,8 @@ import torch
 
 from test_decode_batch import ckpt, each_alone, syncs_per_decode_step  # noqa: F401 - fixture
 from test_decoding import EOS as HF_EOS, EOS2 as HF_EOS2, V as HF_V, TOL, hf_generate, model, prompt_for  # noqa: F401
-from triton_vlm.engine import beam_batch
-from triton_vlm.engine.decoder import Decoder, StepResult, step_beams
+from triton_vlm.engine.search import beam_batch
+from triton_vlm.engine.search.decoder import Decoder, StepResult, step_beams
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.errors import Cancelled, Internal
 from triton_vlm.params import GenerationParams, GenerationRequest

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triton_vlm.engine import attention
+from triton_vlm.engine.model import attention
 from triton_vlm.engine.cpu import cbuild, cpu_decode
-from triton_vlm.engine.model import LlamaModel
+from triton_vlm.engine.model.model import LlamaModel
 
 
 def _machine_can_build() -> bool:

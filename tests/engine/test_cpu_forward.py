@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from triton_vlm.engine.cpu import cbuild, cpu_forward, gemv
-from triton_vlm.engine.lora import LoraBatch, StackCache
-from triton_vlm.engine.model import LlamaModel
+from triton_vlm.engine.lora.lora import LoraBatch, StackCache
+from triton_vlm.engine.model.model import LlamaModel
 from triton_vlm.lora.format import Adapter, LoraModule
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -42,7 +42,7 @@ def _available(m: LlamaModel) -> bool:
 
 
 def _pack(w):
-    from triton_vlm.engine.gemm import pack
+    from triton_vlm.engine.cpu.gemm import pack
     return pack(w)
 
 
@@ -147,7 +147,7 @@ def test_inputs_that_do_not_fit_the_checked_step_are_refused(tmp_path):
     rows = [cache.new_row() for _ in range(2)]
     batch = cache.plan(rows, 1)
     kernel = m.attention.kernel_for(1)
-    from triton_vlm.engine.model import window_masks
+    from triton_vlm.engine.model.model import window_masks
     step = m._decode_step(kernel, batch, window_masks(batch, {0}), cache)
     x = m.embed(torch.tensor([[3], [4]]))  # [2, 1, 64]
     small = m.new_cache(4, 4)

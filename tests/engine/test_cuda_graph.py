@@ -16,9 +16,9 @@ import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine import scheduler as scheduler_mod
-from triton_vlm.engine.cuda_graph import DecodeGraphs, keys_buckets, rows_buckets
+from triton_vlm.engine.model.cuda_graph import DecodeGraphs, keys_buckets, rows_buckets
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.model import LlamaModel
+from triton_vlm.engine.model.model import LlamaModel
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.lora.format import Adapter, LoraModule, module_shape
 from triton_vlm.params import GenerationParams, GenerationRequest

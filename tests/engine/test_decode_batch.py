@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine import greedy as greedy_mod
+from triton_vlm.engine.search import greedy as greedy_mod
 from triton_vlm.engine import scheduler as scheduler_mod
-from triton_vlm.engine.decoder import Decoder, step_greedy
+from triton_vlm.engine.search.decoder import Decoder, step_greedy
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.errors import Internal
 from triton_vlm.params import GenerationParams, GenerationRequest

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from triton_vlm.engine.decoder import Decoder, StepResult
+from triton_vlm.engine.search.decoder import Decoder, StepResult
 from triton_vlm.errors import Internal, InvalidArgument
 from triton_vlm.hf_generate import penalty_processors
 from triton_vlm.params import GenerationParams, GenerationRequest, ModelLimits
@@ -193,7 +193,7 @@ def test_processors_match_hf(model, feature, nb):
 
 def test_presence_frequency_penalty_is_openais_formula():
     """logits[t] -= presence * (count[t] > 0) + frequency * count[t], counted over generated ids only."""
-    from triton_vlm.engine import processors
+    from triton_vlm.engine.search import processors
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn((2, 11), generator=g)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from triton_vlm.engine.detok import IncrementalDetokenizer
+from triton_vlm.engine.search.detok import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's a test, isn't it?",

@@ -12,7 +12,7 @@ import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.kv_cache import blocks_needed
+from triton_vlm.engine.kv.kv_cache import blocks_needed
 from triton_vlm.errors import Cancelled, InvalidArgument, Unavailable
 from triton_vlm.params import GenerationParams, GenerationRequest
 

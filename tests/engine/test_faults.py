@@ -11,7 +11,7 @@ import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.faults import Backoff, as_error, is_device_fault
+from triton_vlm.engine.model.faults import Backoff, as_error, is_device_fault
 from triton_vlm.errors import Internal, InvalidArgument, Unavailable
 from triton_vlm.lora.format import Adapter, LoraModule, module_shape
 from triton_vlm.params import GenerationParams, GenerationRequest

@@ -1,12 +1,12 @@
-"""The CPU GEMM choice (`engine/gemm.py`) and fused projections (`model.Linear.fused`)."""
+"""The CPU GEMM choice (`engine/cpu/gemm.py`) and fused projections (`model.Linear.fused`)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.engine import gemm
-from triton_vlm.engine.model import Linear
+from triton_vlm.engine.cpu import gemm
+from triton_vlm.engine.model.model import Linear
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64), (64, 1, 64), (2, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_vlm.engine import gemm
+from triton_vlm.engine.cpu import gemm
 from triton_vlm.engine.cpu import cbuild, gemv
 
 

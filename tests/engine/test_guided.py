@@ -1,4 +1,4 @@
-"""Guided decoding (engine/guided.py) against transformers' generate() with xgrammar's own logits processor.
+"""Guided decoding (engine/search/guided.py) against transformers' generate() with xgrammar's own logits processor.
 
 A tiny random LLaVA checkpoint with the demo tokenizer (byte-level BPE), CPU fp32, the engine end to end: guided
 greedy and seeded sampling equal `generate(logits_processor=[xgrammar.contrib.hf.LogitsProcessor(g)])` token for
@@ -19,7 +19,7 @@ from xgrammar.contrib.hf import LogitsProcessor as XgrHFProcessor
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.guided import GrammarGuide, GuideCompiler
+from triton_vlm.engine.search.guided import GrammarGuide, GuideCompiler
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.params import GenerationParams, GenerationRequest, GuidedDecoding
 
@@ -271,8 +271,8 @@ def test_params_from_inputs():
 def test_guided_greedy_steps_batched_and_leaves_its_step_mates_bit_for_bit(ckpt, eng):
     """Guided greedy rows step in `greedy_step` with the unconstrained ones: one bitmask for the constrained rows;
     the unconstrained rows' tokens and log probs are those of the same step without them, bit for bit."""
-    from triton_vlm.engine.decoder import Decoder
-    from triton_vlm.engine.greedy import GreedySearch, greedy_step
+    from triton_vlm.engine.search.decoder import Decoder
+    from triton_vlm.engine.search.greedy import GreedySearch, greedy_step
 
     model, _, _ = ckpt
     V = model.config.text_config.vocab_size
@@ -391,7 +391,7 @@ def test_guided_sampling_and_beams_step_batched_with_unguided_ones(ckpt, eng, re
     """Guided sampling and beam requests step in `sample_step` / `beam_step` with the unguided ones of the step
     (one bitmask fill and one apply for their constrained rows): each equals HF with xgrammar's processor, the
     unguided ones answer as alone."""
-    from triton_vlm.engine.decoder import Decoder
+    from triton_vlm.engine.search.decoder import Decoder
 
     model, _, _ = ckpt
     V = model.config.text_config.vocab_size

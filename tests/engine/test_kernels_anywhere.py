@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import triton_vlm
-from triton_vlm.engine import gemm
+from triton_vlm.engine.cpu import gemm
 from triton_vlm.engine.cpu import cbuild, cpu_forward, gemv
 
 PROBE = Path(__file__).with_name("kernel_probe.py")
@@ -224,7 +224,7 @@ def test_the_whole_forward_is_raced_on_the_model(tmp_path, monkeypatch, caplog):
     model; a lost race leaves every decode step layer by layer (and "1" forces it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from triton_vlm.engine.model import LlamaModel
+    from triton_vlm.engine.model.model import LlamaModel
 
     torch.manual_seed(2)
     LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

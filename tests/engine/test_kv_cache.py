@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_vlm.engine.kv_cache import CacheFull, KVCache, blocks_needed
+from triton_vlm.engine.kv.kv_cache import CacheFull, KVCache, blocks_needed
 
 
 def make_cache(num_blocks=8, block_size=4, layers=2):

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
-from triton_vlm.engine.merge import merge_image_embeds
-from triton_vlm.engine.model import LM_HEAD, LlamaModel, apply_rotary, rms_norm
-from triton_vlm.engine.weights import MODULES, load_config
+from triton_vlm.engine.model.merge import merge_image_embeds
+from triton_vlm.engine.model.model import LM_HEAD, LlamaModel, apply_rotary, rms_norm
+from triton_vlm.engine.model.weights import MODULES, load_config
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.spec import CheckpointError
 

@@ -9,8 +9,8 @@ import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.kv_cache import KVCache, blocks_needed
-from triton_vlm.engine.prefix_cache import RequestHasher, adapter_key, image_spans
+from triton_vlm.engine.kv.kv_cache import KVCache, blocks_needed
+from triton_vlm.engine.kv.prefix_cache import RequestHasher, adapter_key, image_spans
 from triton_vlm.lora.format import Adapter, LoraModule, module_shape
 from triton_vlm.params import GenerationParams, GenerationRequest
 

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from triton_vlm.demo.qwen_checkpoint import build_qwen_vl
-from triton_vlm.engine import mrope
+from triton_vlm.engine.model import mrope
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.params import GenerationParams, GenerationRequest
@@ -162,7 +162,7 @@ def test_control_without_mrope_the_tokens_differ(ckpt):
 def test_prefix_cache_keys_cover_the_image_sizes(ckpt):
     """The same tokens and features with transposed image sizes (same token count, other M-RoPE positions) share no
     block; the same request again reuses its prompt blocks and gives the same tokens."""
-    from triton_vlm.engine.prefix_cache import request_hasher
+    from triton_vlm.engine.kv.prefix_cache import request_hasher
 
     model, path, pre = ckpt
     rope = mrope.PromptRope.for_checkpoint(path)

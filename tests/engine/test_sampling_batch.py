@@ -13,10 +13,10 @@ import torch
 
 from test_decode_batch import ckpt, each_alone, syncs_per_decode_step  # noqa: F401 - fixture
 from test_decoding import EOS as HF_EOS, EOS2 as HF_EOS2, V as HF_V, TOL, hf_generate, model, prompt_for  # noqa: F401
-from triton_vlm.engine import sampling_batch
-from triton_vlm.engine.decoder import Decoder, StepResult, step_samples
+from triton_vlm.engine.search import sampling_batch
+from triton_vlm.engine.search.decoder import Decoder, StepResult, step_samples
 from triton_vlm.engine.engine import Engine, EngineConfig
-from triton_vlm.engine.sampling_batch import SampleSearch
+from triton_vlm.engine.search.sampling_batch import SampleSearch
 from triton_vlm.errors import Cancelled, Internal
 from triton_vlm.params import GenerationParams, GenerationRequest
 
@@ -286,7 +286,7 @@ def test_engine_results_equal_per_request_path(ckpt, monkeypatch):  # noqa: F811
     sizes = []
     orig = sampling_batch.sample_step
     monkeypatch.setattr(sampling_batch, "sample_step", lambda s, *a: sizes.append(len(s)) or orig(s, *a))
-    import triton_vlm.engine.decoder as decoder_mod
+    import triton_vlm.engine.search.decoder as decoder_mod
     monkeypatch.setattr(decoder_mod, "sample_step", sampling_batch.sample_step)
     batched = engine_run(ckpt, True)
     assert max(sizes) >= 4  # requests were stepped together

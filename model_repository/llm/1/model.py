@@ -49,7 +49,7 @@ class TritonPythonModel:
                                scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict")
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             if p.get("kv_events_endpoint"):  # the prefix cache's events for llm-d's KV-cache indexer
-                from triton_vlm.engine import kv_events
+                from triton_vlm.engine.kv import kv_events
 
                 self.kv_events = kv_events.attach(
                     backend, p["kv_events_endpoint"], replay_endpoint=p.get("kv_events_replay_endpoint") or None,

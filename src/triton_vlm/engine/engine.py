@@ -45,16 +45,16 @@ from typing import Callable, Optional
 
 from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
-from .adapter_slots import DeviceAdapters
-from .cuda_graph import DecodeGraphs
-from .decoder import Decoder
-from .faults import Backoff, is_device_fault
-from .guided import GuideCompiler
-from .detok import IncrementalDetokenizer
-from .kv_cache import blocks_needed
-from . import mrope
-from .prefix_cache import PrefixStats, request_hasher
-from .model import DTYPES, LlamaModel
+from .lora.adapter_slots import DeviceAdapters
+from .model.cuda_graph import DecodeGraphs
+from .search.decoder import Decoder
+from .model.faults import Backoff, is_device_fault
+from .search.guided import GuideCompiler
+from .search.detok import IncrementalDetokenizer
+from .kv.kv_cache import blocks_needed
+from .model import mrope
+from .kv.prefix_cache import PrefixStats, request_hasher
+from .model.model import DTYPES, LlamaModel
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..params import GenerationResult, RequestStats, Sequence_
-from .decoder import step_beams, step_greedy, step_samples
+from .search.decoder import step_beams, step_greedy, step_samples
 from .state import Active, Output, StreamState
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from . import preempt
-from .adapter_slots import DeviceAdapters
-from .kv_cache import KVCache
+from .lora.adapter_slots import DeviceAdapters
+from .kv.kv_cache import KVCache
 from .state import Active
 
 

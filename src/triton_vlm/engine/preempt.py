@@ -27,7 +27,7 @@ itself, and its own worst case fits.
 """
 from __future__ import annotations
 
-from .kv_cache import blocks_needed
+from .kv.kv_cache import blocks_needed
 from .state import Active
 
 GUARANTEED_NO_EVICT = "guaranteed_no_evict"

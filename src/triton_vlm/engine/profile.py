@@ -36,9 +36,9 @@ from typing import Optional
 import torch
 
 from ..errors import InvalidArgument
-from . import gemm
-from .kv_cache import KVCache, blocks_needed
-from .merge import merge_image_embeds
+from .cpu import gemm
+from .kv.kv_cache import KVCache, blocks_needed
+from .model.merge import merge_image_embeds
 
 log = logging.getLogger(__name__)
 

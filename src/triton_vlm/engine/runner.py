@@ -31,11 +31,11 @@ from typing import Optional
 
 import torch
 
-from .cuda_graph import DecodeGraphs
-from .kv_cache import KVCache, RowKV
-from .lora import LoraBatch, StackCache
-from .merge import merge_image_embeds
-from .model import LlamaModel
+from .model.cuda_graph import DecodeGraphs
+from .kv.kv_cache import KVCache, RowKV
+from .lora.lora import LoraBatch, StackCache
+from .model.merge import merge_image_embeds
+from .model.model import LlamaModel
 from .policy import PrefillChunk
 from .state import Active
 

@@ -24,10 +24,10 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import Cancelled, Internal, VLMError
-from .adapter_slots import DeviceAdapters
-from .faults import as_error, is_device_fault
-from .kv_cache import KVCache
-from .model import LlamaModel
+from .lora.adapter_slots import DeviceAdapters
+from .model.faults import as_error, is_device_fault
+from .kv.kv_cache import KVCache
+from .model.model import LlamaModel
 from .output import OutputProcessor
 from .policy import Policy, StepPlan
 from .preempt import GUARANTEED_NO_EVICT

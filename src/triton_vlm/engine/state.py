@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..params import GenerationRequest, GenerationResult
-from .kv_cache import RowKV
-from .prefix_cache import RequestHasher
+from .kv.kv_cache import RowKV
+from .kv.prefix_cache import RequestHasher
 
 Callback = Callable[[GenerationResult], None]
 Output = tuple[Callback, GenerationResult]

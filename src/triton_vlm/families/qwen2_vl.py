@@ -17,7 +17,7 @@ write it; that text in `text_input` is an image marker (paired with `images` in 
 Vision graph: the whole tower and merger (`vision/qwen_tower.py`), run on every patch of a batch of images with
 attention kept inside each image (and for Qwen2.5-VL inside each window).
 
-Text model: Qwen2 with M-RoPE (`mrope_section`, 3-D positions for image tokens; `engine/mrope.py`).
+Text model: Qwen2 with M-RoPE (`mrope_section`, 3-D positions for image tokens; `engine/model/mrope.py`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 later ones the id alone; ids the server's registry knows are loaded from disk on a miss.
 
 This is the host level (`lora_cache_host_mb`), least recently used evicted first; the device level, the slots the
-batched adapter math reads, is the engine's (`engine/adapter_slots.py`). A request holds its own reference to
+batched adapter math reads, is the engine's (`engine/lora/adapter_slots.py`). A request holds its own reference to
 its adapter, so evicting or replacing an id never changes a request already resolved. Wire adapters are named
 by their task id, registry adapters by their folder name (the names metrics and the LoRA gauge show).
 

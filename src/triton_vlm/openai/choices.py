@@ -165,7 +165,7 @@ class _TokenTexts:
 
     def extend(self, choice: "Choice", tokenizer, eos_ids: frozenset) -> list[tuple[int, str, int]]:
         if self.detok is None:
-            from ..engine.detok import IncrementalDetokenizer
+            from ..engine.search.detok import IncrementalDetokenizer
 
             self.detok = IncrementalDetokenizer(tokenizer)
         while self.k < len(choice.ids):

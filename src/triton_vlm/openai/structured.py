@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .. import names as N
-from ..engine.guided_schema import UNENFORCED, string_lengths_as_patterns, unenforced_keyword  # noqa: F401
+from ..engine.search.guided_schema import UNENFORCED, string_lengths_as_patterns, unenforced_keyword  # noqa: F401
 from .errors import bad_request
 from .schemas import (JSONObjectFormat, JSONSchemaResponseFormat, StructuralTagFormat, StructuredOutputs,
                       _Structured)

@@ -192,7 +192,7 @@ class Forward:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    from ..gemm import pack  # noqa: PLC0415 - gemm imports gemv; the kernel is already built by then
+    from .gemm import pack  # noqa: PLC0415 - gemm imports gemv; the kernel is already built by then
     return pack(weight)
 
 

@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu import gemv
+from . import gemv
 
 ENV = "TRITON_VLM_CPU_GEMM"  # "onednn" (default) or "default" (F.linear everywhere)
 BATCH_HINT = 16  # rows the packing is tuned for; any row count works (measured: best for 1..128 rows here)

@@ -27,8 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import InvalidArgument
-from ..lora.format import Adapter
+from ...errors import InvalidArgument
+from ...lora.format import Adapter
 
 
 @dataclass

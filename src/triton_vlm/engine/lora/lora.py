@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..lora.format import Adapter
+from ...lora.format import Adapter
 
 
 class Stack(NamedTuple):

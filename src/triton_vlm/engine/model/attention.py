@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu import cpu_decode
-from .kv_cache import AttentionBatch
+from ..cpu import cpu_decode
+from ..kv.kv_cache import AttentionBatch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:

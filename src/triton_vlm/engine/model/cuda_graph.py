@@ -57,7 +57,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .faults import is_device_fault
-from .kv_cache import AttentionBatch, KVCache, RowKV
+from ..kv.kv_cache import AttentionBatch, KVCache, RowKV
 from .model import LlamaModel
 
 log = logging.getLogger(__name__)

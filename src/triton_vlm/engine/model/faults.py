@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import Internal, Unavailable, VLMError
+from ...errors import Internal, Unavailable, VLMError
 
 log = logging.getLogger(__name__)
 

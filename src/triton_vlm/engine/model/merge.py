@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 
 def count_mismatch(tokens: int, features: int) -> InvalidArgument:

@@ -34,11 +34,11 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import attention, gemm, mrope
-from .cpu import cbuild, cpu_forward, gemv
+from . import attention, mrope
+from ..cpu import cbuild, cpu_forward, gemm, gemv
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
-from .kv_cache import AttentionBatch, KVCache
-from .lora import LoraBatch
+from ..kv.kv_cache import AttentionBatch, KVCache
+from ..lora.lora import LoraBatch
 from .weights import ModelConfig, load_config, load_weights
 
 log = logging.getLogger(__name__)

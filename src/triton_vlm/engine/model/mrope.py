@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 MAX_SECONDS = 3600.0  # a video's seconds per temporal patch
@@ -126,8 +126,8 @@ class PromptRope:
 
     @classmethod
     def for_checkpoint(cls, model_dir) -> Optional["PromptRope"]:
-        from ..families import family_of  # noqa: PLC0415
-        from ..spec import CheckpointSpec  # noqa: PLC0415
+        from ...families import family_of  # noqa: PLC0415
+        from ...spec import CheckpointSpec  # noqa: PLC0415
 
         spec = CheckpointSpec.load(model_dir)
         if not spec.text.mrope_section:

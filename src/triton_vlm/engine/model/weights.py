@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..spec import CheckpointError, CheckpointSpec, TextSpec
-from ..weight_source import TensorSource
+from ...spec import CheckpointError, CheckpointSpec, TextSpec
+from ...weight_source import TensorSource
 
 # every linear module of a decoder layer, by its Hugging Face name (the LoRA issue maps these to module ids)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

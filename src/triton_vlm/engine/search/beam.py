@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..params import Sequence_
+from ...params import Sequence_
 from .search import NoTokenLeft
 
 

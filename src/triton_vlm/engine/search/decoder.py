@@ -34,9 +34,9 @@ from typing import Sequence
 
 import torch
 
-from .. import names as N
-from ..errors import Internal, InvalidArgument, VLMError
-from ..params import GenerationParams, Sequence_
+from ... import names as N
+from ...errors import Internal, InvalidArgument, VLMError
+from ...params import GenerationParams, Sequence_
 from . import beam_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..params import Sequence_
+from ...params import Sequence_
 from . import guided, processors
 from .processors import Context, RowContext
 from .search import NoTokenLeft

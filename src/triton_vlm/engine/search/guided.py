@@ -47,9 +47,9 @@ from typing import Optional, Sequence
 import torch
 import xgrammar as xgr
 
-from .. import names as N
-from ..errors import InvalidArgument
-from ..params import GuidedDecoding
+from ... import names as N
+from ...errors import InvalidArgument
+from ...params import GuidedDecoding
 from .guided_schema import UnenforcedKeyword, enforceable_tag, enforceable_text
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)

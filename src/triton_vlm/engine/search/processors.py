@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..params import GenerationParams
+from ...params import GenerationParams
 
 Bans = list[tuple[int, int]]  # (row, token) pairs
 

@@ -8,7 +8,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..params import Sequence_
+from ...params import Sequence_
 
 
 class NoTokenLeft(Exception):
