@@ -21,6 +21,7 @@ Text model: Qwen2 with M-RoPE (`mrope_section`, 3-D positions for image tokens; 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -87,8 +88,11 @@ class PatchLayout:
 
     @property
     def max_tokens(self) -> int:
-        f = self.patch * self.merge  # smart_resize keeps h*w <= max_pixels: an image of any aspect ratio fits
-        return max(self.tokens(self.largest_image), self.max_pixels // (f * f))
+        # smart_resize keeps h*w <= max_pixels, except that a side never goes below one unit f: an image at the
+        # largest aspect ratio (200:1) scaled down keeps a side of f and the other up to sqrt(200 * max_pixels)
+        f = self.patch * self.merge
+        return max(self.tokens(self.largest_image), self.max_pixels // (f * f),
+                   math.isqrt(MAX_RATIO * self.max_pixels) // f)
 
     @property
     def max_tiles(self) -> int:
