@@ -218,7 +218,7 @@ def latency_rows(check: Check, run_one, prompts: Prompts, s: Shapes, tag: str) -
 def baseline(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str, out: dict) -> list:
     """transformers: latency, greedy and beam rows one request at a time (into `out`); returns the agreement
     batch's [(ids, features, tokens)] ([] when it failed or time is short)."""
-    from triton_vlm.hf_generate import HFGenerator  # noqa: PLC0415
+    from triton_vlm.baseline.generate import HFGenerator  # noqa: PLC0415
 
     t0 = time.perf_counter()
     gen = HFGenerator(model_dir, device=str(check.device), dtype=dtype)

@@ -102,7 +102,7 @@ def row(url: str, start: int, n: int, concurrency: int, max_tokens: int) -> dict
 
 def measure(models: dict[str, Path], n: int, max_tokens: int, rounds: int) -> list[dict]:
     """Both servers up at once; their rows alternate (`rounds` times), so both see the same machine load."""
-    from triton_vlm.checkpoint import ModelInfo  # noqa: PLC0415
+    from triton_vlm.preprocess.checkpoint import ModelInfo  # noqa: PLC0415
     from triton_vlm.server.process import TritonServer, free_port  # noqa: PLC0415
 
     params = {"llm": {"kv_cache_tokens": "65536", "max_rows": "64"}}

@@ -81,7 +81,7 @@ class Reference:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kw}
 
     def video(self, data: bytes):
-        from triton_vlm.videos import VideoProcessor, decode_video, video_config  # noqa: PLC0415
+        from triton_vlm.preprocess.videos import VideoProcessor, decode_video, video_config  # noqa: PLC0415
 
         cfg = video_config(self.model_dir)
         return VideoProcessor(cfg)(decode_video(data, "video", cfg, 1 << 24))
@@ -108,7 +108,7 @@ def _expand(text: str, pad: str, grids) -> str:
 
 def mp4(frames: int, size: tuple[int, int], seed: int, fps: int = 4) -> bytes:
     """A video of random frames of PIL size (width, height)."""
-    from triton_vlm.videos import encode_mp4  # noqa: PLC0415
+    from triton_vlm.preprocess.videos import encode_mp4  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     return encode_mp4(rng.integers(0, 256, (frames, size[1], size[0], 3), dtype=np.uint8), fps=fps)

@@ -20,7 +20,7 @@ SMALL_TOWER = dict(vision_hidden=32, vision_layers=1, vision_heads=2)
 def test_checkpoints_take_the_tokens_the_table_states(tmp_path):
     from transformers import AutoImageProcessor, AutoProcessor
 
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     models = qwen_vl.ensure_models(tmp_path, SMALL_TEXT, SMALL_TOWER)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llava", "qwen2-vl"]  # no half-built folder left

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from triton_vlm.errors import InvalidArgument
-from triton_vlm.images import (
+from triton_vlm.preprocess.images import (
     ACCEPTED_FORMATS,
     DEFAULT_MAX_PIXELS,
     ImageProcessor,
@@ -126,7 +126,7 @@ def test_pil_decompression_bomb_guards_become_invalid_argument():
 
 
 def test_image_count_limit():
-    from triton_vlm.prompt import split_prompt
+    from triton_vlm.preprocess.prompt import split_prompt
 
     assert len(split_prompt("<image>" * 8, [b"x"] * 8, max_images=8)) == 8
     with pytest.raises(InvalidArgument, match="too many images: 9 .* at most 8"):

@@ -48,7 +48,7 @@ def test_tiles_and_tokens_equal_transformers(ckpts, refs, name):
     from transformers.image_processing_utils import select_best_resolution
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
     from triton_vlm.families.llava_next import select_best_resolution as ours
 
     info = ModelInfo.load(ckpts[name])
@@ -70,7 +70,7 @@ def test_tiles_and_tokens_equal_transformers(ckpts, refs, name):
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_preprocess_equals_the_processor(ckpts, refs, name):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
 
     pre = Preprocessor(ckpts[name])
     images = [IMAGES[k] for k in ("wide", "tall", "tiny", "large")]
@@ -105,7 +105,7 @@ def _rows(pre, groups):
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_vision_features_equal_get_image_features(ckpts, refs, name, backend):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
     from triton_vlm.triton.llm import unpad_images
 
     pre = Preprocessor(ckpts[name])
@@ -140,7 +140,7 @@ def _engine_answers(d, cases, new: int) -> list[list[list[int]]]:
     the token ids of its `beams` returned sequences."""
     from triton_vlm.engine.engine import Engine
     from triton_vlm.params import GenerationParams, GenerationRequest
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
     from triton_vlm.triton.llm import unpad_images
     from triton_vlm.vision.service import VisionInput
 
@@ -230,7 +230,7 @@ def test_llama3_and_yi_text_models_equal_generate(tmp_path_factory, name):
 
 
 def test_truncation_drops_whole_images_with_their_true_counts(ckpts, refs):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
 
     d = ckpts["llama"]
     images = [IMAGES["large"], IMAGES["tiny"], IMAGES["wide"]]
@@ -251,7 +251,7 @@ def test_truncation_drops_whole_images_with_their_true_counts(ckpts, refs):
 
 
 def test_image_count_and_pixel_caps_hold(ckpts):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
 
     pre = Preprocessor(ckpts["llama"], max_images=2, max_pixels=300 * 300)
     with pytest.raises(InvalidArgument, match="at most 2"):
@@ -272,7 +272,7 @@ def _variant(src, tmp_path, config=None, processor=None):
 
 
 def test_unservable_checkpoints_are_refused_at_load(ckpts, tmp_path):
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     def full(c):
         c["vision_feature_select_strategy"] = "full"
@@ -296,7 +296,7 @@ def test_unservable_checkpoints_are_refused_at_load(ckpts, tmp_path):
 
 
 def test_bad_vision_inputs_are_refused_alone(ckpts):
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
     from triton_vlm.vision.service import VisionInput
 
     pre = Preprocessor(ckpts["llama"])
@@ -339,9 +339,9 @@ def test_llm_checks_image_counts_both_ways(ckpts):
 
 def test_hf_baseline_backend_loads_the_family_model(ckpts, refs):
     """The `hf` llm backend (the benchmark's baseline) runs LLaVA-NeXT checkpoints with our image features."""
-    from triton_vlm.hf_generate import HFGenerator
+    from triton_vlm.baseline.generate import HFGenerator
     from triton_vlm.params import GenerationParams, GenerationRequest
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
     from triton_vlm.triton.llm import unpad_images
     from triton_vlm.vision.service import VisionInput
 

@@ -83,7 +83,7 @@ def test_template_renders_the_mistral_prompt(ref):
 
 
 def test_greedy_answers_and_usage_equal_generate(client, ref, next_api):
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     info = ModelInfo.load(next_api[1].model_path)
     with ThreadPoolExecutor(len(CASES)) as pool:  # at once: batched together in vision and the engine

@@ -122,7 +122,7 @@ def test_embeddings_cached_by_image_content(next_server):
 
 def test_truncation_drops_a_whole_image_with_its_true_count(next_server, ref):
     """A prompt one large image too long: that image goes whole, with the text before it."""
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     info = ModelInfo.load(next_server.model_path)
     images, large = [IMAGES["large"], IMAGES["wide"]], info.image_tokens((260, 400))

@@ -355,7 +355,7 @@ def test_engine_equals_hf_peft_with_images_beams_and_sampling(base, adapters):
     `PeftModel.from_pretrained`): images merged into the prompt, beam search with several sequences, seeded
     sampling, a wire adapter, and the base model, one engine batch for all."""
     from triton_vlm.engine.engine import Engine, EngineConfig
-    from triton_vlm.hf_generate import HFGenerator
+    from triton_vlm.baseline.generate import HFGenerator
     from triton_vlm.spec import CheckpointSpec
 
     spec = CheckpointSpec.load(base)

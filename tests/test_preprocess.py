@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from triton_vlm.checkpoint import CheckpointError, ModelInfo, available_pipelines, get_pipeline, pipeline_for_config
+from triton_vlm.preprocess.checkpoint import CheckpointError, ModelInfo, available_pipelines, get_pipeline, pipeline_for_config
 from triton_vlm.errors import InvalidArgument
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.preprocess.service import Preprocessor
 
 PROMPT = "USER: <image>\nWhat color is the shape? ASSISTANT:"
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
@@ -283,7 +283,7 @@ def test_no_reloading_per_call(pp, monkeypatch):
 
 
 def test_repeated_images_come_from_the_cache(ckpt, monkeypatch):
-    import triton_vlm.preprocess as mod
+    import triton_vlm.preprocess.service as mod
 
     pre = Preprocessor(ckpt, image_cache_size=2)
     calls = []
@@ -313,7 +313,7 @@ def test_too_many_words_are_refused_before_tokenizing(pp):
 def test_rows_of_a_batched_request_are_padded_and_decode_back(pp):
     from triton_vlm import names as N
     from triton_vlm.params import words_from_flat
-    from triton_vlm.preprocess import stack_rows
+    from triton_vlm.preprocess.service import stack_rows
 
     rows = [pp(PROMPT.replace("<image>", "<image><image>"), [RED, BLUE], max_tokens=4, bad_words=["red", "x y"]),
             pp("USER: hi ASSISTANT:", max_tokens=4, stop_words=["."])]

@@ -4,7 +4,7 @@ import base64
 import pytest
 
 from triton_vlm.errors import InvalidArgument
-from triton_vlm.prompt import INLINE_IMAGE, ImagePart, TextPart, image_parts, split_prompt
+from triton_vlm.preprocess.prompt import INLINE_IMAGE, ImagePart, TextPart, image_parts, split_prompt
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 

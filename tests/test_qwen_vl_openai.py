@@ -78,7 +78,7 @@ CASES = [(["small"], "What is this?"), (["wide"], "What is this?"), (["tall"], "
 
 
 def test_greedy_answers_and_usage_equal_generate(client, ref, qwen_api):
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     info = ModelInfo.load(qwen_api[1].model_path)
     with ThreadPoolExecutor(len(CASES)) as pool:  # at once: batched together in vision and the engine

@@ -149,7 +149,7 @@ def test_include_input_in_output(grpc):
 
 
 def test_truncation_drops_whole_images(grpc, demo_model):
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     info = ModelInfo.load(demo_model)
     imgs = [png("circle", "red", seed=12), png("square", "blue", seed=13), png("triangle", "green", seed=14)]

@@ -210,7 +210,7 @@ def test_cancelled_request_frees_the_engine(triton_server):
 
 
 def test_context_length_error(triton_server, demo_model):
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     ctx = ModelInfo.load(demo_model).context_length
     with VLMClient(triton_server.grpc_url, timeout=60) as c:

@@ -167,7 +167,7 @@ def test_a_bad_row_refuses_the_request_naming_the_row(triton_server, bad, needle
 # --- presence / frequency penalties ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_baseline(demo_model):
-    from triton_vlm.hf_generate import HFGenerator
+    from triton_vlm.baseline.generate import HFGenerator
 
     return HFGenerator(demo_model)
 
@@ -236,7 +236,7 @@ def test_num_input_and_output_tokens(triton_server, demo_model, streaming):
     [only_new], err = send(triton_server, new)
     n_new = int(only_new["sequence_length"].reshape(-1)[0])
     assert n_in == {int(full["sequence_length"].reshape(-1)[0]) - n_new} and n_out == n_new
-    from triton_vlm.checkpoint import ModelInfo
+    from triton_vlm.preprocess.checkpoint import ModelInfo
 
     assert min(n_in) > ModelInfo.load(demo_model).num_image_tokens, "the image's placeholder tokens are counted"
     plain, err = send(triton_server, {k: v for k, v in inputs.items() if not k.startswith("return_num")},

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Sto
 
 from triton_vlm.engine.search.decoder import Decoder, StepResult
 from triton_vlm.errors import Internal, InvalidArgument
-from triton_vlm.hf_generate import penalty_processors
+from triton_vlm.baseline.generate import penalty_processors
 from triton_vlm.params import GenerationParams, GenerationRequest, ModelLimits
 
 V = 199

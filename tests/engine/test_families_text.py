@@ -78,7 +78,7 @@ def _png(img: Image.Image) -> bytes:
 def _inputs(processor, path, prompt: str, images):
     """(ids, pixel_values, image features) as transformers' processor and our vision encoder compute them; our
     preprocess must give the same ids and pixels."""
-    from triton_vlm.preprocess import Preprocessor
+    from triton_vlm.preprocess.service import Preprocessor
     from triton_vlm.vision.encoder import VisionEncoder
 
     hf = processor(text=prompt, images=images, return_tensors="pt")

@@ -304,7 +304,7 @@ def test_guided_greedy_steps_batched_and_leaves_its_step_mates_bit_for_bit(ckpt,
 
 
 def test_the_transformers_baseline_refuses_guided_requests(demo_model):
-    from triton_vlm.hf_generate import HFGenerator
+    from triton_vlm.baseline.generate import HFGenerator
 
     req = GenerationRequest("g", [1, 5, 6], GenerationParams(max_tokens=4, guided=GuidedDecoding("regex", "a+")))
     with pytest.raises(InvalidArgument, match="does not constrain decoding; serve with backend 'engine'"):

@@ -15,7 +15,7 @@ from triton_vlm.engine.model import mrope
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.params import GenerationParams, GenerationRequest
-from triton_vlm.preprocess import Preprocessor
+from triton_vlm.preprocess.service import Preprocessor
 
 SIZES = [(60, 100), (300, 40), (224, 224), (30, 30)]  # (H, W): small, tall, at max_pixels, below min_pixels
 
@@ -190,7 +190,7 @@ def test_prefix_cache_keys_cover_the_image_sizes(ckpt):
 
 def test_video_positions_equal_transformers(ckpt):
     """Videos (several frames per temporal patch, Qwen2.5-VL's time spacing) and an image in one prompt."""
-    from triton_vlm.videos import encode_mp4
+    from triton_vlm.preprocess.videos import encode_mp4
 
     model, path, pre = ckpt
     rng = np.random.default_rng(4)

@@ -25,7 +25,7 @@ class TritonPythonModel:
         dtype = p.get("dtype") or "float32"
         kind = p.get("backend") or "engine"
         if kind == "hf":
-            from triton_vlm.hf_generate import HFGenerator
+            from triton_vlm.baseline.generate import HFGenerator
 
             backend = HFGenerator(model_dir, device=device, dtype=dtype)
             tokenizer, image_token_id = backend.tokenizer, backend.image_token_id

@@ -1,6 +1,6 @@
 """preprocess: prompt + images -> input ids with image placeholders, pixel values, word lists.
 
-Thin adapter: the logic is `triton_vlm.preprocess.Preprocessor`. A request of several rows (prompts) is
+Thin adapter: the logic is `triton_vlm.preprocess.service.Preprocessor`. A request of several rows (prompts) is
 preprocessed row by row (a bad row refuses the request, naming the row); the outputs are padded to one shape
 (`preprocess.stack_rows`). In a row of a batched request, empty `images` entries are padding (rows with fewer
 images than others).
@@ -19,7 +19,7 @@ _IN = {s.name: s for s in N.PREPROCESS_INPUTS}
 
 class TritonPythonModel:
     def initialize(self, args):
-        from triton_vlm.preprocess import Preprocessor
+        from triton_vlm.preprocess.service import Preprocessor
 
         config.setup_logging()
         p = config.model_parameters(args)
@@ -41,7 +41,7 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        from triton_vlm.preprocess import stack_rows
+        from triton_vlm.preprocess.service import stack_rows
 
         try:
             rows = tensors.batch_size(request, _IN)

@@ -11,7 +11,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from ..images import DEFAULT_MAX_IMAGES
+from ..preprocess.images import DEFAULT_MAX_IMAGES
 from .config import FrontendConfig
 from .errors import install_handlers
 from .guard import RequestGuard

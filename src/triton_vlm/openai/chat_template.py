@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..prompt import IMAGE_MARKER, INLINE_IMAGE, find_malformed_inline
+from ..preprocess.prompt import IMAGE_MARKER, INLINE_IMAGE, find_malformed_inline
 from .errors import bad_request
 
 VIDEO = object()  # a video part of a `Turn` (Qwen2-VL's templates render {"type": "video"})

@@ -16,7 +16,7 @@ import binascii
 import urllib.parse
 from dataclasses import dataclass
 
-from ..images import DEFAULT_MAX_IMAGES
+from ..preprocess.images import DEFAULT_MAX_IMAGES
 from .aio import gather_all
 from .errors import bad_request
 from .fetch import DEFAULT_PORTS, FetchFailed, TooLarge, fetch

@@ -58,7 +58,7 @@ def image_markers(spec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What stands for an image and for a video in a prompt of this checkpoint: `<image>` and its family's own
     format; `<video>` and its family's (none for a family that takes no videos)."""
     from ..families import family_for_config  # noqa: PLC0415
-    from ..prompt import IMAGE_MARKER  # noqa: PLC0415
+    from ..preprocess.prompt import IMAGE_MARKER  # noqa: PLC0415
     from ..spec import read_json  # noqa: PLC0415
 
     family = family_for_config(read_json(spec.model_dir / "config.json"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from ...prompt import IMAGE_MARKER
+from ...preprocess.prompt import IMAGE_MARKER
 from ..chat_template import VIDEO, Turn, check_text
 from ..errors import bad_request
 from ..params import make_plan

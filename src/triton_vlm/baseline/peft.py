@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .lora.format import Adapter
+from ..lora.format import Adapter
 
 _LM_LAYER = re.compile(r"(?:^|\.)language_model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)$")
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 IMAGE_MARKER = "<image>"
 # webui's regex is `<img src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)">`; we accept any image subtype

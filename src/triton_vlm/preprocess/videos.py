@@ -28,7 +28,7 @@ from typing import Any, Union
 import numpy as np
 from PIL import Image
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 from .images import payload_to_bytes
 
 DEFAULT_MAX_VIDEO_BYTES = 64 << 20
@@ -170,7 +170,7 @@ class VideoProcessor:
         self.cfg = cfg
 
     def grid(self, video: Video) -> tuple[int, int, int]:
-        from .families.qwen2_vl import smart_resize  # noqa: PLC0415
+        from ..families.qwen2_vl import smart_resize  # noqa: PLC0415
 
         c = self.cfg
         h, w = smart_resize(video.size[0], video.size[1], c.patch * c.merge, c.min_pixels, c.max_pixels)
@@ -210,7 +210,7 @@ def encode_mp4(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:
 def video_config(model_dir: Any) -> VideoConfig:
     from pathlib import Path  # noqa: PLC0415
 
-    from .spec import read_json  # noqa: PLC0415
+    from ..spec import read_json  # noqa: PLC0415
 
     d = Path(model_dir)
     return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),

@@ -30,12 +30,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from .checkpoint import ModelInfo, load_components
-from .families import get_family
-from . import names as N
-from .errors import InvalidArgument
+from ..families import get_family
+from .. import names as N
+from ..errors import InvalidArgument
 from .image_cache import ImageCache, ProcessedImage, image_key
 from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, payload_to_bytes
-from .params import check_word_count, words_to_flat
+from ..params import check_word_count, words_to_flat
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
 VIDEO_MARKER = "<video>"

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .families import FAMILIES, Family, ImageLayout, describe_families, family_for_config, get_family
-from .spec import CheckpointError, CheckpointSpec
-from .spec import read_json as _read_json
+from ..families import FAMILIES, Family, ImageLayout, describe_families, family_for_config, get_family
+from ..spec import CheckpointError, CheckpointSpec
+from ..spec import read_json as _read_json
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 DEFAULT_MAX_PIXELS = 4096 * 4096  # per image, width * height
 DEFAULT_MAX_IMAGES = 8  # per request

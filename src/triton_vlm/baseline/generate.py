@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch
 
-from .engine.model.merge import merge_image_embeds
-from .errors import InvalidArgument, VLMError
-from .hf_peft import PeftAdapters
-from .spec import CheckpointError, CheckpointSpec
-from .params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
+from ..engine.model.merge import merge_image_embeds
+from ..errors import InvalidArgument, VLMError
+from .peft import PeftAdapters
+from ..spec import CheckpointError, CheckpointSpec
+from ..params import GenerationRequest, GenerationResult, ModelLimits, Sequence_
 
 log = logging.getLogger("triton_vlm")
 OnResult = Callable[[GenerationResult], None]
@@ -54,7 +54,7 @@ class PresenceFrequencyPenalty:
         self.prompt_len, self.presence, self.frequency = prompt_len, float(presence), float(frequency)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from .engine.search.logits import presence_frequency_penalty  # noqa: PLC0415
+        from ..engine.search.logits import presence_frequency_penalty  # noqa: PLC0415
 
         return presence_frequency_penalty(input_ids[:, self.prompt_len:], scores, self.presence, self.frequency)
 
@@ -70,7 +70,7 @@ class HFGenerator:
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "float32"):
         import transformers  # noqa: PLC0415
 
-        from .families import family_of  # noqa: PLC0415
+        from ..families import family_of  # noqa: PLC0415
 
         self.device = torch.device(device)
         family = family_of(CheckpointSpec.load(model_dir))
@@ -179,7 +179,7 @@ class HFGenerator:
             return None
         from transformers.generation.streamers import BaseStreamer  # noqa: PLC0415
 
-        from .engine.search.detok import IncrementalDetokenizer  # noqa: PLC0415
+        from ..engine.search.detok import IncrementalDetokenizer  # noqa: PLC0415
 
         detok = IncrementalDetokenizer(self.tokenizer)
         rid = req.request_id
