@@ -5,7 +5,6 @@ checkpoint (its processor's "[INST] ... [/INST]" chat template) and one front en
 streamed text equal to the unstreamed, and usage counting each image's own number of tokens."""
 from __future__ import annotations
 
-import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,22 +21,9 @@ IMAGES = {name: png(size, seed=70 + i) for i, (name, size) in enumerate(SIZES.it
 @pytest.fixture(scope="module")
 def next_api(tmp_path_factory):
     """(the front end, the server) on one NeXT checkpoint, shared by this module's tests."""
-    from conftest import _start_server, _stop_server
-    from test_openai import Running
+    from test_openai import serve_api
 
-    from triton_vlm.openai import FrontendConfig
-
-    model = build(tmp_path_factory.mktemp("next-openai"), VARIANT)
-    server = _start_server(tmp_path_factory, model, {}, "next-openai-server")
-    try:
-        fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=model,
-                                    triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
-    except BaseException:
-        _stop_server(server)
-        raise
-    yield fe, server
-    fe.stop()
-    _stop_server(server)
+    yield from serve_api(tmp_path_factory, build(tmp_path_factory.mktemp("next-openai"), VARIANT), "next-openai-server")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,9 @@ def ref(next_api):
 
 
 def _url(data: bytes) -> str:
-    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+    from test_openai import data_url
+
+    return data_url(data)
 
 
 def _messages(names: list[str], question: str) -> list[dict]:

@@ -68,6 +68,27 @@ class Running:
         self.thread.join(30)
 
 
+def serve_api(tmp_path_factory, model, name: str):
+    """A generator for a module fixture: a live tritonserver on `model` and a front end on it, (front end, server);
+    both stopped after the module."""
+    from conftest import _start_server, _stop_server
+
+    server = _start_server(tmp_path_factory, model, {}, name)
+    try:
+        fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=model,
+                                    triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
+    except BaseException:
+        _stop_server(server)
+        raise
+    yield fe, server
+    fe.stop()
+    _stop_server(server)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
 @pytest.fixture(scope="module")
 def base_config(triton_server, demo_model, demo_adapters) -> FrontendConfig:
     return FrontendConfig(triton=triton_server.grpc_url, model_dir=demo_model, lora_dir=demo_adapters,

@@ -5,7 +5,6 @@ prompt the same template renders: greedy, beam search (n sequences), streamed te
 counting each image's own number of tokens; the family's image marker typed into message text is refused."""
 from __future__ import annotations
 
-import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -23,22 +22,9 @@ IMAGES = {name: png(size, seed=90 + i) for i, (name, size) in enumerate(SIZES.it
 @pytest.fixture(scope="module")
 def qwen_api(tmp_path_factory):
     """(the front end, the server) on one Qwen2.5-VL checkpoint, shared by this module's tests."""
-    from conftest import _start_server, _stop_server
-    from test_openai import Running
+    from test_openai import serve_api
 
-    from triton_vlm.openai import FrontendConfig
-
-    model = build(tmp_path_factory.mktemp("qwen-openai"), KIND)
-    server = _start_server(tmp_path_factory, model, {}, "qwen-openai-server")
-    try:
-        fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=model,
-                                    triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
-    except BaseException:
-        _stop_server(server)
-        raise
-    yield fe, server
-    fe.stop()
-    _stop_server(server)
+    yield from serve_api(tmp_path_factory, build(tmp_path_factory.mktemp("qwen-openai"), KIND), "qwen-openai-server")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +38,9 @@ def ref(qwen_api):
 
 
 def _url(data: bytes) -> str:
-    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+    from test_openai import data_url
+
+    return data_url(data)
 
 
 def _messages(names: list[str], question: str) -> list[dict]:
@@ -123,7 +111,9 @@ def test_video_url_equals_generate(client, ref):
     """vLLM's `video_url` part with a data:video/mp4 URL, beside an image: the same tokens as transformers on the
     same frames."""
     video = mp4(10, (64, 48), seed=5)
-    url = f"data:video/mp4;base64,{base64.b64encode(video).decode()}"
+    from test_openai import data_url
+
+    url = data_url(video, "video/mp4")
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                              {"type": "image_url", "image_url": {"url": _url(IMAGES["small"])}},
                                              {"type": "text", "text": "What happens?"}]}]
