@@ -56,6 +56,20 @@ def test_ensemble_wiring_uses_declared_names():
     assert {s.name for s in N.ENSEMBLE_OUTPUTS} <= produced
 
 
+def test_ensemble_wiring_is_the_one_pipeline_description():
+    """Every step input of the ensemble config is what `names.PIPELINE` / `fed_by` say: the internal tensor of the
+    nearest earlier step that outputs that name, else the ensemble's own input (the front end follows the same)."""
+    text = (REPO / "ensemble" / "config.pbtxt").read_text()
+    steps = re.findall(r'model_name:\s*"(\w+)".*?input_map \[(.*?)\]', text, re.S)
+    assert tuple(s[0] for s in steps) == N.PIPELINE
+    for i, (model, imap) in enumerate(steps):
+        ins = dict(re.findall(r'key:\s*"(\w+)"\s*value:\s*"(\w+)"', imap))
+        internal = set().union(*(N.fed_by(model, e) for e in N.PIPELINE[:i]))
+        assert {k for k, v in ins.items() if v == f"_{k}"} == internal, model
+        assert all(v == k for k, v in ins.items() if k not in internal), model
+    assert N.fed_by("llm", "preprocess") >= {N.INPUT_IDS, N.MEDIA_GRIDS} and N.IMAGE_EMBEDS in N.fed_by("llm", "vision")
+
+
 def test_client_protocol_matches():
     from triton_vlm_client import protocol as P
 

@@ -267,6 +267,22 @@ MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {
 }
 
 
+# The pipeline, described once: the ensemble's steps in order. A step's input takes the output of the same name of
+# the nearest earlier step that has one (an internal tensor, `_<name>` in the ensemble config), else the ensemble's
+# input of that name. The ensemble config follows it (tests/test_names.py) and so does the OpenAI front end's direct
+# route (`openai/triton.py`, which runs the steps itself).
+PIPELINE: tuple[str, ...] = ("preprocess", "vision", "llm")
+
+
+def fed_by(model: str, earlier: str) -> frozenset[str]:
+    """The inputs of `model` that the step `earlier` feeds (its outputs of those names, unless a step between
+    them produces the same name)."""
+    steps = PIPELINE[PIPELINE.index(earlier):PIPELINE.index(model)]
+    wanted = {s.name for s in MODELS[model][0]}
+    later = set().union(*({s.name for s in MODELS[m][1]} for m in steps[1:]))
+    return frozenset(wanted & {s.name for s in MODELS[earlier][1]} - later)
+
+
 def spec(name: str, specs: tuple[TensorSpec, ...] = ENSEMBLE_INPUTS + ENSEMBLE_OUTPUTS) -> TensorSpec:
     for s in specs:
         if s.name == name:

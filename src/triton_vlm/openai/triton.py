@@ -41,10 +41,10 @@ _STREAM_ERRORS = (("triton_grpc_error", "true"),)
 _MAX_MESSAGE = 2**31 - 1
 _PACK = {N.INT32: "<i", N.FP32: "<f", N.UINT64: "<Q"}
 _DTYPES = {N.INT32: np.int32, N.FP32: np.float32, N.UINT64: np.uint64, "INT64": np.int64, N.FP16: np.float16}
-# preprocess outputs go unchanged to the models that take an input of their name (the ensemble's input_map)
-_LLM_INPUTS = frozenset(s.name for s in N.LLM_INPUTS)
-_TO_LLM = _LLM_INPUTS & frozenset(s.name for s in N.PREPROCESS_OUTPUTS)
-_TO_VISION = frozenset(s.name for s in N.VISION_INPUTS) & frozenset(s.name for s in N.PREPROCESS_OUTPUTS)
+# the steps' wiring, as the ensemble has it (`names.PIPELINE`, `names.fed_by`)
+_TO_VISION = N.fed_by(VISION, PREPROCESS)
+_TO_LLM = N.fed_by(LLM, PREPROCESS)
+_VISION_TO_LLM = N.fed_by(LLM, VISION)
 _SPECS = {s.name: s for s in N.ENSEMBLE_INPUTS}
 
 
@@ -289,7 +289,7 @@ class TritonClient:
                     o, raw = out[name]
                     add_input(vis, name, o.datatype, list(o.shape), raw)
                 emb = _outputs(await stub.ModelInfer(vis, metadata=self._auth, timeout=self.timeout_s))
-                for name in _LLM_INPUTS & emb.keys():  # image_embeds (and what else vision gives llm)
+                for name in _VISION_TO_LLM & emb.keys():  # image_embeds, image_feature_lens
                     o, raw = emb[name]
                     add_input(llm, name, o.datatype, list(o.shape), raw)
         except grpc.aio.AioRpcError as e:
