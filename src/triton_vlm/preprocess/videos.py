@@ -9,8 +9,8 @@ samples (`Qwen2VLVideoProcessor.sample_frames` with `fps`: total / rate x fps fr
 `arange(0, total, total / n)`).
 
 Limits, checked before the pixels are decoded where the container says them: the file size (`max_bytes`), the frame
-count (`MAX_FRAMES` in the file), each frame's pixels (`max_pixels`, the image cap), the decoded frames actually
-present. Every problem raises `InvalidArgument` naming the video (`what`).
+count (`MAX_FRAMES` in the file), each frame's pixels (`max_pixels`, the image cap), frames x pixels
+(`MAX_DECODED_PIXELS`: decoding is linear in it), the decoded frames actually present. Every problem raises `InvalidArgument` naming the video (`what`).
 
 Pixels (`VideoProcessor`): each sampled frame resized to `smart_resize` of its size (the video processor's
 min / max pixels), bicubic as the checkpoint's image processor resizes (PIL: torchvision, which transformers' video
@@ -33,6 +33,7 @@ from .images import payload_to_bytes
 
 DEFAULT_MAX_VIDEO_BYTES = 64 << 20
 MAX_FRAMES = 4096  # frames a file may hold (each is decoded to be counted or kept)
+MAX_DECODED_PIXELS = 1 << 31  # frames x pixels a file may ask the decoder for (about 1,000 frames of 1080p)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pi
                                   "frames at a known rate are accepted")
         if not 0 < w * h <= max_pixels:
             raise InvalidArgument(f"{what}: frames of {w}x{h} pixels; at most {max_pixels} pixels per frame")
+        if total * w * h > MAX_DECODED_PIXELS:
+            raise InvalidArgument(f"{what}: {total} frames of {w}x{h} pixels; at most {MAX_DECODED_PIXELS} pixels "
+                                  "in all are decoded (send a shorter or smaller video)")
         try:
             keep = sample_indices(total, rate, cfg)
         except ValueError as e:
