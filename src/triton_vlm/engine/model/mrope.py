@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ...errors import InvalidArgument
@@ -60,17 +61,15 @@ def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRop
     """The prompt's M-RoPE positions: `grids` are its images' and videos' in prompt order; `seconds` each one's
     seconds per temporal patch (read for videos, Qwen2.5-VL; None: 1). Raises InvalidArgument when the placeholders
     do not match the grids."""
-    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
-    kinds = torch.zeros_like(ids)
-    kinds[ids == spec.image_token_id] = 1
-    kinds[ids == spec.video_token_id] = 2
+    ids = np.asarray(list(input_ids), dtype=np.int64)
+    kinds = np.where(ids == spec.image_token_id, 1, np.where(ids == spec.video_token_id, 2, 0))  # [P]
+    starts = np.flatnonzero(kinds)  # placeholder positions: a text run ends at the next one
     parts, pos, i, g = [], 0, 0, 0
     n = len(ids)
     while i < n:
         if kinds[i] == 0:
-            j = i
-            while j < n and kinds[j] == 0:
-                j += 1
+            k = np.searchsorted(starts, i)
+            j = int(starts[k]) if k < len(starts) else n
             parts.append(torch.arange(j - i).expand(3, -1) + pos)
             pos, i = pos + j - i, j
             continue
