@@ -36,3 +36,28 @@ def test_aspect_ratios_past_200_are_refused_with_the_ratio():
         layout.tokens((2, 500))
     with pytest.raises(InvalidArgument, match="aspect ratio"):
         layout.tokens((0, 10))
+
+
+def test_truncation_drops_whole_images_with_their_true_counts(tmp_path):
+    """A prompt one image too long: that image goes whole (all its placeholders and its vision markers stay
+    balanced), the later image keeps its own count."""
+    import io
+
+    from PIL import Image
+
+    from triton_vlm.demo.qwen_checkpoint import build_qwen_vl
+    from triton_vlm.preprocess.service import Preprocessor
+
+    def png(w, h):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(w).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+
+    pre = Preprocessor(build_qwen_vl(tmp_path / "q", "qwen2_vl", max_position_embeddings=160))
+    big, small = png(224, 224), png(100, 60)  # 64 and 8 tokens
+    pad = pre.info.image_token_id
+    full = pre("<image> first <image> second", [big, small], max_tokens=8)
+    assert full.dropped_images == 0 and full.input_ids.count(pad) == 72
+    cut = pre("<image> first <image> second", [big, small], max_tokens=100)  # 60 prompt tokens left
+    assert cut.dropped_images == 1 and cut.input_ids.count(pad) == 8 and len(cut.input_ids) <= 60
+    assert [tuple(s) for s in cut.image_sizes] == [(60, 100)] and len(cut.pixel_values) == 32
