@@ -361,6 +361,23 @@ def test_image_urls_may_not_reach_the_servers_network(image_server):
     assert "not allowed" in _load(strict, "http://evil.com/a.png")  # the host allowlist comes first
 
 
+def test_video_urls_take_the_same_policy_and_their_own_size_limit(image_server):
+    """`video_url` over http(s): the same allowlist, address and port checks as images; the file is not sniffed
+    as an image (preprocess decodes videos) and its limit is `max_video_bytes`."""
+    base = f"http://127.0.0.1:{image_server.port}"
+    strict = MediaPolicy(("127.0.0.1",), ports=(image_server.port,), timeout_s=1.0)
+    private = replace(strict, allow_private=True)
+    assert asyncio.run(private.load_videos([base + "/shape.png"])) == [image_server.png]
+    for policy, url, needle in ((strict, base + "/shape.png", "the video at URL could not be fetched"),
+                                (replace(private, max_video_bytes=100), base + "/shape.png", "over 100 bytes"),
+                                (private, "http://evil.com/v.mp4", "video host 'evil.com' is not allowed"),
+                                (MediaPolicy(), "https://example.com/v.mp4", "video URLs over http(s) are not "),
+                                (private, "data:image/png;base64,AAAA", "must be data:video/")):
+        with pytest.raises(APIError) as ei:
+            asyncio.run(policy.load(url, "video"))
+        assert ei.value.status == 400 and needle in ei.value.message.replace(url, "URL"), ei.value.message
+
+
 def test_image_parts_are_counted_before_any_fetch(image_server):
     policy = MediaPolicy(("127.0.0.1",), ports=(image_server.port,), allow_private=True, max_images=2)
     urls = [f"http://127.0.0.1:{image_server.port}/shape.png"] * 3

@@ -1,4 +1,6 @@
-"""`image_url` -> the image file's bytes, sent to the ensemble's `images` input (decoded there, by content).
+"""`image_url` -> the image file's bytes, sent to the ensemble's `images` input (decoded there, by content); and
+`video_url` (vLLM's form) -> the video file's bytes for its `videos` input, by the same rules (a data:video/ URL, or
+http(s) from allowed hosts; not sniffed here: preprocess decodes and checks videos), at most `max_video_bytes`.
 
 - `data:` URLs (base64): PNG, JPEG, WebP and GIF, recognised by their bytes;
 - `http(s)` URLs only for hosts the operator allows (`--allowed-image-domains example.com,*.example.org`),
@@ -69,9 +71,7 @@ DEFAULT_MAX_VIDEO_BYTES = 64 << 20
 
 
 def decode_video_data_url(url: str, max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> bytes:
-    """A `video_url`: only data:video/...;base64 URLs (the file is decoded and checked by preprocess)."""
-    if not url.startswith("data:"):
-        raise bad_request("video_url accepts data:video/<type>;base64,<data> URLs only", param="messages")
+    """A `video_url`'s data:video/...;base64 URL -> the file (decoded and checked by preprocess)."""
     header, sep, payload = url.partition(",")
     media = header[5:].split(";", 1)[0].lower()
     if not sep or ";base64" not in header or (media and not media.startswith("video/")):
@@ -93,6 +93,7 @@ class MediaPolicy:
     max_images: int = DEFAULT_MAX_IMAGES  # per request (the preprocess model's max_images)
     ports: tuple[int, ...] = DEFAULT_PORTS  # of http(s) image URLs
     allow_private: bool = False  # fetch from loopback / private / link-local addresses too (fetch.py)
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES  # a video_url's file
 
     def host_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
@@ -110,29 +111,36 @@ class MediaPolicy:
                               param="messages")
         return await gather_all(self.load(u) for u in urls)
 
-    async def load(self, url: str) -> bytes:
-        """The bytes of the image an `image_url` names; APIError(400) when it may not or cannot be loaded."""
+    async def load_videos(self, urls: list[str]) -> list[bytes]:
+        """Every video of a request (`video_url`), fetched concurrently like images (the preprocess model decodes
+        and checks them: its `max_videos`, frame and pixel limits)."""
+        return await gather_all(self.load(u, "video") for u in urls)
+
+    async def load(self, url: str, kind: str = "image") -> bytes:
+        """The bytes of the image an `image_url` (or the video a `video_url`) names; APIError(400) when it may not
+        or cannot be loaded."""
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        limit = self.max_bytes if kind == "image" else self.max_video_bytes
         if scheme == "data":
-            return decode_data_url(url, self.max_bytes)
+            return decode_data_url(url, limit) if kind == "image" else decode_video_data_url(url, limit)
         if scheme not in ("http", "https"):
-            raise bad_request(f"image_url must be a data: URL{' or an http(s) URL' if self.allowed_domains else ''}"
+            raise bad_request(f"{kind}_url must be a data: URL{' or an http(s) URL' if self.allowed_domains else ''}"
                               f"; {scheme or 'a path'!s} URLs are not accepted", param="messages")
         host = urllib.parse.urlsplit(url).hostname or ""
         if not self.allowed_domains:
-            raise bad_request("image URLs over http(s) are not accepted by this server (it was started without "
-                              "--allowed-image-domains); send the image as a data: URL", param="messages")
+            raise bad_request(f"{kind} URLs over http(s) are not accepted by this server (it was started without "
+                              f"--allowed-image-domains); send the {kind} as a data: URL", param="messages")
         if not self.host_allowed(host):
-            raise bad_request(f"image host {host!r} is not allowed; allowed: {', '.join(self.allowed_domains)}",
+            raise bad_request(f"{kind} host {host!r} is not allowed; allowed: {', '.join(self.allowed_domains)}",
                               param="messages")
         try:
-            data = await fetch(url, host_allowed=self.host_allowed, max_bytes=self.max_bytes,
+            data = await fetch(url, host_allowed=self.host_allowed, max_bytes=limit,
                                timeout_s=self.timeout_s, ports=self.ports, allow_private=self.allow_private)
         except TooLarge as e:
-            raise bad_request(f"the image at {url} is over {self.max_bytes} bytes ({e.size} or more); at most "
-                              f"{self.max_bytes} are accepted", param="messages") from None
+            raise bad_request(f"the {kind} at {url} is over {limit} bytes ({e.size} or more); at most "
+                              f"{limit} are accepted", param="messages") from None
         except FetchFailed:
-            raise bad_request(f"the image at {url} could not be fetched (images are fetched from public addresses "
+            raise bad_request(f"the {kind} at {url} could not be fetched ({kind}s are fetched from public addresses "
                               f"of allowed hosts, ports {', '.join(map(str, self.ports))}, within "
                               f"{self.timeout_s:g} s)", param="messages") from None
-        return _checked(data, f"the image at {url}", self.max_bytes)
+        return _checked(data, f"the image at {url}", limit) if kind == "image" else data

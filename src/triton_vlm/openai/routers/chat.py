@@ -9,7 +9,6 @@ from ..chat_template import VIDEO, Turn, check_text
 from ..errors import bad_request
 from ..params import make_plan
 from ..responses import ChatFormat
-from ..media import decode_video_data_url
 from ..schemas import UNSUPPORTED_CHAT, ChatCompletionRequest, ChatMessage, ImagePart, VideoPart, unsupported_fields
 from ..service import Frontend
 from ..structured import apply, request_guide
@@ -85,9 +84,10 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest):
     guide = request_guide(body, tools.guide)
     plan = make_plan(body, fe.served.defaults)
     apply(plan.inputs, guide)
-    videos = [decode_video_data_url(u[1]) for u in urls if isinstance(u, tuple)]
-    if videos and not fe.served.video_markers:
+    video_urls = [u[1] for u in urls if isinstance(u, tuple)]
+    if video_urls and not fe.served.video_markers:
         raise bad_request(f"the model {fe.served.base_id} takes no videos", param="messages")
+    videos = await fe.media.load_videos(video_urls)
     images = await fe.media.load_all([u for u in urls if not isinstance(u, tuple)])
     prompt = fe.served.chat.render(turns, len(images), add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message, tools=tools.tools,
