@@ -207,3 +207,26 @@ def test_video_positions_equal_transformers(ckpt):
                                                 list(r.media_seconds))
     assert torch.equal(got.positions, want[:, 0]) and got.delta == int(delta)
     assert grids[0, 0] == 2 and grids[1, 0] == 3  # several temporal patches each
+
+
+def test_static_decode_steps_take_the_rotary_delta(ckpt):
+    """The bucketed static steps (what CUDA graphs record; uncaptured here) carry each row's M-RoPE delta: an engine
+    routing decode steps through them gives the eager engine's tokens for image prompts, and every step was static."""
+    model, path, pre = ckpt
+    cfg = EngineConfig(max_rows=8, kv_cache_tokens=2048, block_size=8, prefill_chunk=32, enable_prefix_caching=False)
+    reqs = []
+    for k, (a, b) in enumerate(((0, 1), (2, 3))):
+        r, ids, grids, pixels = _inputs(pre, PROMPT, [_png(*SIZES[a], a), _png(*SIZES[b], b)])
+        reqs.append(lambda rid, r=r, f=_features(model, grids, pixels): GenerationRequest(
+            request_id=rid, input_ids=r.input_ids, params=GenerationParams(max_tokens=10, beam_width=2),
+            image_embeds=f, image_sizes=[tuple(s) for s in r.image_sizes]))
+    eager = Engine(path, cfg)
+    want = eager.generate([q(f"e{i}") for i, q in enumerate(reqs)])
+    static = Engine(path, cfg)
+    graphs = static.make_decode_graphs(capture=False)
+    got = static.generate([q(f"s{i}") for i, q in enumerate(reqs)])
+    for i in range(len(reqs)):
+        assert [s.token_ids for s in got[f"s{i}"][-1].sequences] == [s.token_ids for s in want[f"e{i}"][-1].sequences]
+    assert graphs.static_steps > 5 and graphs.fallbacks == 0
+    eager.shutdown()
+    static.shutdown()

@@ -14,7 +14,7 @@
   rows the first is then forked into them and each computes its own tokens (`kv.resume_rows`, one forward of
   [rows, chunk] per chunk). Its logits are not stepped.
 - M-RoPE (Qwen2-VL): a request with image positions (`GenerationRequest.rope`, `mrope.py`) prefills at its
-  prompt's 3-D positions and decodes at cache position + its delta (such steps run eager, not in a CUDA graph).
+  prompt's 3-D positions and decodes at cache position + its delta (in CUDA graphs too: the delta is an input).
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -102,8 +102,9 @@ class ModelRunner:
         row_adapters = [a.lora for a in actives for _ in a.kv.rows]  # every row of a request: its adapter
         deltas = [_delta(a) for a in actives for _ in a.kv.rows]  # M-RoPE: rotary position - cache position
         shifted = any(deltas)
-        logits = None if self.graphs is None or shifted else self.graphs.decode(rows, token_ids, row_adapters)
-        if logits is None:  # eager: no graphs, or a step they do not take (rows at shifted rotary positions)
+        logits = None if self.graphs is None else self.graphs.decode(rows, token_ids, row_adapters,
+                                                                       deltas if shifted else None)
+        if logits is None:  # eager: no graphs, or a step they do not take
             x = self.model.embed(torch.tensor(token_ids, dtype=torch.long))[:, None]  # [rows, 1, hidden]
             adapters = LoraBatch.build(row_adapters, self.lora_stacks, self.model.device)
             batch = self.cache.plan(rows, 1)

@@ -2,10 +2,12 @@
 
 A decode step of `n` rows whose longest row holds `t` keys (after this step's token) runs on the buffers of the
 bucket (B, T): B the smallest rows bucket >= n, T the smallest keys bucket >= t. Per bucket one int64 device
-buffer holds every input of the step, `[B * (3 + NB)]` (NB = ceil(T / block_size)), viewed as
+buffer holds every input of the step, `[B * (4 + NB)]` (NB = ceil(T / block_size)), viewed as
 
-    ids [B]  positions [B, 1]  write slots [B]  block tables [B, NB]
+    ids [B]  positions [B, 1]  rope [B, 1]  write slots [B]  block tables [B, NB]
 
+(`rope`: the rotary positions, the cache positions + each row's M-RoPE delta, so Qwen2-VL's steps after an image
+prompt replay the same graphs)
 and is filled by one copy from a host tensor (pinned on a GPU: a non-blocking copy, no host-device sync; the
 caching host allocator keeps it until the copy has run). What the forward needs beyond that is computed on the
 device, inside the graph: read slots [B, T] = table * block_size + offset (column j is position j, as
@@ -86,7 +88,7 @@ class Bucket:
     rows: int  # B
     keys: int  # T
     blocks: int  # NB = ceil(T / block_size)
-    inputs: torch.Tensor  # [B * (3 + NB)] int64 on the device: ids | positions | write slots | block tables
+    inputs: torch.Tensor  # [B * (4 + NB)] int64 on the device: ids | positions | rope | write slots | block tables
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     failed: bool = False  # its capture failed: its steps run eager (the other buckets keep their graphs)
 
@@ -99,12 +101,17 @@ class Bucket:
         return self.inputs[self.rows:2 * self.rows].view(self.rows, 1)  # [B, 1]
 
     @property
+    def rope(self) -> torch.Tensor:
+        """Rotary positions [B, 1]: the cache positions + each row's M-RoPE delta (0 without one)."""
+        return self.inputs[2 * self.rows:3 * self.rows].view(self.rows, 1)
+
+    @property
     def write_slots(self) -> torch.Tensor:
-        return self.inputs[2 * self.rows:3 * self.rows]  # [B]
+        return self.inputs[3 * self.rows:4 * self.rows]  # [B]
 
     @property
     def tables(self) -> torch.Tensor:
-        return self.inputs[3 * self.rows:].view(self.rows, self.blocks)  # [B, NB]
+        return self.inputs[4 * self.rows:].view(self.rows, self.blocks)  # [B, NB]
 
 
 class DecodeGraphs:
@@ -138,10 +145,11 @@ class DecodeGraphs:
     def captured(self) -> int:
         return sum(b.graph is not None for b in self._buckets.values())
 
-    def decode(self, rows: list[RowKV], tokens: Sequence[int],
-               row_adapters: Sequence[Any] = ()) -> Optional[torch.Tensor]:
+    def decode(self, rows: list[RowKV], tokens: Sequence[int], row_adapters: Sequence[Any] = (),
+               deltas: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
         """Append one token to every row and run the step on its bucket: fp32 logits [rows, vocab]. None (rows
-        untouched) where the step must run eager: an adapter on some row, too many rows or keys, graphs off."""
+        untouched) where the step must run eager: an adapter on some row, too many rows or keys, graphs off.
+        `deltas`: each row's rotary position - cache position (M-RoPE rows after an image prompt; None: 0)."""
         shape = self.bucket_shape(len(rows), max(r.length for r in rows) + 1)
         if not self.enabled or shape is None or any(a is not None for a in row_adapters):
             self.fallbacks += 1
@@ -151,7 +159,7 @@ class DecodeGraphs:
             self.fallbacks += 1
             return None
         write = [s for r in rows for s in self.cache.append(r, 1)]
-        host = self._host_inputs(b, rows, tokens, write)  # [B * (3 + NB)]
+        host = self._host_inputs(b, rows, tokens, write, deltas)  # [B * (4 + NB)]
         if self.device.type == "cuda":
             host = host.pin_memory()
         b.inputs.copy_(host, non_blocking=True)  # from pinned memory: asynchronous, no sync
@@ -169,18 +177,20 @@ class DecodeGraphs:
         b = self._buckets.get((rows, keys))
         if b is None:
             nb = -(-keys // self.cache.block_size)
-            inputs = torch.zeros(rows * (3 + nb), dtype=torch.long, device=self.device)
+            inputs = torch.zeros(rows * (4 + nb), dtype=torch.long, device=self.device)
             b = self._buckets[(rows, keys)] = Bucket(rows, keys, nb, inputs)
         return b
 
-    def _host_inputs(self, b: Bucket, rows: list[RowKV], tokens: Sequence[int], write: list[int]) -> torch.Tensor:
+    def _host_inputs(self, b: Bucket, rows: list[RowKV], tokens: Sequence[int], write: list[int],
+                     deltas: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The step's inputs as one host int64 tensor in the bucket's layout; rows past len(rows) are padding."""
         pad = b.rows - len(rows)
         ids = list(tokens) + [self.pad_token] * pad
         positions = [r.length - 1 for r in rows] + [0] * pad  # after append: the new token's position
+        rope = [p + d for p, d in zip(positions, deltas)] + [0] * pad if deltas is not None else positions
         slots = write + [self.cache.scratch_slot] * pad
         tables = [x for r in rows for x in r.blocks[:b.blocks] + [0] * (b.blocks - len(r.blocks))]  # pad: block 0
-        return torch.tensor(ids + positions + slots + tables + [0] * (pad * b.blocks), dtype=torch.long)
+        return torch.tensor(ids + positions + rope + slots + tables + [0] * (pad * b.blocks), dtype=torch.long)
 
     def _set_padding(self, b: Bucket) -> None:
         """Every row of the bucket a padding row (capture and warm-up write only the scratch slot)."""
@@ -199,7 +209,7 @@ class DecodeGraphs:
         batch = AttentionBatch(positions=b.positions, write_slots=b.write_slots, read_slots=read,
                                mask=mask[:, None, None, :])  # mask [B, 1, 1, T]
         x = self.model.embed(b.ids)[:, None]  # [B, 1, hidden]
-        logits = self.model.forward(x, batch, self.cache, None)  # [B, vocab] fp32
+        logits = self.model.forward(x, batch, self.cache, None, rope=b.rope)  # [B, vocab] fp32
         self._out[:b.rows].copy_(logits)
 
     def capture_all(self) -> int:
