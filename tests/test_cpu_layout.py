@@ -2,7 +2,11 @@
 live server; and the plan's rules."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -29,6 +33,50 @@ def test_a_refused_layout_leaves_the_stub_as_it_was():
     assert cpu_layout.apply_llm_cpus({}) is None
 
 
+_KEEP_ONLY = textwrap.dedent("""
+    import json, os, threading, time
+    from triton_vlm.server import cpu_layout
+    llm = cpu_layout.apply_llm_cpus({cpu_layout.LLM_CPUS_ENV: os.environ["LLM"]})
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)  # the engine's thread
+    other = threading.Thread(target=stop.wait)   # e.g. the responder, started before keep_only
+    worker.start(); other.start()
+    kept = cpu_layout.keep_only(worker.native_id)
+    late = {}
+    def started_later():
+        late["cpus"] = sorted(os.sched_getaffinity(0))
+    t = threading.Thread(target=started_later); t.start(); t.join()
+    out = {"llm": llm, "kept": kept, "worker": sorted(os.sched_getaffinity(worker.native_id)),
+           "other": sorted(os.sched_getaffinity(other.native_id)), "main": sorted(os.sched_getaffinity(0)),
+           "late": late["cpus"], "name": open(f"/proc/self/task/{worker.native_id}/comm").read().strip()}
+    stop.set()
+    print(json.dumps(out))
+""")
+
+
+def test_keep_only_leaves_the_engine_thread_alone_on_the_llm_cpus():
+    """In a process of its own (affinity is per thread): the compute thread stays on the llm CPU, every other
+    thread (and one started later by another) goes back to the CPUs the process started on, less the llm's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, LLM=str(cpus[0]))
+    out = json.loads(subprocess.run([sys.executable, "-c", _KEEP_ONLY], env=env, capture_output=True, text=True,
+                                    check=True, timeout=60).stdout)
+    assert out["llm"] == [cpus[0]]
+    if len(cpus) < 2:  # one CPU: nowhere else to go, nothing moves
+        assert out["kept"] is False and out["other"] == [cpus[0]]
+        return
+    assert out["kept"] is True and out["name"] == "llm-engine"
+    assert out["worker"] == [cpus[0]]
+    assert out["other"] == out["main"] == out["late"] == cpus[1:]
+
+
+def test_keep_only_without_a_layout_moves_nothing():
+    code = ("import os, threading; from triton_vlm.server import cpu_layout; "
+            "print(cpu_layout.keep_only(threading.get_native_id()), sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split(maxsplit=1) == ["False", str(sorted(os.sched_getaffinity(0))) + "\n"]
+
+
 def test_live_server_processes_run_where_the_layout_says(triton_server):
     from triton_vlm.server import procs
 
@@ -41,6 +89,19 @@ def test_live_server_processes_run_where_the_layout_says(triton_server):
     assert "llm" in stubs.values()
     assert os.sched_getaffinity(triton_server.proc.pid) == set(layout.rest)
     for pid, model in stubs.items():
-        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        want = set(layout.llm) if model == "llm" else set(layout.rest)
-        assert all(os.sched_getaffinity(t) == want for t in threads), (model, want)
+        threads = {int(t): _comm(pid, t) for t in os.listdir(f"/proc/{pid}/task")}
+        if model != "llm":
+            assert all(os.sched_getaffinity(t) == set(layout.rest) for t in threads), model
+            continue
+        # the llm stub: the engine's thread alone on the llm CPUs; Triton's IPC thread (the process's main
+        # thread) and the responder with the rest
+        engine = [t for t, name in threads.items() if name == "llm-engine"]
+        assert len(engine) == 1, threads
+        assert os.sched_getaffinity(engine[0]) == set(layout.llm)
+        assert os.sched_getaffinity(pid) == set(layout.rest)
+        assert sum(os.sched_getaffinity(t) == set(layout.rest) for t in threads) >= 3  # main, responder, poller
+
+
+def _comm(pid: int, tid: str) -> str:
+    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+        return f.read().strip()

@@ -18,7 +18,7 @@ class TritonPythonModel:
         config.setup_logging()
         from triton_vlm.server.cpu_layout import apply_llm_cpus
 
-        apply_llm_cpus()  # the CPUs the launcher reserved for this stub, before any thread pool starts
+        llm_cpus = apply_llm_cpus()  # the CPUs the launcher reserved for this stub, before any thread pool starts
         p = config.model_parameters(args)
         model_dir = config.resolve_model_path(p.get("model_path", ""))
         device = p.get("device") or "cpu"
@@ -65,6 +65,10 @@ class TritonPythonModel:
             backend.limits = dataclasses.replace(backend.limits, context_length=context)
         self.service = LLMService(backend, tokenizer, image_token_id, context, adapters=adapters)
         self.service.start()
+        if llm_cpus is not None and kind == "engine":  # the steps alone on the llm CPUs, the rest of us elsewhere
+            from triton_vlm.server.cpu_layout import keep_only
+
+            keep_only(backend.thread_id)
 
     def execute(self, requests):
         self.service.execute(requests)

@@ -374,6 +374,12 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="triton-vlm-engine", daemon=True)
             self._thread.start()
 
+    @property
+    def thread_id(self) -> Optional[int]:
+        """The native id of the thread that runs the steps (None before `start`)."""
+        thread = self._thread
+        return thread.native_id if thread is not None else None
+
     def _loop(self) -> None:
         while True:
             with self._cond:
