@@ -16,9 +16,11 @@ The launcher starts tritonserver and the front end on `rest` (`preexec`), so Tri
 so that what it measures while loading (the kernels' races) runs where the steps will. Once the engine's thread
 runs, `keep_only` leaves that thread alone on the llm CPUs (OpenMP workers it starts inherit them) and moves the
 stub's other threads (Triton's IPC thread, the responder, the cancel poller, the lifeline) back to the CPUs the stub
-started on, as vLLM's worker computes on its cores while its engine core and API server run on the reserved one.
-Measured on a 2-core machine, one server alternating (`vllm bench serve`, 3 rounds each, docs/performance.md):
-concurrency 16 tokens/s 510-581 vs 416-472 with the whole stub on the llm CPU, concurrency 1 TTFT 30-31 vs 46-55 ms.
+started on, as vLLM's worker computes on its cores while its engine core and API server run on the reserved one:
+with several OpenMP threads, a responder preempting one of them stalls the whole parallel region. On a 2-core
+machine, one server alternating (`vllm bench serve`, 3 rounds each, the machine otherwise quiet) it is neutral within
+the noise: concurrency 16 440-476 vs 424-471 tokens/s, TPOT 26-29 vs 30-31 ms, TTFT at concurrency 1 35-37 vs
+36-39 ms (docs/performance.md).
 A CPU the system refuses leaves that process as it was (logged): a layout never stops the server from starting.
 """
 from __future__ import annotations
