@@ -250,8 +250,7 @@ class LlamaModel:
             if kernel is not None:  # [rows, 1, heads * hd]
                 out = step.attend(qkv.reshape(rows, -1), layer.window, kc, vc).view(rows, 1, -1)
             else:
-                out = attention.attend_torch(qkv, *tables, batch.write_slots, batch.read_slots, masks[layer.window],
-                                             kc, vc, self.config.num_heads, self.config.num_kv_heads)
+                out = self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
                 # out [rows, q_len, heads * hd]
             x, h = add_norm(x, layer.o_proj(out, adapters), layer.post_norm, layer.eps)
             down = layer.down_proj(act(layer.gate_up_proj(h, adapters)), adapters)  # [rows, q_len, hidden]
