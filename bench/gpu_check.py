@@ -14,13 +14,16 @@ if a step hangs past the global budget:
    failures' short text. Skipped on a CPU (nothing to run: those tests need CUDA).
 3. `fp32_exact`: a small random LLaVA in fp32, our vision encoder + engine vs transformers `generate()` with
    the pixels, greedy and beam 4, prompts with and without an image: tokens identical.
-4. `big`: the llava-1.5-7b-shaped random model in fp16 (`gpu_big.py`): ours vs transformers in-process.
+4. `big`: the llava-1.5-7b-shaped random model in fp16 (`gpu_big.py`): ours vs transformers in-process, the
+   attention on torch SDPA; then one stream and greedy at 64 again with the paged FlexAttention backend
+   (`TRITON_VLM_ATTENTION=flex`, a fresh engine): `flex_*` numbers and `flex_vs_sdpa_*` ratios.
 5. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
 Writes `<out>` (markdown: a table per step and the targets) and `<out>.json` (raw numbers); prints the table.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import platform
@@ -44,7 +47,8 @@ from bench.gpu_report import Check, StepResult, Targets  # noqa: E402
 
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_kv_profile.py", "tests/test_llm_service.py",
                   "tests/engine/test_beam_batch.py", "tests/engine/test_cuda_graph.py", "tests/engine/test_faults.py",
-                  "tests/engine/test_sampling_batch.py", "tests/engine/test_prefix_cache.py")
+                  "tests/engine/test_sampling_batch.py", "tests/engine/test_prefix_cache.py",
+                  "tests/engine/test_flex_paged.py")
 ATTENTION_LIBRARIES = ("flash_attn", "flashinfer", "xformers")
 
 
@@ -85,7 +89,8 @@ def step_env(check: Check) -> dict:
            "nvcc": shutil.which("nvcc") or "absent",
            "tensorrt": "present" if importlib.util.find_spec("tensorrt") else "absent",
            "attention_libraries": [m for m in ATTENTION_LIBRARIES if importlib.util.find_spec(m)] or "none",
-           "engine_attention": "torch scaled_dot_product_attention (the engine has no attention-library switch)"}
+           "engine_attention": "TRITON_VLM_ATTENTION: torch SDPA or PyTorch FlexAttention (paged); the big step "
+                               "measures both"}
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         out |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
@@ -220,9 +225,75 @@ def step_tensorrt(check: Check) -> dict:
 
 
 def step_big(check: Check) -> dict:
-    from bench.gpu_big import run_big  # noqa: PLC0415
+    """gpu_big.py's rows with the attention on torch SDPA (TRITON_VLM_ATTENTION=sdpa), then one stream and greedy
+    at 64 concurrent again on a fresh engine with FlexAttention (=flex): `flex_*` numbers and their ratios."""
+    from bench.gpu_big import attempt, run_big  # noqa: PLC0415
+    from triton_vlm.engine.model.attention import ENV  # noqa: PLC0415
 
-    return run_big(check)
+    with _env(ENV, "sdpa"):
+        out = run_big(check)
+    if check.left() < (20 if check.tiny else 90):
+        check.note(f"flex attention rows: skipped, {check.left():.0f} s left")
+        return out
+    attempt(check, out, "flex", lambda: flex_rows(check))
+    for row in ("one_stream_tok_s", "greedy64_tok_s"):
+        if out.get(f"flex_{row}") and out.get(row):
+            out[f"flex_vs_sdpa_{row.removesuffix('_tok_s')}"] = round(out[f"flex_{row}"] / out[row], 2)
+    return out
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside the block, restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def flex_rows(check: Check) -> dict:
+    """The big model (saved by the big step) on a fresh engine with TRITON_VLM_ATTENTION=flex, configured as the
+    big step's (CUDA graphs on): TTFT, one stream's decode tok/s, greedy at 64 concurrent -> flex_* numbers."""
+    import json  # noqa: PLC0415
+
+    from bench import gpu_big as gb  # noqa: PLC0415
+    from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+    from triton_vlm.engine.model import attention  # noqa: PLC0415
+
+    s, model_dir = (gb.TINY if check.tiny else gb.LLAVA_7B), check.big_dir
+    feats, _ = gb.image_features(check, model_dir, s, check.big_dtype)
+    prompts = gb.Prompts(feats, json.loads((model_dir / "config.json").read_text())["image_token_index"], s.vocab)
+    prompts.n = 1 << 20  # other prompts than the big step's
+    context = 1 << (prompts.length + max(s.new_tokens, s.stream_tokens, s.agreement_tokens)).bit_length()
+    rows = max(s.greedy_concurrency, s.beam_concurrency * s.beams)  # as gpu_big.ours
+    cfg = EngineConfig(device=str(check.device), dtype=check.big_dtype, max_rows=rows,
+                       context_length=min(context, s.max_pos),
+                       kv_cache_tokens=rows * (prompts.length + 2 * s.stream_tokens + 64))
+    t0 = time.perf_counter()
+    with _env(attention.ENV, "flex"):
+        engine = Engine(model_dir, cfg, tokenizer=gb.IdsTokenizer())
+    att = engine.model.attention
+    out = {"flex_engine_load_s": round(time.perf_counter() - t0, 1), "flex_backend": att.backend,
+           "flex_reason": att.reason}
+    try:
+        gb.engine_batch(check, engine, [gb._request(prompts, "flex-warm", 4)])
+        run_one = lambda r: gb.engine_batch(check, engine, [r])[0]  # noqa: E731
+        out |= {f"flex_{k}": v for k, v in gb.latency_rows(check, run_one, prompts, s, "flex").items()}
+        n = s.greedy_concurrency
+        wall, _ = gb.engine_batch(check, engine, [gb._request(prompts, f"flex-g{i}", s.new_tokens) for i in range(n)])
+        out[f"flex_greedy{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
+        out["flex_failed_at_run_time"] = attention.flex_failed or "no"
+    finally:
+        engine.shutdown()
+        del engine
+        gb._free(check)
+    check.note(f"flex attention: { {k: v for k, v in out.items() if k != 'flex_reason'} }")
+    return out
 
 
 # the big step (the issue's targets) before the gpu tests: these take what is left (a subprocess, killed at its budget)

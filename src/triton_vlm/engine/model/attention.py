@@ -124,6 +124,7 @@ class Attention:
             return "sdpa", f"{ENV}={wanted} but flex cannot run: {why}"
         return "flex", f"{ENV}={wanted}: self-check against SDPA passed on {device.type} {self.cos.dtype}"
 
+    @torch.inference_mode()  # as the forward: the graphs compiled here serve it
     def _self_check(self) -> Optional[str]:
         """Why flex must not be used here (None: it may): a prefill chunk and a decode step of three ragged rows,
         two sharing a block, in a scratch cache of 16-slot blocks, flex (compiled on CUDA) against SDPA."""

@@ -47,6 +47,7 @@ DECODE_Q_BLOCK = 16  # the smallest tile a tensor-core dot takes
 PREFILL_Q_BLOCK = 64
 KERNEL_BLOCK_N = 16  # KV rows per kernel tile on CUDA: must divide the cache's block_size
 DYNAMIC = True  # torch.compile(dynamic=...) of the flex calls
+RECOMPILE_LIMIT = 16  # torch._dynamo's per-function budget (default 8), raised process-wide at the first compile
 
 
 @dataclass
@@ -145,6 +146,10 @@ def _compiled_fn(kind: str) -> Callable:
     """torch.compile'd flex_attention for decode steps or prefill chunks (module doc), compiled at first use."""
     fn = _compiled.get(kind)
     if fn is None:
+        # past its recompile budget dynamo would run flex_attention eagerly: scores over the whole pool. Raise
+        # instead (the caller falls back to SDPA, logged); the budget per function is 16 shape classes
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         fn = _compiled[kind] = torch.compile(_flex_decode if kind == "decode" else _flex_prefill,
                                              dynamic=DYNAMIC, fullgraph=True)
     return fn
