@@ -25,13 +25,16 @@
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
 
-/* the 16 lanes of acc[NV] summed as a tree (4 dependent adds, not 16), the same order at every width */
+typedef float v4f __attribute__((vector_size(4 * sizeof(float)))); /* a quarter of a logical row, on any ISA */
+
+/* the 16 lanes of acc[NV] summed as a tree (4 dependent adds, not 16), the same order at every width:
+   l[i] += l[i + w] for w = 8, 4, 2, 1, in quarter vectors (lanes 4k..4k+3) so that the first two levels are
+   vector adds and nothing goes through memory (a 16-float store and 16 scalar loads cost more than the sum) */
 static inline float lanes_sum(const vf acc[NV]) {
-    float l[LANES];
-    for (int j = 0; j < NV; j++) memcpy(l + j * VW, &acc[j], sizeof(vf));
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) l[i] += l[i + w];
-    return l[0];
+    v4f q[LANES / 4];
+    memcpy(q, acc, sizeof(q));
+    v4f s = (q[0] + q[2]) + (q[1] + q[3]); /* w = 8: lanes 0-3 and 4-7; then w = 4 */
+    return (s[0] + s[2]) + (s[1] + s[3]);  /* w = 2, then w = 1 */
 }
 
 #endif
