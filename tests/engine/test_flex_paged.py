@@ -193,6 +193,42 @@ def test_a_run_time_failure_recomputes_with_sdpa_and_stays_there(monkeypatch, ca
     assert "every later one uses SDPA" in caplog.text
 
 
+def test_model_with_a_sliding_window_layer_runs_it_on_sdpa(tmp_path, monkeypatch):
+    """A windowed layer keeps SDPA under flex, the others take flex: prefill chunks and decode steps give the SDPA
+    model's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from triton_vlm.engine.model.model import LlamaModel  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(tmp_path)
+    logits = {}
+    for backend in ("sdpa", "flex"):
+        monkeypatch.setenv(attention.ENV, backend)
+        m = LlamaModel.from_pretrained(tmp_path)
+        m.layers[1].window = 5
+        calls = {"flex": 0, "sdpa": 0}
+        flex_attend, sdpa_attend = flex_paged.attend, attention.attend_torch
+        monkeypatch.setattr(flex_paged, "attend", lambda *a, **k: calls.__setitem__("flex", calls["flex"] + 1)
+                            or flex_attend(*a, **k))
+        monkeypatch.setattr(attention, "attend_torch", lambda *a: calls.__setitem__("sdpa", calls["sdpa"] + 1)
+                            or sdpa_attend(*a))
+        cache = m.new_cache(16, 4)
+        rows = [cache.new_row(), cache.new_row()]
+        ids = torch.arange(2 * 11).view(2, 11) % 60 + 3
+        outs = [m.forward(m.embed(ids[:, s:s + 6]), cache.plan(rows, ids[:, s:s + 6].shape[1]), cache,
+                          all_logits=True) for s in (0, 6)]
+        outs += [m.forward(m.embed(torch.tensor([[t], [t + 1]])), cache.plan(rows, 1), cache)[:, None]
+                 for t in (7, 9, 30)]
+        logits[backend] = torch.cat(outs, dim=1)  # [2, 14, vocab]
+        assert m.attention.backend == backend
+        assert calls == {"flex": 5, "sdpa": 5} if backend == "flex" else calls["flex"] == 0  # layer 1: SDPA
+        monkeypatch.undo()
+    torch.testing.assert_close(logits["flex"], logits["sdpa"], atol=1e-5, rtol=0)
+
+
 # --- end to end ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
