@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import machine, peer_procs, peer_vllm
+from bench import machine, peer_procs, peer_vllm, roofline
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINES = ("vllm", "ours")
@@ -56,6 +56,8 @@ class Point:
     tpot_mean_ms: float
     tpot_median_ms: float
     tpot_p99_ms: float
+    input_tokens: int = 0  # the client's count of every prompt's tokens
+    output_tokens: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (label) during the run
     triton: dict[str, dict[str, float]] = field(default_factory=dict)  # ours: per model, Triton's counters
     stages_ms: dict[str, float] = field(default_factory=dict)  # ours: mean ms of the front end's and llm's timers
@@ -70,7 +72,8 @@ def parse_result(data: dict, engine: str, round_: int) -> Point:
                  requests_s=float(data["request_throughput"]), ttft_mean_ms=float(data["mean_ttft_ms"]),
                  ttft_median_ms=float(data["median_ttft_ms"]), ttft_p99_ms=float(data["p99_ttft_ms"]),
                  tpot_mean_ms=float(data["mean_tpot_ms"]), tpot_median_ms=float(data["median_tpot_ms"]),
-                 tpot_p99_ms=float(data["p99_tpot_ms"]))
+                 tpot_p99_ms=float(data["p99_tpot_ms"]), input_tokens=int(data.get("total_input_tokens", 0)),
+                 output_tokens=int(data.get("total_output_tokens", 0)))
 
 
 # --- the servers ------------------------------------------------------------------------------------------------
@@ -291,7 +294,28 @@ def markdown(points: list[Point], meta: dict) -> str:
         rows.append(f"| {c} | {r} | {v.output_tok_s if v else 0:.1f} | {o.output_tok_s if o else 0:.1f} | {ratio} "
                     f"| {_cell(v, o, 'ttft_median_ms')} | {_cell(v, o, 'tpot_median_ms')} "
                     f"| {' / '.join(str(p.failed) if p else '-' for p in (v, o))} |")
-    return "\n".join(rows + [""] + [f"- {t}" for t in targets(points)] + cpu_table(points)) + "\n"
+    return "\n".join(rows + [""] + [f"- {t}" for t in targets(points)] + floor_lines(points, meta)
+                     + cpu_table(points)) + "\n"
+
+
+def floor_lines(points: list[Point], meta: dict) -> list[str]:
+    """Each run's tok/s against the compute floor of one core (`bench/roofline.py`), measured in this run."""
+    rate, flops = meta.get("gemm"), meta.get("flops")
+    if not rate or not flops:
+        return []
+    f, r = roofline.ModelFlops(**flops), roofline.GemmRate(**rate)
+    out = ["", f"Compute floor (`bench/roofline.py`): one core's fp32 GEMM rate in the engine's path, measured in this "
+           f"run: {r.gflops:.1f} GFLOP/s (rows {r.by_rows}, weight {list(r.shape)}); the language model's matmuls "
+           f"{f.per_prompt_token / 1e6:.1f} MFLOP per token + lm_head {f.lm_head / 1e6:.1f} MFLOP per output token. "
+           "Both engines compute on one core here, so neither can pass the floor:", ""]
+    for p in sorted(points, key=lambda p: (p.concurrency, p.round, p.engine)):
+        if not p.output_tokens:
+            continue
+        floor = roofline.floor_tok_s(f, r, p.input_tokens, p.output_tokens, p.completed)
+        out.append(f"- {LABELS[p.engine]}, concurrency {p.concurrency}, round {p.round}: {p.output_tok_s:.1f} of a "
+                   f"floor of {floor:.1f} tok/s ({p.input_tokens} prompt + {p.output_tokens} output tokens) = "
+                   f"{100 * p.output_tok_s / floor:.0f}%")
+    return out
 
 
 def cpu_table(points: list[Point]) -> list[str]:
@@ -348,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": describe(model),
             "hub_model": hub.name, "machine": machine.describe(), "kernel_races": machine.kernel_races(),
             "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package, "pin_llm": args.pin_llm,
+            "gemm": asdict(roofline.gemm_rate(model)), "flops": asdict(roofline.model_flops(model)),
             "repairs": peer_vllm.venv_repairs(), "kv_gib": args.kv_gib, "min_prompts": args.min_prompts,
             "prompts_factor": args.prompts_factor, "load_before": round(os.getloadavg()[0], 2),
             "client": " ".join(peer_vllm.bench_command(Path("vllm"), "URL", Path("MODEL"), 0, 0, Path("."), "F")[3:])}

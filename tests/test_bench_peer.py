@@ -82,6 +82,41 @@ def test_table_pairs_engines_per_concurrency_and_round_and_reads_the_targets(mon
     assert "| 1 | 1 | 0.0 | 66.0 | - | - / 40.0 | - / 12.5 | - / 0 |" in only_ours
 
 
+def test_floor_lines_and_the_flops_they_count(tmp_path):
+    from bench import roofline
+
+    cfg = {"text_config": {"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16,
+                           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    f = roofline.model_flops(tmp_path)
+    # per layer: q 8x8 + k, v 8x4 each + o 8x8 + gate/up/down 3 x 8x16 = 64 + 64 + 64 + 384 = 576 weights
+    assert f.per_prompt_token == 2 * 2 * 576 and f.lm_head == 2 * 8 * 10
+    # 2 requests, 10 prompt tokens, 6 output tokens: 10 + 4 tokens through the projections, 6 lm_heads
+    assert f.run(10, 6, 2) == 14 * 2304 + 6 * 160
+    rate = roofline.GemmRate(gflops=1e-6, by_rows={16: 1e-6}, shape=(32, 8))  # 1,000 FLOP/s
+    assert roofline.floor_tok_s(f, rate, 10, 6, 2) == pytest.approx(6 / ((14 * 2304 + 6 * 160) / 1000))
+    data = SAMPLE | {"total_input_tokens": 10, "total_output_tokens": 6, "completed": 2, "output_throughput": 0.1}
+    p = peer.parse_result(data, "ours", 1)
+    assert (p.input_tokens, p.output_tokens) == (10, 6)
+    meta = {"gemm": {"gflops": 1e-6, "by_rows": {16: 1e-6}, "shape": (32, 8)},
+            "flops": {"per_prompt_token": f.per_prompt_token, "lm_head": f.lm_head}}
+    lines = peer.floor_lines([p], meta)
+    floor = 6 / ((14 * 2304 + 6 * 160) / 1000)
+    assert lines[-1] == (f"- ours, concurrency 1, round 1: 0.1 of a floor of {floor:.1f} tok/s (10 prompt + 6 output "
+                         f"tokens) = {100 * 0.1 / floor:.0f}%")
+    assert peer.floor_lines([p], {}) == []  # an older results file: no floor
+
+
+def test_gemm_rate_measures_the_engines_path():
+    from bench import model, roofline
+
+    path = model.ensure_bench_model(verbose=False)
+    t = json.loads((path / "config.json").read_text())["text_config"]
+    rate = roofline.gemm_rate(path, rows=(4,), seconds=0.05)
+    assert rate.by_rows[4] > 0.1 and rate.gflops == rate.by_rows[4]
+    assert rate.shape == (2 * t["intermediate_size"], t["hidden_size"])  # the gate/up projection
+
+
 def test_command_lines():
     cmd = peer_vllm.bench_command(Path("/v/bin/python"), "http://127.0.0.1:9", Path("/m"), 16, 64, Path("/r"), "f.json")
     s = " ".join(cmd)
