@@ -163,6 +163,15 @@ def test_backend_choice_and_its_reason(monkeypatch, caplog):
         make_attention(4, 2, backend="fast", monkeypatch=monkeypatch)
 
 
+def test_auto_takes_flex_only_where_the_race_measured_it_faster(monkeypatch):
+    assert attention.decide(0.5, 0.8, "checked")[0] == "flex"
+    backend, why = attention.decide(0.9, 0.8, "checked")
+    assert backend == "sdpa" and "SDPA measured faster here" in why and "flex 0.900 ms, SDPA 0.800 ms" in why
+    att = make_attention(4, 2, backend="flex", monkeypatch=monkeypatch)
+    flex_ms, sdpa_ms = att._race(rows=3, keys=40, reps=2)  # runs (eagerly here), both timed
+    assert flex_ms > 0 and sdpa_ms > 0
+
+
 def test_a_failing_self_check_leaves_sdpa(monkeypatch, caplog):
     def wrong(q, kc, vc, paged, compiled=None):
         return torch.zeros_like(q)
@@ -276,7 +285,7 @@ def test_engine_greedy_tokens_with_flex_forced_equal_the_default_path(ckpt, monk
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
 def test_cuda_compiled_flex_equals_sdpa(dtype, atol, q_len, heads, kv_heads, monkeypatch):
     monkeypatch.setattr(attention, "flex_failed", None)
-    att = make_attention(heads, kv_heads, "cuda", dtype, backend="auto", monkeypatch=monkeypatch)
+    att = make_attention(heads, kv_heads, "cuda", dtype, backend="flex", monkeypatch=monkeypatch)
     assert att.backend == "flex", att.reason  # the self-check passed: compiled on CUDA
     compare(att, 16, q_len, "cuda", dtype, atol=atol)
     compare(att, 32, q_len, "cuda", dtype, atol=atol)

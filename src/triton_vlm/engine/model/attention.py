@@ -13,8 +13,10 @@ Two implementations of the same computation:
   compiled on CUDA.
 
 The backend is chosen at load (`Attention.__init__`, logged with its reason) by `TRITON_VLM_ATTENTION`:
-`auto` (default): flex on CUDA when FlexAttention imports and a self-check against `attend_torch` on a small
-random batch (ragged rows, a shared block, a prefill chunk and a decode step) passes, else SDPA; `flex`: flex on
+`auto` (default): flex on CUDA when FlexAttention imports, a self-check against `attend_torch` on a small
+random batch (ragged rows, a shared block, a prefill chunk and a decode step) passes, and a race on this GPU
+(`_race`: one layer's decode step of 32 rows x 512 keys, flex's compiled kernel against the gather + SDPA, both
+after warm-up) finds it faster; else SDPA, with the times in the log; `flex`: flex on
 any device (on a CPU eager FlexAttention, slow: for tests), still SDPA where it cannot run; `sdpa`: SDPA (and the
 C decode kernel on a CPU). Under flex, a layer with a sliding window, and a cache whose block size the kernel
 cannot tile, run SDPA. A flex call that fails at run time (other than a CUDA fault, which poisons the context and
@@ -122,7 +124,47 @@ class Attention:
             why = self._self_check()
         if why is not None:
             return "sdpa", f"{ENV}={wanted} but flex cannot run: {why}"
-        return "flex", f"{ENV}={wanted}: self-check against SDPA passed on {device.type} {self.cos.dtype}"
+        checked = f"self-check against SDPA passed on {device.type} {self.cos.dtype}"
+        if wanted == "flex":
+            return "flex", f"{ENV}=flex: {checked}"
+        try:
+            return decide(*self._race(), checked)
+        except Exception as e:  # noqa: BLE001 - a race that cannot run leaves SDPA
+            if is_device_fault(e):
+                raise
+            return "sdpa", f"{ENV}=auto: {checked}, but the race failed ({type(e).__name__}: {e})"[:500]
+
+    @torch.inference_mode()
+    def _race(self, rows: int = 32, keys: int = 512, reps: int = 10) -> tuple[float, float]:
+        """(flex ms, SDPA ms) of one layer's decode step of `rows` rows holding `keys` keys each, on this device, in
+        this model's heads and dtype: the block mask built once (as a forward shares it across layers), each
+        backend warmed up, then the mean of `reps` calls between device syncs."""
+        hd, dev, dtype = self.cos.shape[-1], self.cos.device, self.cos.dtype
+        bs = flex_paged.KERNEL_BLOCK_N
+        cache = KVCache(num_layers=1, num_kv_heads=self.kv_heads, head_dim=hd,
+                        num_blocks=rows * -(-keys // bs) + 1, block_size=bs, dtype=dtype, device=dev)
+        held = []
+        for _ in range(rows):
+            held.append(cache.new_row())
+            cache.append(held[-1], keys - 1)
+        batch = cache.plan(held, 1)
+        tables, kc, vc = self.tables(batch.positions), cache.k[0], cache.v[0]
+        qkv = torch.randn(rows, 1, (self.heads + 2 * self.kv_heads) * hd, device=dev, dtype=dtype)
+        paged = flex_paged.plan(batch, bs, cache.num_blocks)
+        calls = (lambda: self._flex(qkv, tables, batch, kc, vc, paged),
+                 lambda: attend_torch(qkv, *tables, batch.write_slots, batch.read_slots, batch.mask, kc, vc,
+                                      self.heads, self.kv_heads))
+        out = []
+        for call in calls:
+            for _ in range(3):
+                call()
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            _sync(dev)
+            out.append(1e3 * (time.perf_counter() - t0) / reps)
+        return out[0], out[1]
 
     @torch.inference_mode()  # as the forward: the graphs compiled here serve it
     def _self_check(self) -> Optional[str]:
@@ -221,6 +263,19 @@ class Attention:
             return None
         self._plan = (batch, bs, slots, paged)
         return paged
+
+
+def decide(flex_ms: float, sdpa_ms: float, checked: str) -> tuple[str, str]:
+    """`auto`'s choice from the race: flex only where it measured faster than the gather + SDPA."""
+    times = f"decode attention of 32 rows x 512 keys: flex {flex_ms:.3f} ms, SDPA {sdpa_ms:.3f} ms"
+    if flex_ms < sdpa_ms:
+        return "flex", f"{ENV}=auto: {checked}; {times}"
+    return "sdpa", f"{ENV}=auto: {checked}, but SDPA measured faster here ({times})"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _flex_fails(e: Exception) -> None:
