@@ -38,7 +38,8 @@ graph's activations, not their sum; graphs replay one at a time on one stream, w
 Capture (`_capture`): the bucket's buffers are first set to all padding rows (so warm-up writes only the
 scratch slot), two warm-up runs on a side stream (lazy initialisation: cuBLAS workspaces, kernel choices), then
 `torch.cuda.graph(g, pool=...)` records one run; everything in `torch.inference_mode()`. A capture that fails
-(an operation that cannot be captured) turns graphs off for good with a logged error; decoding goes on eager.
+(an operation that cannot be captured) is logged and leaves that bucket eager; the other buckets keep their graphs
+(a CUDA fault is the engine's to report, as anywhere).
 
 Known limits: a step with any LoRA adapter, or with more rows than the largest bucket, runs the eager forward
 (`ModelRunner.decode`); prefill always runs eager. The graphs' pool is not part of the KV cache's memory profile
