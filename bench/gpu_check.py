@@ -40,6 +40,9 @@ if str(ROOT / "src") not in sys.path:  # the project need not be installed on th
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every step on torch SDPA unless it names its attention (the big step's flex rows do): the self-check and race
+# that `auto` runs at load compile FlexAttention, tens of seconds a step's budget does not hold
+os.environ.setdefault("TRITON_VLM_ATTENTION", "sdpa")
 
 import torch  # noqa: E402
 
@@ -288,6 +291,9 @@ def flex_rows(check: Check) -> dict:
         wall, _ = gb.engine_batch(check, engine, [gb._request(prompts, f"flex-g{i}", s.new_tokens) for i in range(n)])
         out[f"flex_greedy{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
         out["flex_failed_at_run_time"] = attention.flex_failed or "no"
+        flex_ms, sdpa_ms = att._race()  # what `auto` would measure at load on this GPU, in this model's shapes
+        out |= {"auto_race_flex_ms": round(flex_ms, 3), "auto_race_sdpa_ms": round(sdpa_ms, 3),
+                "auto_picks": attention.decide(flex_ms, sdpa_ms, "")[0]}
     finally:
         engine.shutdown()
         del engine
