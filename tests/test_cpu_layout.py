@@ -70,11 +70,17 @@ def test_keep_only_leaves_the_engine_thread_alone_on_the_llm_cpus():
     assert out["other"] == out["main"] == out["late"] == cpus[1:]
 
 
-def test_keep_only_without_a_layout_moves_nothing():
+def test_keep_only_without_a_layout_or_a_thread_moves_nothing():
     code = ("import os, threading; from triton_vlm.server import cpu_layout; "
             "print(cpu_layout.keep_only(threading.get_native_id()), sorted(os.sched_getaffinity(0)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split(maxsplit=1) == ["False", str(sorted(os.sched_getaffinity(0))) + "\n"]
+    cpus = sorted(os.sched_getaffinity(0))
+    code = ("import os; from triton_vlm.server import cpu_layout; "
+            f"cpu_layout.apply_llm_cpus({{cpu_layout.LLM_CPUS_ENV: '{cpus[0]}'}}); "
+            "print(cpu_layout.keep_only(None), cpu_layout.keep_only(2**22 + 1))")  # no thread; none (> PID_MAX_LIMIT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_live_server_processes_run_where_the_layout_says(triton_server):

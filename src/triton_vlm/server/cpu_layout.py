@@ -102,21 +102,26 @@ def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
     return cpus
 
 
-def keep_only(compute: int, name: str = "llm-engine") -> bool:
+def keep_only(compute: Optional[int], name: str = "llm-engine") -> bool:
     """After `apply_llm_cpus`, once the engine's thread runs: that thread (native id `compute`, named `name` for
     `top -H`) stays alone on the llm CPUs; every other thread of this process moves to the CPUs the stub started on
-    (less the llm's, where the launcher's rest left any). False (nothing moved) without a layout, or where the
-    system refuses it (logged)."""
-    llm = os.sched_getaffinity(compute) if _started_on is not None else set()
-    rest = set(_started_on or ()) - llm or set(_started_on or ())
-    if not rest or rest == llm:
+    (less the llm's, where the launcher's rest left any). False (nothing moved, or not all of it) without a layout,
+    without the thread, or where the system refuses it (logged): never raises, a layout is only a speed path."""
+    if _started_on is None or compute is None:
         return False
     try:
+        llm = os.sched_getaffinity(compute)
+        rest = set(_started_on) - llm or set(_started_on)
+        if rest == llm:
+            return False
         for tid in _threads():
             if tid != compute:
-                os.sched_setaffinity(tid, rest)
+                try:
+                    os.sched_setaffinity(tid, rest)
+                except ProcessLookupError:
+                    pass  # a thread that ended since the listing
     except OSError as e:
-        log.warning("llm: the stub's other threads stay on CPU %s (%s)", _ranges(tuple(sorted(llm))), e)
+        log.warning("llm: the stub's threads were not (all) moved off the engine's CPUs (%s)", e)
         return False
     _name_thread(compute, name)
     log.info("llm: the engine's thread alone on CPU %s, the stub's other threads on CPU %s",
