@@ -212,14 +212,17 @@ def test_end_ids_override_and_text(ckpt):
 
 
 def test_first_token_leaves_when_its_prefill_ends(ckpt):
-    """Prompts prefilled in one step: each request's first token is delivered right after its own prefill,
-    before the next prompt's prefill and the step's decode (not all at the end of the step)."""
+    """Prompts prefilled in one step run as one ragged forward (one pass over the weights for all of them); each
+    request's first token is delivered right after it, before the step's decode (not at the end of the step)."""
     _, path = ckpt
     eng = engine(path, prefill_chunk=64)
     events: list[tuple[str, str]] = []
-    real_prefill, real_decode = eng.scheduler.runner.prefill, eng.scheduler.runner.decode
-    eng.scheduler.runner.prefill = lambda chunk: (events.append(("prefill", chunk.active.id)), real_prefill(chunk))[1]
-    eng.scheduler.runner.decode = lambda batch: (events.append(("decode", "")), real_decode(batch))[1]
+    runner = eng.scheduler.runner
+    real_prefill, real_ragged, real_decode = runner.prefill, runner._prefill_ragged, runner.decode
+    runner.prefill = lambda chunk: (events.append(("prefill", chunk.active.id)), real_prefill(chunk))[1]
+    runner._prefill_ragged = lambda chunks, x: (
+        events.append(("ragged", ",".join(c.active.id for c in chunks))), real_ragged(chunks, x))[1]
+    runner.decode = lambda batch: (events.append(("decode", "")), real_decode(batch))[1]
     eng.submit(request("old", prompt(5, 30), max_tokens=6, stream=True), lambda r: None)
     eng.step()  # "old" decodes in the next step, beside the new prompts' prefills
     events.clear()
@@ -227,8 +230,8 @@ def test_first_token_leaves_when_its_prefill_ends(ckpt):
         eng.submit(request(rid, prompt(n, 31 + n), max_tokens=4, stream=True),
                    lambda r: events.append(("result", r.request_id)))
     eng.step()
-    assert events[:7] == [("prefill", "a"), ("result", "a"), ("prefill", "b"), ("result", "b"),
-                          ("prefill", "c"), ("result", "c"), ("decode", "")], events
+    assert events[:5] == [("ragged", "a,b,c"), ("result", "a"), ("result", "b"), ("result", "c"),
+                          ("decode", "")], events
     while eng.scheduler.has_work():
         eng.step()
     assert eng.cache.used_blocks == 0

@@ -151,6 +151,23 @@ def test_compiled_cpu_kernel_reads_only_the_listed_blocks(monkeypatch):
 
 
 # --- the choice at load and the fall back at run time ------------------------------------------------------
+def test_a_ragged_forwards_segments_each_build_their_block_mask_once(monkeypatch):
+    """A ragged prefill attends segment by segment at every layer: each segment's block mask is built at the
+    first layer and reused by the others (not rebuilt per segment per layer)."""
+    att = make_attention(4, 2, backend="flex", monkeypatch=monkeypatch)
+    cache, _ = twin_caches(4, 2)
+    rows = [cache.new_row() for _ in range(3)]
+    batches = [cache.plan([r], n) for r, n in zip(rows, (5, 2, 7))]
+    built = []
+    real_plan = flex_paged.plan
+    monkeypatch.setattr(flex_paged, "plan", lambda *a: built.append(a[0]) or real_plan(*a))
+    width = (4 + 2 * 2) * HD
+    for _ in range(4):  # layers
+        for b in batches:
+            att.attend(torch.randn(1, b.positions.shape[1], width), b, cache, 0)
+    assert [id(b) for b in built] == [id(b) for b in batches]
+
+
 def test_backend_choice_and_its_reason(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=attention.__name__)
     assert make_attention(4, 2, backend="auto", monkeypatch=monkeypatch).backend == "sdpa"  # CPU: SDPA, C kernel

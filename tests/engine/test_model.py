@@ -293,3 +293,41 @@ def test_apply_rotary_is_transformers_rotation_bit_for_bit():
     rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
     sin_rot = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
     assert torch.equal(apply_rotary(x, cos, sin_rot), x * cos + rotate_half * sin)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_ragged_prefill_of_several_prompts_matches_transformers(tmp_path, window):
+    """Three prompts' chunks in one ragged forward (one of them continuing a cached prefix, one a single token)
+    give each prompt's own logits, and the K/V that three separate forwards write; with a sliding window too."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from triton_vlm.engine.model.model import Segment
+
+    torch.manual_seed(3)
+    cfg = llama_config() if window is None else MistralConfig(**(llama_config().to_dict() | {"sliding_window": window}))
+    hf = (LlamaForCausalLM(cfg) if window is None else MistralForCausalLM(cfg)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)
+    hf.save_pretrained(tmp_path)
+    m = LlamaModel.from_pretrained(tmp_path)
+    prompts = [[1, 5, 9, 33, 7, 81, 12, 40, 3, 60, 22], [1, 70, 8, 15, 22, 29, 4, 90, 2, 55, 8, 17, 6], [1]]
+    prefix = 8  # the second prompt's first 8 tokens are in the cache already
+    caches = [m.new_cache(24, 4) for _ in range(2)]
+    rows = [[c.new_row() for _ in prompts] for c in caches]
+    for c, rs in zip(caches, rows):
+        m.forward(m.embed(torch.tensor([prompts[1][:prefix]])), c.plan([rs[1]], prefix), c)
+    starts = [0, prefix, 0]
+    chunks = [p[s:] for p, s in zip(prompts, starts)]
+    x = torch.cat([m.embed(torch.tensor([ch])) for ch in chunks], dim=1)  # [1, 11 + 5 + 1, hidden]
+    segments = [Segment(len(ch), caches[0].plan([r], len(ch))) for ch, r in zip(chunks, rows[0])]
+    got = m.forward_ragged(x, segments, caches[0])  # [3, vocab]
+    alone = torch.stack([m.forward(m.embed(torch.tensor([ch])), caches[1].plan([r], len(ch)), caches[1])[0]
+                         for ch, r in zip(chunks, rows[1])])
+    want = torch.stack([hf_logits(hf, p)[-1] for p in prompts])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, alone, atol=ATOL, rtol=0)
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(caches[0].v, caches[1].v, atol=ATOL, rtol=0)
+    assert not torch.equal(caches[0].k, torch.zeros_like(caches[0].k))  # the ragged forward wrote its K/V
+    with pytest.raises(ValueError, match="do not cover"):
+        m.forward_ragged(x[:, :-1], segments, caches[0])

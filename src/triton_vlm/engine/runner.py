@@ -35,7 +35,7 @@ from .model.cuda_graph import DecodeGraphs
 from .kv.kv_cache import KVCache, RowKV
 from .lora.lora import LoraBatch, StackCache
 from .model.merge import merge_image_embeds
-from .model.model import LlamaModel
+from .model.model import LlamaModel, Segment
 from .policy import PrefillChunk
 from .state import Active
 
@@ -50,13 +50,60 @@ class ModelRunner:
         a, kv = chunk.active, chunk.active.kv
         if chunk.rows:
             return self._prefill_rows(chunk)
-        if kv.embeds is None:
-            kv.embeds = self._embeds(a)  # [prefill_len, hidden]
-        x = kv.embeds[None, chunk.start:chunk.start + chunk.length]  # [1, n, hidden]
+        x = self._chunk_embeds(chunk)  # [1, n, hidden]
         adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
         rope = _prompt_rope(a, chunk.start, chunk.length)  # [3, 1, n] (M-RoPE) or None
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters,
                                     rope=rope)  # [1, vocab]
+        return self._prefilled(chunk, logits)
+
+    def prefill_many(self, chunks: list[PrefillChunk]) -> list[tuple[PrefillChunk, object]]:
+        """A step's prefill chunks -> (chunk, its `prefill` result or the exception that ends its request), in
+        order. Chunks of one row with the same adapter (or none) run as one ragged forward (`forward_ragged`):
+        one pass over the weights for all their tokens; a chunk whose embeddings fail (an image count that does
+        not match) fails alone, a failed forward fails the chunks in it."""
+        results: dict[int, object] = {}
+        groups: dict[int, list[tuple[int, PrefillChunk, torch.Tensor]]] = {}  # id(adapter) -> (index, chunk, x)
+        for n, chunk in enumerate(chunks):
+            if chunk.rows or len(chunks) == 1:
+                results[n] = _attempt(self.prefill, chunk)
+                continue
+            x = _attempt(self._chunk_embeds, chunk)
+            if isinstance(x, Exception):
+                results[n] = x
+            else:
+                groups.setdefault(id(chunk.active.lora), []).append((n, chunk, x))
+        for group in groups.values():
+            if len(group) == 1:
+                results[group[0][0]] = _attempt(self.prefill, group[0][1])
+                continue
+            try:
+                logits = self._prefill_ragged([c for _, c, _ in group], torch.cat([x for _, _, x in group], dim=1))
+            except Exception as e:  # noqa: BLE001 - the scheduler ends these requests with it
+                results.update({n: e for n, _, _ in group})
+                continue
+            for j, (n, chunk, _) in enumerate(group):
+                results[n] = _attempt(self._prefilled, chunk, logits[j:j + 1])
+        return [(chunk, results[n]) for n, chunk in enumerate(chunks)]
+
+    def _prefill_ragged(self, chunks: list[PrefillChunk], x: torch.Tensor) -> torch.Tensor:
+        """One forward of several one-row chunks sharing an adapter: x [1, total, hidden] -> [chunks, vocab]."""
+        segments = [Segment(c.length, self.cache.plan(c.active.kv.rows, c.length),
+                            _prompt_rope(c.active, c.start, c.length)) for c in chunks]
+        adapters = LoraBatch.build([chunks[0].active.lora], self.lora_stacks, self.model.device)
+        return self.model.forward_ragged(x, segments, self.cache, adapters)
+
+    def _chunk_embeds(self, chunk: PrefillChunk) -> torch.Tensor:
+        """The chunk's embeddings [1, n, hidden] (the prompt's, image features merged, built at its first)."""
+        kv = chunk.active.kv
+        if kv.embeds is None:
+            kv.embeds = self._embeds(chunk.active)  # [prefill_len, hidden]
+        return kv.embeds[None, chunk.start:chunk.start + chunk.length]
+
+    def _prefilled(self, chunk: PrefillChunk, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """A one-row chunk's forward returned logits [1, vocab]: its progress, its blocks into the prefix cache,
+        and at the prompt's end its rows -> the logits when the chunk completes the prompt, else None."""
+        a, kv = chunk.active, chunk.active.kv
         kv.prefilled = chunk.start + chunk.length
         if kv.hasher is not None:
             self._cache_prompt_blocks(a)
@@ -160,6 +207,14 @@ class ModelRunner:
             if i not in kept:
                 self.cache.free(r)
         active.kv.rows = new
+
+
+def _attempt(call, *args):
+    """call(*args), or the exception it raised (for a caller that ends one request with it)."""
+    try:
+        return call(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
 
 
 def _delta(a: Active) -> int:

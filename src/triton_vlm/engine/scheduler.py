@@ -1,7 +1,8 @@
 """In-flight batching: one step = a plan from the policy, executed by the runner, turned into results.
 
     plan = policy.schedule(cancelled)      # policy.py: admission (every budget in one place), prefill chunks, decode set
-    for each prefill chunk: runner.prefill -> (prompt complete) -> advance
+    runner.prefill_many(plan.prefill): one-row chunks sharing an adapter in one ragged forward, the others one
+        by one -> for each chunk that completes its prompt: advance
     (a request resuming after a preemption, `preempt.py`: its prefill recomputes prompt and generated tokens,
      whose logits are not stepped; it decodes on with the token its decoder chose before)
     runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
@@ -76,9 +77,9 @@ class Scheduler:
     def step(self, cancelled: set[str] = frozenset(), out: Optional[list[Output]] = None,
              flush: Optional[Callable[[], None]] = None) -> list[Output]:
         """One step; its results are appended to `out` as they are made (so that an exception escaping the
-        step loses none of them) and returned. `flush()`, when given, is called after each prefill chunk that
-        made a result: the caller delivers (and takes out of `out`) what is there, so that a request's first
-        token leaves when its prefill ends, not after the step's other prefills and its decode."""
+        step loses none of them) and returned. `flush()`, when given, is called after the step's prefill
+        forwards when they made a result: the caller delivers (and takes out of `out`) what is there, so that
+        a request's first token leaves when its prefill ends, not after the step's decode."""
         out = [] if out is None else out
         plan = self.policy.schedule(cancelled)
         for a in plan.cancelled:
@@ -98,16 +99,17 @@ class Scheduler:
 
     # --- phases -------------------------------------------------------------------------------------------
     def _prefill(self, plan: StepPlan, out: list[Output], flush: Optional[Callable[[], None]] = None) -> None:
-        for chunk in plan.prefill:
+        for chunk, logits in self.runner.prefill_many(plan.prefill):  # [1, vocab] when the prompt is complete
             a = chunk.active
             try:
-                logits = self.runner.prefill(chunk)  # [1, vocab] when the prompt is complete
+                if isinstance(logits, Exception):
+                    raise logits
                 if logits is not None and a.kv.resume_ids is None:  # resumed: its next token was chosen already
                     self._advance(a, logits, out)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(a, out, self._error(e))
-            if flush is not None and out:
-                flush()
+        if flush is not None and out:
+            flush()
 
     def _decode(self, batch: list[Active], out: list[Output]) -> None:
         if not batch:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ENV = "TRITON_VLM_ATTENTION"
 BACKENDS = ("auto", "flex", "sdpa")
+MAX_PLANS = 64  # block masks kept: a ragged forward builds one per segment (at most a step's prefill chunks)
 CHECK_ATOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}  # flex vs SDPA at load
 flex_failed: Optional[str] = None  # why flex failed at run time: SDPA for good in this process
 
@@ -104,7 +105,8 @@ class Attention:
     def __init__(self, cos: torch.Tensor, sin_rot: torch.Tensor, heads: int, kv_heads: int):
         self.cos, self.sin_rot = cos, sin_rot  # [max_pos, head_dim] each
         self.heads, self.kv_heads = heads, kv_heads
-        self._plan: Optional[tuple[AttentionBatch, int, int, flex_paged.PagedMask]] = None  # the last forward's
+        # the block masks of the last forward's batches (one, or a ragged forward's segments), built at layer 0
+        self._plans: list[tuple[AttentionBatch, int, int, flex_paged.PagedMask]] = []
         self._unsupported: dict[int, Optional[str]] = {}  # block size -> why flex cannot tile it (None: it can)
         self.backend, self.reason = self._choose(os.environ.get(ENV, "auto").strip().lower() or "auto")
         (log.warning if "cannot run" in self.reason else log.info)(
@@ -246,8 +248,9 @@ class Attention:
     def _paged(self, batch: AttentionBatch, cache: KVCache) -> Optional[flex_paged.PagedMask]:
         """The forward's block mask, built at its first layer (None: flex cannot tile this cache)."""
         bs, slots = cache.block_size, cache.k.shape[1]
-        if self._plan is not None and self._plan[0] is batch and self._plan[1:3] == (bs, slots):
-            return self._plan[3]
+        for planned, *shape, paged in self._plans:
+            if planned is batch and tuple(shape) == (bs, slots):
+                return paged
         if bs not in self._unsupported:
             self._unsupported[bs] = why = flex_paged.unsupported(bs, self.cos.device)
             if why is not None:
@@ -261,7 +264,9 @@ class Attention:
                 raise
             _flex_fails(e)
             return None
-        self._plan = (batch, bs, slots, paged)
+        if len(self._plans) >= MAX_PLANS:  # a new forward: its segments replace the last one's
+            self._plans.clear()
+        self._plans.append((batch, bs, slots, paged))
         return paged
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
@@ -167,6 +168,15 @@ class Layer:
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One prompt's prefill chunk in a ragged forward (`LlamaModel.forward_ragged`)."""
+
+    length: int  # its tokens
+    batch: AttentionBatch  # one row, `length` new tokens (`KVCache.plan`)
+    rope: Optional[torch.Tensor] = None  # M-RoPE positions [3, 1, length] or [1, length]; None: cache positions
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = c = config
@@ -238,31 +248,64 @@ class LlamaModel:
                     return logits
         if kernel is not None and not kernel.chosen:
             kernel = None  # the step fell back from the one call (adapters it cannot read): torch ops
+        last = (lambda t: t) if all_logits else None if q_len == 1 else (lambda t: t[:, -1:])
         if kernel is not None:
-            add_norm, act = kernel.add_rms_norm, kernel.silu_mul
+            def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, 1, heads * hd]
+                return step.attend(qkv.reshape(rows, -1), layer.window, cache.k[i], cache.v[i]).view(rows, 1, -1)
+            logits = self._layers(x, attend, adapters, kernel.add_rms_norm, kernel.silu_mul, last)
         else:
             tables = self._tables(batch, rope)  # cos, sin_rot [rows, q_len, 1, head_dim]
-            add_norm, act = add_rms_norm, silu_mul
+
+            def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, q_len, heads * hd]
+                return self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
+            logits = self._layers(x, attend, adapters, add_rms_norm, silu_mul, last)
+        return logits if all_logits else logits[:, 0]  # from [rows, q_len or 1, vocab]
+
+    @torch.inference_mode()
+    def forward_ragged(self, x: torch.Tensor, segments: list[Segment], cache: KVCache,
+                       adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
+        """Several prompts' prefill chunks in one forward (vLLM's ragged batch): x [1, total, hidden], segment i
+        the next `segments[i].length` tokens, its own single-row `AttentionBatch`. The projections, norms and the
+        MLP run once over all the tokens (one pass over the weights); attention runs per segment over its own
+        keys. -> fp32 logits [segments, vocab] of each segment's last token. `adapters` apply to every token
+        (the segments share one adapter, or none)."""
+        ends = torch.tensor([seg.length for seg in segments]).cumsum(0)  # [segments]
+        if int(ends[-1]) != x.shape[1] or any(seg.batch.positions.shape[0] != 1 for seg in segments):
+            raise ValueError(f"segments of {ends.tolist()} tokens in one row do not cover x {tuple(x.shape)}")
+        windows = {layer.window for layer in self.layers}
+        parts = [(seg, self._tables(seg.batch, seg.rope), window_masks(seg.batch, windows)) for seg in segments]
+
+        def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [1, total, heads * hd]
+            outs, start = [], 0
+            for seg, tables, masks in parts:
+                piece = qkv[:, start:start + seg.length]  # [1, n, width]
+                outs.append(self.attention.attend(piece, seg.batch, cache, i, tables, masks[layer.window],
+                                                  layer.window))
+                start += seg.length
+            return torch.cat(outs, dim=1)
+        last = (ends - 1).to(x.device)
+        return self._layers(x, attend, adapters, add_rms_norm, silu_mul,
+                            lambda t: t[0].index_select(0, last)[:, None])[:, 0]  # [segments, vocab]
+
+    def _layers(self, x: torch.Tensor, attend, adapters: Optional[AdapterBatch], add_norm, act,
+                last=None) -> torch.Tensor:
+        """The decoder layers, the final norm and lm_head over x [rows, q_len, hidden] -> fp32 logits [rows', n,
+        vocab]. `attend(i, layer, qkv)`: layer i's attention core; `add_norm`, `act`: the residual add + RMSNorm
+        and the SiLU gate (torch's or the C kernels'); `last`: None (a decode step: the final residual add fused
+        into the final norm), or which positions go to the lm_head (x [rows, q_len, hidden] -> [rows', n,
+        hidden])."""
         x, h = add_norm(x, None, self.layers[0].input_norm, self.layers[0].eps)  # x, h [rows, q_len, hidden]
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv_proj(h, adapters)  # [rows, q_len, (heads + 2 kv_heads) * head_dim]
-            kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, head_dim] each
-            if kernel is not None:  # [rows, 1, heads * hd]
-                out = step.attend(qkv.reshape(rows, -1), layer.window, kc, vc).view(rows, 1, -1)
-            else:
-                out = self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
-                # out [rows, q_len, heads * hd]
+            out = attend(i, layer, layer.qkv_proj(h, adapters))  # qkv [rows, q_len, (heads + 2 kv) * hd]
             x, h = add_norm(x, layer.o_proj(out, adapters), layer.post_norm, layer.eps)
             down = layer.down_proj(act(layer.gate_up_proj(h, adapters)), adapters)  # [rows, q_len, hidden]
             if i + 1 < len(self.layers):  # the residual add and the next layer's input norm
                 x, h = add_norm(x, down, self.layers[i + 1].input_norm, layer.eps)
-            elif all_logits or q_len > 1:  # the final norm over every position, or only the last one's
-                x = x + down
-                x, h = add_norm(x if all_logits else x[:, -1:], None, self.norm, self.config.rms_norm_eps)
+            elif last is not None:  # the final norm over the positions that make logits
+                x, h = add_norm(last(x + down), None, self.norm, self.config.rms_norm_eps)
             else:
                 x, h = add_norm(x, down, self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(h, adapters).float()  # [rows, q_len or 1, vocab]
-        return logits if all_logits else logits[:, 0]
+        return self.lm_head(h, adapters).float()
 
     def c_forward(self) -> Optional[cpu_forward.Forward]:
         """The C decode forward for this model where it is to be used, else None: built and checked (bit for bit
