@@ -106,6 +106,9 @@ def test_live_server_processes_run_where_the_layout_says(triton_server):
         assert os.sched_getaffinity(engine[0]) == set(layout.llm)
         assert os.sched_getaffinity(pid) == set(layout.rest)
         assert sum(os.sched_getaffinity(t) == set(layout.rest) for t in threads) >= 3  # main, responder, poller
+        # the OpenMP workers the engine's thread lends its steps while the rest is idle (engine/cpu/spare.py)
+        spare = [t for t, name in threads.items() if name == "llm-spare"]
+        assert spare and all(os.sched_getaffinity(t) == set(layout.rest) for t in spare), threads
 
 
 def _comm(pid: int, tid: str) -> str:

@@ -46,7 +46,8 @@ class TritonPythonModel:
                                enable_prefix_caching=config.parse_int(p, "enable_prefix_caching", 1) != 0,
                                cuda_graphs=config.parse_int(p, "cuda_graphs", 1) != 0,
                                cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
-                               scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict")
+                               scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict",
+                               spare_cpus=_spare_cpus(llm_cpus))
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             if p.get("kv_events_endpoint"):  # the prefix cache's events for llm-d's KV-cache indexer
                 from triton_vlm.engine.kv import kv_events
@@ -78,6 +79,15 @@ class TritonPythonModel:
         self.service.shutdown()
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
+
+
+def _spare_cpus(llm_cpus) -> tuple:
+    """The CPUs of the launcher's rest, lent to the engine's steps while idle (none without a layout)."""
+    if llm_cpus is None:
+        return ()
+    from triton_vlm.server.cpu_layout import spare_cpus
+
+    return spare_cpus(llm_cpus)
 
 
 def _instances(args) -> int:

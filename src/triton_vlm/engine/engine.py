@@ -14,7 +14,9 @@ Scheduler policy (`scheduler_policy`, TensorRT-LLM's names; `preempt.py`): `guar
 reserves each request's worst case at admission and never preempts; `max_utilization` gives one-row requests KV
 blocks as they generate and preempts the latest arrived one (recompute) when the cache runs out; it resumes later
 with the tokens it would have produced alone. `stats()` counts `preemptions` and `preempted_requests`.
-CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
+Spare CPUs (`spare_cpus`, a CPU device): the loop's thread starts OpenMP workers on those CPUs, and each step takes
+one extra intra-op thread per spare CPU while few requests are in flight and that CPU was not busy with others
+(`cpu/spare.py`; chosen by a race at start). CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
 `cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
 CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
 
@@ -35,6 +37,7 @@ mismatches surface at prefill as a final result with `error=InvalidArgument`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -45,6 +48,7 @@ from typing import Callable, Optional
 
 from ..errors import InvalidArgument, Unavailable
 from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
+from .cpu import spare
 from .lora.adapter_slots import DeviceAdapters
 from .model.cuda_graph import DecodeGraphs
 from .search.decoder import Decoder
@@ -94,6 +98,9 @@ class EngineConfig:
     # guaranteed_no_evict: worst-case KV reserved at admission, never preempted; max_utilization: KV on demand,
     # preemption by recompute (`preempt.py`)
     scheduler_policy: str = GUARANTEED_NO_EVICT
+    # CPUs beside the engine's that lend the steps intra-op threads while idle (`cpu/spare.py`; the launcher's
+    # layout passes its rest); () = none
+    spare_cpus: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -176,6 +183,8 @@ class Engine:
         self._cancels: set[str] = set()
         self._ids: set[str] = set()  # submitted and not yet finished
         self._thread: Optional[threading.Thread] = None
+        self._started = threading.Event()  # the loop's thread set itself up (`_loop`)
+        self.spare: Optional[spare.SpareThreads] = None  # set on the loop's thread, when spare CPUs pay
         self._closed = False
         self._steps = 0
         self._decoded_rows = 0
@@ -316,7 +325,9 @@ class Engine:
                 self._deliver(batch)
 
             try:
-                self.scheduler.step(cancels, outputs, flush)
+                in_flight = len(self.scheduler.waiting) + len(self.scheduler.running)
+                with self.spare.step(in_flight) if self.spare is not None else contextlib.nullcontext():
+                    self.scheduler.step(cancels, outputs, flush)
             except Exception as e:  # noqa: BLE001
                 if not is_device_fault(e):
                     raise
@@ -371,8 +382,11 @@ class Engine:
             if self._thread is not None:
                 return
             self._closed = False
+            self._started.clear()
             self._thread = threading.Thread(target=self._loop, name="triton-vlm-engine", daemon=True)
             self._thread.start()
+        if not self._started.wait(60):  # its OpenMP workers exist once it returns (the launcher's layout moves
+            log.warning("engine loop did not set up within 60 s")  # the stub's other threads after it)
 
     @property
     def thread_id(self) -> Optional[int]:
@@ -381,21 +395,42 @@ class Engine:
         return thread.native_id if thread is not None else None
 
     def _loop(self) -> None:
+        try:
+            if self.config.spare_cpus and self.model.device.type == "cpu":
+                c = self.model_config
+                self.spare = spare.SpareThreads.start(tuple(self.config.spare_cpus), c.hidden_size,
+                                                      2 * c.intermediate_size)
+        except Exception:  # noqa: BLE001 - a speed path never stops the engine (start() itself never raises)
+            log.exception("spare CPUs not used")
+        finally:
+            self._started.set()
         while True:
             with self._cond:
-                while not self._closed and not self._has_work_locked():
-                    self._cond.wait()
+                idle = self._wait_for_work()
                 resume = time.monotonic() + self.backoff.delay  # new requests do not cut the pause short
-                while not self._closed and (left := resume - time.monotonic()) > 0:
+                while idle is None and not self._closed and (left := resume - time.monotonic()) > 0:
                     self._cond.wait(left)
                 if self._closed:
                     return
+            if idle is not None:  # nothing to do for a while: the spare CPUs' race again
+                idle()
+                continue
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - not a request's own failure (those end the request): a bug
                 log.exception("engine step failed; next attempt in %.2f s", self.backoff.failed())
             else:
                 self.backoff.reset()
+
+    def _wait_for_work(self) -> Optional[Callable[[], None]]:
+        """Under the lock: wait until there is work or the engine closes (None), or, while the spare CPUs' race
+        is undecided, until `spare.RETRY_S` passed idle: then the race to run."""
+        while not self._closed and not self._has_work_locked():
+            pending = self.spare is not None and self.spare.pending()
+            if not self._cond.wait(spare.RETRY_S if pending else None) and pending:
+                if not self._closed and not self._has_work_locked():
+                    return self.spare.retry
+        return None
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop; requests still queued or running get a final result with errors.Unavailable."""

@@ -129,6 +129,14 @@ def keep_only(compute: Optional[int], name: str = "llm-engine") -> bool:
     return True
 
 
+def spare_cpus(llm: tuple[int, ...]) -> tuple[int, ...]:
+    """After `apply_llm_cpus`: the CPUs the stub started on, less the llm's (the launcher's rest), for the engine
+    to borrow threads on while they are idle (`engine/cpu/spare.py`); () without a layout."""
+    if _started_on is None:
+        return ()
+    return tuple(sorted(set(_started_on) - set(llm)))
+
+
 def _threads() -> list[int]:
     return [int(t) for t in os.listdir("/proc/self/task")]
 
