@@ -21,6 +21,8 @@ with several OpenMP threads, a responder preempting one of them stalls the whole
 machine, one server alternating (`vllm bench serve`, 3 rounds each, the machine otherwise quiet) it is neutral within
 the noise: concurrency 16 440-476 vs 424-471 tokens/s, TPOT 26-29 vs 30-31 ms, TTFT at concurrency 1 35-37 vs
 36-39 ms (docs/performance.md).
+The engine borrows the rest CPUs for its steps' extra OpenMP threads while few requests are in flight and they are
+idle (`spare_cpus`, `engine/cpu/spare.py`).
 A CPU the system refuses leaves that process as it was (logged): a layout never stops the server from starting.
 """
 from __future__ import annotations
