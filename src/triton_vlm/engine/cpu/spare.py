@@ -119,6 +119,9 @@ class SpareThreads:
         try:
             base = torch.get_num_threads()
             workers = _start_workers(base + len(cpus))
+            if not workers:  # a torch without OpenMP, or a runtime that started none: nothing to place
+                log.info("spare CPUs %s not used: no OpenMP worker thread started", cpus)
+                return None
             for tid in workers:
                 os.sched_setaffinity(tid, cpus)
                 _name(tid, "llm-spare")
