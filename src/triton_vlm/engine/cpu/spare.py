@@ -48,6 +48,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV = "TRITON_VLM_SPARE_THREADS"
+ENGINE_NAME = "llm-engine"  # the engine's thread, as `server/cpu_layout.keep_only` names it
 IDLE_MIN = 0.25  # a spare CPU lends a thread when at least this much of it was idle (for others) since the last look
 REQUESTS_PER_CPU = 2  # more requests in flight than this per spare CPU: none lends (the server's other work grows
 # with them: preprocess, vision, the responses, the front end, often the clients)
@@ -230,7 +231,11 @@ def lend(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], 
 
 
 def _start_workers(n: int) -> tuple[int, ...]:
-    """Open an OpenMP team of `n` threads on this thread (torch's pool) -> the native ids of the threads it started."""
+    """Open an OpenMP team of `n` threads on this thread (torch's pool) -> the native ids of the threads it started.
+    A new thread takes its creator's name: this thread is named `llm-engine` first (as the launcher's layout names
+    it), so that threads other parts of the process start meanwhile are not taken for workers."""
+    me = threading.get_native_id()
+    _name(me, ENGINE_NAME)
     before = _tids()
     base = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -240,4 +245,12 @@ def _start_workers(n: int) -> tuple[int, ...]:
             (x * 2).sum()  # elementwise work above torch's grain size runs on the team
     finally:
         torch.set_num_threads(base)
-    return tuple(sorted(_tids() - before - {threading.get_native_id()}))
+    return tuple(sorted(t for t in _tids() - before - {me} if _comm(t) == ENGINE_NAME))
+
+
+def _comm(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
