@@ -305,7 +305,7 @@ def flex_rows(check: Check) -> dict:
 
 
 # the big step (the targets) before the gpu tests: these take what is left (a subprocess, killed at its budget)
-STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", step_big, 200),
+STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", step_big, 300),
          ("gpu_tests", step_gpu_tests, 150), ("tensorrt", step_tensorrt, 60))
 
 
@@ -315,7 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="small shapes for the big-model step (the CPU rehearsal)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results markdown (default $OUT/gpu_check.md, else bench/results/gpu_check.md)")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="global time budget (the watchdog ends at +45 s)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="global time budget (the watchdog ends at +45 s)")
     ap.add_argument("--steps", default=",".join(s[0] for s in STEPS), help="comma-separated subset of the steps")
     ap.add_argument("--big-dtype", default=None, help="dtype of the big step (default float16 on cuda, float32 on cpu)")
     return ap.parse_args(argv)

@@ -92,8 +92,9 @@ def compare(att: attention.Attention, bs: int, q_len: int, device="cpu", dtype=t
     rows = batches[0].positions.shape[0]
     width = (att.heads + 2 * att.kv_heads) * HD
     qkv = torch.randn(rows, q_len, width, generator=torch.Generator().manual_seed(4)).to(device, dtype)
-    got = att.attend(qkv, batches[0], flex_cache, 0, use_flex=True)  # [rows, q_len, heads * hd]
-    want = att.attend(qkv, batches[1], sdpa_cache, 0, use_flex=False)
+    with torch.inference_mode():  # as the engine's forward calls it (a compiled call's guards include grad mode)
+        got = att.attend(qkv, batches[0], flex_cache, 0, use_flex=True)  # [rows, q_len, heads * hd]
+        want = att.attend(qkv, batches[1], sdpa_cache, 0, use_flex=False)
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
     assert torch.equal(flex_cache.k, sdpa_cache.k) and torch.equal(flex_cache.v, sdpa_cache.v)
     paged = flex_paged.plan(batches[0], bs, flex_cache.num_blocks)
@@ -112,15 +113,15 @@ def padded_decode(cache: KVCache, pad: int) -> AttentionBatch:
     """A decode step laid out as the CUDA graphs' buffers (`cuda_graph.DecodeGraphs._run`): the real rows, then
     `pad` padding rows at position 0 writing the scratch slot and reading block 0."""
     rows = ragged_rows(cache)
-    bs = cache.block_size
+    bs, dev = cache.block_size, cache.k.device
     write = [s for r in rows for s in cache.append(r, 1)] + [cache.scratch_slot] * pad
     nb = max(len(r.blocks) for r in rows) + 1  # a keys bucket past the longest row
     tables = torch.tensor([r.blocks + [0] * (nb - len(r.blocks)) for r in rows] + [[0] * nb] * pad)
     positions = torch.tensor([r.length - 1 for r in rows] + [0] * pad)[:, None]  # [B, 1]
     read = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(tables), nb * bs)  # [B, T]
     mask = torch.arange(nb * bs)[None, :] <= positions  # [B, T]
-    return AttentionBatch(positions=positions, write_slots=torch.tensor(write), read_slots=read,
-                          mask=mask[:, None, None, :])
+    return AttentionBatch(positions=positions.to(dev), write_slots=torch.tensor(write, device=dev),
+                          read_slots=read.to(dev), mask=mask[:, None, None, :].to(dev))
 
 
 def test_padding_rows_of_a_bucketed_decode_step(monkeypatch):
@@ -296,11 +297,20 @@ def test_engine_greedy_tokens_with_flex_forced_equal_the_default_path(ckpt, monk
 
 
 # --- on a GPU: compiled ----------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_dynamo():
+    """Each CUDA test compiles as a server process would, for its one model: dynamo's caches (and their
+    per-function recompile budget, which flex_paged makes a hard failure) start empty and are emptied after."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("q_len", [1, 7, 100])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
-def test_cuda_compiled_flex_equals_sdpa(dtype, atol, q_len, heads, kv_heads, monkeypatch):
+def test_cuda_compiled_flex_equals_sdpa(dtype, atol, q_len, heads, kv_heads, monkeypatch, fresh_dynamo):
     monkeypatch.setattr(attention, "flex_failed", None)
     att = make_attention(heads, kv_heads, "cuda", dtype, backend="flex", monkeypatch=monkeypatch)
     assert att.backend == "flex", att.reason  # the self-check passed: compiled on CUDA
@@ -310,7 +320,7 @@ def test_cuda_compiled_flex_equals_sdpa(dtype, atol, q_len, heads, kv_heads, mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_padding_rows_and_engine_tokens(ckpt, dtype, monkeypatch):
+def test_cuda_padding_rows_and_engine_tokens(ckpt, dtype, monkeypatch, fresh_dynamo):
     """The bucketed decode step's padding rows, compiled; the engine on CUDA (CUDA graphs on, 16-slot blocks)
     with flex and with SDPA: the same greedy tokens in fp32."""
     monkeypatch.setattr(attention, "flex_failed", None)

@@ -15,7 +15,9 @@ order:
   (the prompt's n-grams indexed once per request, the generated ones as they come), -inf by one `index_put_`
   (the same -inf as `masked_fill`);
 - bad words: `s + bias`, bias [rows, V] = the single-token words' -inf row plus -inf at the last token of every
-  multi-token word whose prefix ends the row's context (matched on the host).
+  multi-token word whose prefix ends the row's context (matched on the host). Whether a prefix as long as the
+  whole context counts differs by transformers version (5.17 skips a word longer than the context, so such a
+  prefix never matches; later ones match it): asked of the installed transformers once (`_prefix_may_fill`).
 
 State. Greedy and sampling rows keep `seen` / `count` on the device, each row a view [V] into the step's
 [rows, V] result (`RowContext`), updated after the step from the chosen tokens (a scatter, no sync). Beam rows
@@ -23,6 +25,7 @@ rebuild them every step from the group's token history (`beam_batch.BeamGroup.ge
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -113,8 +116,19 @@ class Context:
 
     def bad_word_hits(self, gen: Sequence[int]) -> list[int]:
         """The last tokens of the multi-token bad words whose prefix ends the context (prompt + `gen`)."""
-        Lp = len(self.prompt)
-        return [w[-1] for w in self.multi if Lp + len(gen) >= len(w) - 1 and _ends_with(self.prompt, gen, w[:-1])]
+        n = len(self.prompt) + len(gen)
+        short = 1 if _prefix_may_fill() else 0  # the shortest context a word of length L is matched in: L - short
+        return [w[-1] for w in self.multi if n >= len(w) - short and _ends_with(self.prompt, gen, w[:-1])]
+
+
+@functools.cache
+def _prefix_may_fill() -> bool:
+    """Does the installed transformers' NoBadWordsLogitsProcessor ban a word whose prefix is the whole context
+    (context [1], word [1, 2])? transformers 5.17 does not (it skips words longer than the context), 5.24 does."""
+    from transformers import NoBadWordsLogitsProcessor  # noqa: PLC0415
+
+    scores = NoBadWordsLogitsProcessor([[1, 2]], eos_token_id=0)(torch.tensor([[1]]), torch.zeros(1, 3))
+    return bool(torch.isinf(scores[0, 2]))
 
 
 def _ngrams(ids: Sequence[int], n: int, index: dict, start: int) -> dict:
