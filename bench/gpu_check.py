@@ -293,9 +293,8 @@ def flex_rows(check: Check) -> dict:
         wall, _ = gb.engine_batch(check, engine, [gb._request(prompts, f"flex-g{i}", s.new_tokens) for i in range(n)])
         out[f"flex_greedy{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
         out["flex_failed_at_run_time"] = attention.flex_failed or "no"
-        flex_ms, sdpa_ms = att._race()  # what `auto` would measure at load on this GPU, in this model's shapes
-        out |= {"auto_race_flex_ms": round(flex_ms, 3), "auto_race_sdpa_ms": round(sdpa_ms, 3),
-                "auto_picks": attention.decide(flex_ms, sdpa_ms, "")[0]}
+        flex_ms, sdpa_ms = att.race()  # one layer's decode attention alone, in this model's shapes
+        out |= {"layer_race_flex_ms": round(flex_ms, 3), "layer_race_sdpa_ms": round(sdpa_ms, 3)}
     finally:
         engine.shutdown()
         del engine

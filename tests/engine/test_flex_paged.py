@@ -96,7 +96,11 @@ def compare(att: attention.Attention, bs: int, q_len: int, device="cpu", dtype=t
         got = att.attend(qkv, batches[0], flex_cache, 0, use_flex=True)  # [rows, q_len, heads * hd]
         want = att.attend(qkv, batches[1], sdpa_cache, 0, use_flex=False)
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    assert torch.equal(flex_cache.k, sdpa_cache.k) and torch.equal(flex_cache.v, sdpa_cache.v)
+    # the blocks' slots equal; the scratch slot after them is left out: padding rows all write it, and which
+    # duplicate write of an index_copy_ lands is not defined on CUDA (seen differing between twins on an H200)
+    real = flex_cache.scratch_slot
+    assert torch.equal(flex_cache.k[:, :real], sdpa_cache.k[:, :real])
+    assert torch.equal(flex_cache.v[:, :real], sdpa_cache.v[:, :real])
     paged = flex_paged.plan(batches[0], bs, flex_cache.num_blocks)
     assert torch.equal(listed_mask(paged, rows, q_len), physical_mask(batches[0], paged.slots))
     return got, want
@@ -172,7 +176,7 @@ def test_a_ragged_forwards_segments_each_build_their_block_mask_once(monkeypatch
 def test_backend_choice_and_its_reason(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=attention.__name__)
     assert make_attention(4, 2, backend="auto", monkeypatch=monkeypatch).backend == "sdpa"  # CPU: SDPA, C kernel
-    assert "auto on cpu" in caplog.text
+    assert "auto on cpu: SDPA and the C decode kernel" in caplog.text
     assert make_attention(4, 2, backend="sdpa", monkeypatch=monkeypatch).backend == "sdpa"
     att = make_attention(4, 2, backend="flex", monkeypatch=monkeypatch)
     assert att.backend == "flex" and "self-check against SDPA passed" in att.reason
@@ -181,12 +185,9 @@ def test_backend_choice_and_its_reason(monkeypatch, caplog):
         make_attention(4, 2, backend="fast", monkeypatch=monkeypatch)
 
 
-def test_auto_takes_flex_only_where_the_race_measured_it_faster(monkeypatch):
-    assert attention.decide(0.5, 0.8, "checked")[0] == "flex"
-    backend, why = attention.decide(0.9, 0.8, "checked")
-    assert backend == "sdpa" and "SDPA measured faster here" in why and "flex 0.900 ms, SDPA 0.800 ms" in why
+def test_the_one_layer_race_times_both_backends(monkeypatch):
     att = make_attention(4, 2, backend="flex", monkeypatch=monkeypatch)
-    flex_ms, sdpa_ms = att._race(rows=3, keys=40, reps=2)  # runs (eagerly here), both timed
+    flex_ms, sdpa_ms = att.race(rows=3, keys=40, reps=2)  # runs (eagerly here), both timed
     assert flex_ms > 0 and sdpa_ms > 0
 
 
@@ -316,6 +317,13 @@ def test_cuda_compiled_flex_equals_sdpa(dtype, atol, q_len, heads, kv_heads, mon
     assert att.backend == "flex", att.reason  # the self-check passed: compiled on CUDA
     compare(att, 16, q_len, "cuda", dtype, atol=atol)
     compare(att, 32, q_len, "cuda", dtype, atol=atol)
+
+
+@pytest.mark.gpu
+def test_auto_on_cuda_serves_sdpa_and_says_why(monkeypatch):
+    """auto keeps SDPA on CUDA (flex measured behind end to end on an H200) without compiling anything."""
+    att = make_attention(4, 2, "cuda", torch.float16, backend="auto", monkeypatch=monkeypatch)
+    assert att.backend == "sdpa" and att.reason == f"{attention.ENV}=auto {attention.AUTO_CUDA}"
 
 
 @pytest.mark.gpu
