@@ -213,10 +213,9 @@ def test_end_ids_override_and_text(ckpt):
 
 def test_first_token_leaves_when_its_prefill_ends(ckpt):
     """Prompts prefilled in one step run as one ragged forward (one pass over the weights for all of them); each
-    request's first token is delivered right after it, before the step's decode (not at the end of the step).
-    (With the mixed batch off: the two forwards apart.)"""
+    request's first token is delivered right after it, before the step's decode (not at the end of the step)."""
     _, path = ckpt
-    eng = engine(path, prefill_chunk=64, mixed_batch=False)
+    eng = engine(path, prefill_chunk=64)
     events: list[tuple[str, str]] = []
     runner = eng.scheduler.runner
     real_prefill, real_ragged, real_decode = runner.prefill, runner._prefill_ragged, runner.decode
@@ -235,43 +234,6 @@ def test_first_token_leaves_when_its_prefill_ends(ckpt):
                           ("decode", "")], events
     while eng.scheduler.has_work():
         eng.step()
-    assert eng.cache.used_blocks == 0
-
-
-def test_mixed_batch_runs_prefills_and_decode_rows_in_one_forward(ckpt):
-    """vLLM v1's mixed batch: a step with prompts to prefill and running requests to decode runs one forward;
-    the new prompts' first tokens leave before the decode rows are stepped, and a prompt completed in the step
-    decodes from the next one. Every request's tokens equal transformers' generate() alone."""
-    model, path = ckpt
-    eng = engine(path, prefill_chunk=64)
-    events: list[tuple[str, str]] = []
-    runner = eng.scheduler.runner
-    real_mixed, real_decode = runner.mixed, runner.decode
-    runner.mixed = lambda chunks, batch: (events.append(("mixed", ",".join(c.active.id for c in chunks) + "|" + ",".join(
-        a.id for a in batch))), real_mixed(chunks, batch))[1]
-    runner.decode = lambda batch: (events.append(("decode", ",".join(a.id for a in batch))), real_decode(batch))[1]
-    results: dict[str, list] = {}
-
-    def collect(r):
-        results.setdefault(r.request_id, []).append(r)
-        events.append(("result", r.request_id))
-    reqs = [request("old", prompt(5, 30), max_tokens=6, stream=True)]
-    eng.submit(reqs[0], collect)
-    eng.step()  # "old": prefill, then its first decode in the same step (nothing to mix with)
-    assert events == [("result", "old"), ("decode", "old"), ("result", "old")], events
-    events.clear()
-    for rid, n in (("a", 9), ("b", 11)):
-        reqs.append(request(rid, prompt(n, 31 + n), max_tokens=4, stream=True))
-        eng.submit(reqs[-1], collect)
-    eng.step()
-    assert events == [("mixed", "a,b|old"), ("result", "a"), ("result", "b"), ("result", "old")], events
-    events.clear()
-    eng.step()  # a and b decode now, beside old
-    assert events[0] == ("decode", "old,a,b") and len(events) == 4, events
-    while eng.scheduler.has_work():
-        eng.step()
-    for req in reqs:
-        assert final(results[req.request_id]) == hf_generate(model, req), req.request_id
     assert eng.cache.used_blocks == 0
 
 

@@ -47,7 +47,6 @@ class TritonPythonModel:
                                cuda_graphs=config.parse_int(p, "cuda_graphs", 1) != 0,
                                cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
                                scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict",
-                               mixed_batch=config.parse_int(p, "mixed_batch", 1) != 0,
                                spare_cpus=_spare_cpus(llm_cpus))
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             if p.get("kv_events_endpoint"):  # the prefix cache's events for llm-d's KV-cache indexer

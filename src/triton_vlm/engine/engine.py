@@ -101,9 +101,6 @@ class EngineConfig:
     # CPUs beside the engine's that lend the steps intra-op threads while idle (`cpu/spare.py`; the launcher's
     # layout passes its rest); () = none
     spare_cpus: tuple[int, ...] = ()
-    # a step's prefill chunks and decode rows in one forward where they can share it (vLLM v1's mixed batch:
-    # no CUDA graphs taking the decode, one adapter or none); False: always two forwards
-    mixed_batch: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -175,7 +172,7 @@ class Engine:
         self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
         self.scheduler = Scheduler(self.model, self.cache, self.lora_slots, max_rows=config.max_rows,
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
-                                   scheduler_policy=config.scheduler_policy, mixed_batch=config.mixed_batch)
+                                   scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
         if config.cuda_graphs and self.model.device.type == "cuda":
             self.decode_graphs = self.make_decode_graphs(capture=True)

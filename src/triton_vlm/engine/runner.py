@@ -6,8 +6,6 @@
   the prompt's last position when the chunk completes the prompt, else None.
 - `decode(actives)`: one forward with one new token for every row of every request given (each row feeds
   `kv.next_tokens`); returns logits [rows, vocab] in that order.
-- `mixed(chunks, actives)`: both in one forward (vLLM v1's mixed batch: one pass over the weights for the
-  step) where they can share it (no CUDA graphs, one-row chunks, one adapter or none); else None.
 - Prefix caching: after a forward returned, the full blocks it completed are registered in the cache's index
   under their hashes (`prefix_cache.py`): a prompt's from the hashes computed at submit, decoded ones from the
   row's tokens (`RowKV.tokens`), so a later request with the same prefix (a chat's next turn) reuses them.
@@ -87,46 +85,6 @@ class ModelRunner:
             for j, (n, chunk, _) in enumerate(group):
                 results[n] = _attempt(self._prefilled, chunk, logits[j:j + 1])
         return [(chunk, results[n]) for n, chunk in enumerate(chunks)]
-
-    def mixed(self, chunks: list[PrefillChunk], actives: list[Active]
-              ) -> Optional[tuple[list[tuple[PrefillChunk, object]], torch.Tensor]]:
-        """The step's prefill chunks and decode rows in one forward (vLLM v1's mixed batch), where they can share
-        one: no CUDA graphs (they take the decode steps), every chunk one row, every request the same adapter (or
-        none). -> (`prefill_many`'s list, the decode logits [rows, vocab] as `decode`'s), or None: run them
-        apart. A chunk whose embeddings fail fails alone; a failed forward raises (its requests end with it)."""
-        lora = actives[0].lora
-        if self.graphs is not None or any(c.rows or c.active.lora is not lora for c in chunks) \
-                or any(a.lora is not lora for a in actives):
-            return None
-        results: dict[int, object] = {}
-        xs, parts = [], []  # the chunks' embeddings [1, n, hidden]; (index, chunk) of those in the forward
-        for n, chunk in enumerate(chunks):
-            x = _attempt(self._chunk_embeds, chunk)
-            if isinstance(x, Exception):
-                results[n] = x
-            else:
-                xs.append(x)
-                parts.append((n, chunk))
-        segments = [Segment(c.length, self.cache.plan(c.active.kv.rows, c.length),
-                            _prompt_rope(c.active, c.start, c.length)) for _, c in parts]
-        x, decode = self._decode_segment(actives)  # [1, rows, hidden]
-        adapters = LoraBatch.build([lora], self.lora_stacks, self.model.device)
-        logits = self.model.forward_ragged(torch.cat(xs + [x], dim=1), segments + [decode], self.cache, adapters)
-        for j, (n, chunk) in enumerate(parts):
-            results[n] = _attempt(self._prefilled, chunk, logits[j:j + 1])
-        self._cache_decoded_blocks(actives)
-        return [(chunk, results[n]) for n, chunk in enumerate(chunks)], logits[len(parts):]
-
-    def _decode_segment(self, actives: list[Active]) -> tuple[torch.Tensor, Segment]:
-        """The decode rows of `actives` as a ragged forward's segment: their tokens' embeddings [1, rows, hidden]
-        and their one-token batch (at cache position + each row's M-RoPE delta)."""
-        rows = [r for a in actives for r in a.kv.rows]
-        token_ids = [t for a in actives for t in a.kv.next_tokens]
-        deltas = [_delta(a) for a in actives for _ in a.kv.rows]
-        batch = self.cache.plan(rows, 1)
-        rope = batch.positions + torch.tensor(deltas, device=batch.positions.device)[:, None] if any(deltas) else None
-        x = self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.model.device))[None]
-        return x, Segment(len(rows), batch, rope, decode=True)
 
     def _prefill_ragged(self, chunks: list[PrefillChunk], x: torch.Tensor) -> torch.Tensor:
         """One forward of several one-row chunks sharing an adapter: x [1, total, hidden] -> [chunks, vocab]."""

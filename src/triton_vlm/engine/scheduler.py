@@ -5,7 +5,6 @@
         by one -> for each chunk that completes its prompt: advance
     (a request resuming after a preemption, `preempt.py`: its prefill recomputes prompt and generated tokens,
      whose logits are not stepped; it decodes on with the token its decoder chose before)
-    (both at once where they can share a forward: runner.mixed, vLLM v1's mixed batch; the results as below)
     runner.decode(plan.decode) -> logits [rows, vocab] -> greedy requests' decoders in one batched
         step (`decoder.step_greedy`, one device read-back), batchable sampling requests in one batched step
         (`decoder.step_samples`, one read-back), batchable beam requests in one batched step per (num_beams, K)
@@ -31,7 +30,7 @@ from .model.faults import as_error, is_device_fault
 from .kv.kv_cache import KVCache
 from .model.model import LlamaModel
 from .output import OutputProcessor
-from .policy import Policy
+from .policy import Policy, StepPlan
 from .preempt import GUARANTEED_NO_EVICT
 from .runner import ModelRunner
 from .state import Active, Output
@@ -42,8 +41,7 @@ SAMPLE = ("sample",)  # the group key of batchable sampling requests (beam keys 
 class Scheduler:
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int,
                  prefill_chunk: int, decode_text: Callable[[list[int]], str],
-                 scheduler_policy: str = GUARANTEED_NO_EVICT, mixed_batch: bool = True):
-        self.mix = mixed_batch  # prefills and decode rows in one forward where the runner can (`_mixed`)
+                 scheduler_policy: str = GUARANTEED_NO_EVICT):
         self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk,
                              scheduler_policy=scheduler_policy)
         self.runner = ModelRunner(model, cache)
@@ -88,10 +86,8 @@ class Scheduler:
             self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
         for a, e in plan.failed:
             self._fail(a, out, self._error(e, f"while admitting request {a.id}"))
-        decode = [a for a in plan.decode if a.admitted]
-        if not self._mixed(plan.prefill, decode, out, flush):
-            self._prefilled(self.runner.prefill_many(plan.prefill), out, flush)
-            self._decode(decode, out)
+        self._prefill(plan, out, flush)
+        self._decode([a for a in plan.decode if a.admitted], out)
         return out
 
     def fail_all(self, error: VLMError) -> list[Output]:
@@ -102,34 +98,8 @@ class Scheduler:
         return out
 
     # --- phases -------------------------------------------------------------------------------------------
-    def _mixed(self, chunks: list, batch: list[Active], out: list[Output],
-               flush: Optional[Callable[[], None]]) -> bool:
-        """The step's prefills and decode rows in one forward where the runner can (`ModelRunner.mixed`): their
-        results as `_prefilled` and `_decoded` make them. False: nothing done, run them apart."""
-        # a request whose prompt completes in this step decodes from the next one (its first token comes out of
-        # this forward: vLLM's way); apart, it would decode in this step's second forward
-        prefilling = {id(c.active) for c in chunks}
-        batch = [a for a in batch if id(a) not in prefilling]
-        if not (chunks and batch and self.mix):
-            return False
-        try:
-            done = self.runner.mixed(chunks, batch)
-        except Exception as e:  # noqa: BLE001 - the forward failed: every request in it ends with its error
-            error = self._error(e)
-            for a in {id(a): a for a in [c.active for c in chunks] + batch}.values():
-                self._fail(a, out, error)
-            return True
-        if done is None:
-            return False
-        results, logits = done
-        self._prefilled(results, out, flush)
-        self._decoded(batch, logits, out)
-        return True
-
-    def _prefilled(self, results: list, out: list[Output], flush: Optional[Callable[[], None]] = None) -> None:
-        """Each prefill chunk's result (`prefill_many`'s list): a completed prompt's logits [1, vocab] step its
-        request; an exception ends it. Then `flush` (step docstring)."""
-        for chunk, logits in results:
+    def _prefill(self, plan: StepPlan, out: list[Output], flush: Optional[Callable[[], None]] = None) -> None:
+        for chunk, logits in self.runner.prefill_many(plan.prefill):  # [1, vocab] when the prompt is complete
             a = chunk.active
             try:
                 if isinstance(logits, Exception):
@@ -150,10 +120,6 @@ class Scheduler:
             for a in batch:
                 self._fail(a, out, self._error(e))
             return
-        self._decoded(batch, logits, out)
-
-    def _decoded(self, batch: list[Active], logits: torch.Tensor, out: list[Output]) -> None:
-        """A decode forward's logits [rows, vocab] (every row of `batch` in order) through the decoders."""
         starts, start = [], 0
         for a in batch:
             starts.append(start)

@@ -170,18 +170,11 @@ class Layer:
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of tokens in a ragged forward (`LlamaModel.forward_ragged`): one prompt's prefill chunk, or a decode
-    step's rows (one new token each: vLLM v1's mixed batch)."""
+    """One prompt's prefill chunk in a ragged forward (`LlamaModel.forward_ragged`)."""
 
-    length: int  # its tokens (a decode segment: its rows)
-    batch: AttentionBatch  # one row with `length` new tokens; decode: `length` rows of one (`KVCache.plan`)
-    rope: Optional[torch.Tensor] = None  # positions [3, 1, length] / [1, length] (decode [length, 1]) or None
-    decode: bool = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The batch's [rows, q_len] that this segment needs."""
-        return (self.length, 1) if self.decode else (1, self.length)
+    length: int  # its tokens
+    batch: AttentionBatch  # one row, `length` new tokens (`KVCache.plan`)
+    rope: Optional[torch.Tensor] = None  # M-RoPE positions [3, 1, length] or [1, length]; None: cache positions
 
 
 class LlamaModel:
@@ -271,46 +264,28 @@ class LlamaModel:
     @torch.inference_mode()
     def forward_ragged(self, x: torch.Tensor, segments: list[Segment], cache: KVCache,
                        adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
-        """Several prompts' prefill chunks, and a decode step's rows, in one forward (vLLM's ragged, mixed batch):
-        x [1, total, hidden], segment i the next `segments[i].length` tokens with its own `AttentionBatch`. The
-        projections, norms and the MLP run once over all the tokens (one pass over the weights); attention runs
-        per segment over its own keys (a decode segment's rows as one decode step: the C kernel where the model's
-        decode steps take it). -> fp32 logits [n, vocab]: each prefill segment's last token, each decode row.
-        `adapters` apply to every token (the segments share one adapter, or none)."""
+        """Several prompts' prefill chunks in one forward (vLLM's ragged batch): x [1, total, hidden], segment i
+        the next `segments[i].length` tokens, its own single-row `AttentionBatch`. The projections, norms and the
+        MLP run once over all the tokens (one pass over the weights); attention runs per segment over its own
+        keys. -> fp32 logits [segments, vocab] of each segment's last token. `adapters` apply to every token
+        (the segments share one adapter, or none)."""
         ends = torch.tensor([seg.length for seg in segments]).cumsum(0)  # [segments]
-        if int(ends[-1]) != x.shape[1] or any(tuple(seg.batch.positions.shape) != seg.shape for seg in segments):
+        if int(ends[-1]) != x.shape[1] or any(seg.batch.positions.shape[0] != 1 for seg in segments):
             raise ValueError(f"segments of {ends.tolist()} tokens in one row do not cover x {tuple(x.shape)}")
         windows = {layer.window for layer in self.layers}
-        parts = [(seg, self._segment_attention(seg, cache, windows)) for seg in segments]
+        parts = [(seg, self._tables(seg.batch, seg.rope), window_masks(seg.batch, windows)) for seg in segments]
 
         def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [1, total, heads * hd]
             outs, start = [], 0
-            for seg, part in parts:
-                outs.append(part(i, layer, qkv[:, start:start + seg.length]))  # [1, n, heads * hd]
+            for seg, tables, masks in parts:
+                piece = qkv[:, start:start + seg.length]  # [1, n, width]
+                outs.append(self.attention.attend(piece, seg.batch, cache, i, tables, masks[layer.window],
+                                                  layer.window))
                 start += seg.length
             return torch.cat(outs, dim=1)
-        last = torch.cat([torch.arange(int(end) - seg.length, int(end)) if seg.decode else end[None] - 1
-                          for seg, end in zip(segments, ends)]).to(x.device)
+        last = (ends - 1).to(x.device)
         return self._layers(x, attend, adapters, add_rms_norm, silu_mul,
-                            lambda t: t[0].index_select(0, last)[:, None])[:, 0]  # [n, vocab]
-
-    def _segment_attention(self, seg: Segment, cache: KVCache, windows: set[int]):
-        """(layer index, layer, qkv [1, n, width]) -> [1, n, heads * hd]: `seg`'s attention core."""
-        masks = window_masks(seg.batch, windows)
-        n = seg.length
-        kernel = self.attention.kernel_for(1) if seg.decode else None
-        if kernel is not None and kernel.chosen:  # the C decode kernel, as `forward`'s decode steps
-            step = self._decode_step(kernel, seg.batch, masks, cache, seg.rope)
-            return lambda i, layer, qkv: step.attend(qkv.reshape(n, -1), layer.window, cache.k[i],
-                                                     cache.v[i]).view(1, n, -1)
-        tables = self._tables(seg.batch, seg.rope)
-        rows, q_len = seg.shape
-
-        def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
-            out = self.attention.attend(qkv.reshape(rows, q_len, -1), seg.batch, cache, i, tables,
-                                        masks[layer.window], layer.window)  # [rows, q_len, heads * hd]
-            return out.reshape(1, n, -1)
-        return attend
+                            lambda t: t[0].index_select(0, last)[:, None])[:, 0]  # [segments, vocab]
 
     def _layers(self, x: torch.Tensor, attend, adapters: Optional[AdapterBatch], add_norm, act,
                 last=None) -> torch.Tensor:
