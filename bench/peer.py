@@ -83,11 +83,13 @@ def free_port() -> int:
     return _free()
 
 
-def ours_command(model: Path, ports: dict[str, int]) -> list[str]:
-    """The launcher `make serve` runs, on `model`, its OpenAI front end named like vLLM's."""
+def ours_command(model: Path, ports: dict[str, int], sets: tuple[str, ...] = ()) -> list[str]:
+    """The launcher `make serve` runs, on `model`, its OpenAI front end named like vLLM's; `sets`: the launcher's
+    `--set` values (an A/B of one setting)."""
     return [sys.executable, "-m", "triton_vlm.server", "--model", str(model), "--http-port", str(ports["http"]),
             "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]), "--openai-port",
-            str(ports["openai"]), "--served-model-name", peer_vllm.SERVED_NAME]
+            str(ports["openai"]), "--served-model-name", peer_vllm.SERVED_NAME,
+            *[arg for value in sets for arg in ("--set", value)]]
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -177,7 +179,7 @@ def serve_and_drive(engine: str, args, py: Path, hub: Path, work: Path, env: dic
     else:
         ports = {k: free_port() for k in ("http", "grpc", "metrics", "openai")}
         port = ports["openai"]
-        proc = start(ours_command(hub, ports), log, env)
+        proc = start(ours_command(hub, ports, tuple(args.set)), log, env)
         marker = "triton-vlm: serving"  # after the launcher's own smoke request
         metrics = (f"http://127.0.0.1:{ports['metrics']}/metrics", f"http://127.0.0.1:{ports['openai']}/metrics")
     url = f"http://127.0.0.1:{port}"
@@ -354,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-llm", action="store_true",
                     help="ours as vLLM lays itself out: the llm stub alone on the first CPU, the rest (its other "
                          "processes, the client) on the others (set from outside, after the start)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                    help="a parameter of ours (the launcher's --set), e.g. llm.mixed_batch=0; repeatable")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
