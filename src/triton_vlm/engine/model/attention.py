@@ -135,8 +135,9 @@ class Attention:
     @torch.inference_mode()
     def race(self, rows: int = 32, keys: int = 512, reps: int = 10) -> tuple[float, float]:
         """(flex ms, SDPA ms) of one layer's decode step of `rows` rows holding `keys` keys each, on this device, in
-        this model's heads and dtype (the GPU check reports it beside the end-to-end rows): the block mask built once (as a forward shares it across layers), each
-        backend warmed up, then the mean of `reps` calls between device syncs."""
+        this model's heads and dtype (the GPU check reports it beside the end-to-end rows): the block mask built
+        once (as a forward shares it across layers), each backend warmed up, then the mean of `reps` calls between
+        device syncs."""
         hd, dev, dtype = self.cos.shape[-1], self.cos.device, self.cos.dtype
         bs = flex_paged.KERNEL_BLOCK_N
         cache = KVCache(num_layers=1, num_kv_heads=self.kv_heads, head_dim=hd,
