@@ -17,7 +17,9 @@ Measured, first the baseline (`HFGenerator.run`, the project's transformers back
 Then ours (`Engine`, `step()` driven in this thread): the same TTFT and one stream, the agreement prompts as one
 batch (first divergence position per prompt against transformers' tokens; = new tokens where identical), greedy at
 64 concurrent, beam 4 at 16 concurrent (tok/s = best-sequence tokens / wall, submit to last result), with CUDA
-graphs on, then off (`runner.graphs = None`). The attention is torch SDPA: the engine has no other library.
+graphs on, then off (`runner.graphs = None`). The attention is torch SDPA here (`gpu_check` adds flex rows).
+With graphs on, `kernel_profile` (torch.profiler) of one stream and of greedy at 64: wall and busy device time
+per token, the kernels with the most device time (`profile_*`).
 """
 from __future__ import annotations
 
@@ -276,6 +278,45 @@ def attempt(check: Check, out: dict, name: str, fn) -> None:
         check.note(f"{name} failed: {out[f'{name}_error']}")
 
 
+PROFILE_TOKENS = 16  # new tokens per request in a profiled run
+PROFILE_TOP = 12  # kernels listed
+
+
+def kernel_profile(check: Check, run, tokens: int) -> dict:
+    """`run()` under torch.profiler: wall and device time per generated token (`tokens` of them) and the kernels
+    with the most device time (on a CPU: the ops with the most own CPU time), each with its share and calls per
+    token. The device time over the wall says whether the step waits for the host."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    cuda = check.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(check)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run()
+        _sync(check)
+    wall = time.perf_counter() - t0
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(((e.key, getattr(e, attr, 0.0), e.count) for e in prof.key_averages()
+                   if getattr(e, attr, 0.0) > 0 and (cuda or e.key.startswith("aten::"))), key=lambda r: -r[1])
+    total = sum(t for _, t, _ in rows) or 1.0
+    return {"wall_ms_per_token": round(1e3 * wall / tokens, 3), "busy_ms_per_token": round(total / 1e3 / tokens, 3),
+            "top": [f"{100 * t / total:.1f}% {name[:90]} ({n / tokens:.1f}/token)" for name, t, n in rows[:PROFILE_TOP]]}
+
+
+def profile_rows(check: Check, engine, prompts: Prompts, s: Shapes, tag: str, out: dict) -> None:
+    """Kernel profiles of one stream (`PROFILE_TOKENS` after its prefill) and of greedy at the row's concurrency
+    (prefills + `PROFILE_TOKENS` decode steps) -> `{tag}profile_one_stream`, `{tag}profile_greedy{n}`."""
+    n = s.greedy_concurrency
+    for label, count in (("one_stream", 1), (f"greedy{n}", n)):
+        if check.left() < 25:
+            check.note(f"{tag}profile_{label}: skipped, {check.left():.0f} s left")
+            return
+        reqs = [_request(prompts, f"{tag}prof-{label}{i}", PROFILE_TOKENS) for i in range(count)]
+        attempt(check, out, f"{tag}profile_{label}", lambda: {f"{tag}profile_{label}": kernel_profile(
+            check, lambda: engine_batch(check, engine, reqs), count * PROFILE_TOKENS)})
+
+
 def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str, ref: list, out: dict) -> None:
     """Our engine: the rows of the module doc with CUDA graphs on, then off; numbers into `out` as they come."""
     from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
@@ -302,6 +343,8 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
                     break
             tag = "" if graphs else "nographs_"
             ours_rows(check, engine, prompts, s, ref if graphs else [], tag, out)
+            if graphs:  # where the device time goes, for the next change (SDPA, graphs on)
+                profile_rows(check, engine, prompts, s, "", out)
             shown = {k: v for k, v in out.items() if k.endswith(("_tok_s", "_ms", "_error", "_median"))
                      and not k.startswith("hf_") and k.startswith("nographs_") == (not graphs)}
             check.note(f"ours, graphs {'on' if graphs else 'off'}: {shown}")

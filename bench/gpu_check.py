@@ -292,6 +292,7 @@ def flex_rows(check: Check) -> dict:
         n = s.greedy_concurrency
         wall, _ = gb.engine_batch(check, engine, [gb._request(prompts, f"flex-g{i}", s.new_tokens) for i in range(n)])
         out[f"flex_greedy{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
+        gb.profile_rows(check, engine, prompts, s, "flex_", out)
         out["flex_failed_at_run_time"] = attention.flex_failed or "no"
         flex_ms, sdpa_ms = att.race()  # one layer's decode attention alone, in this model's shapes
         out |= {"layer_race_flex_ms": round(flex_ms, 3), "layer_race_sdpa_ms": round(sdpa_ms, 3)}
@@ -299,7 +300,7 @@ def flex_rows(check: Check) -> dict:
         engine.shutdown()
         del engine
         gb._free(check)
-    check.note(f"flex attention: { {k: v for k, v in out.items() if k != 'flex_reason'} }")
+    check.note(f"flex attention: { {k: v for k, v in out.items() if k != 'flex_reason' and 'profile' not in k} }")
     return out
 
 

@@ -169,7 +169,7 @@ class Check:
             parts += [f"## {s.name}: {s.status} ({s.seconds} s of {s.budget_s:.0f} s)", ""]
             if s.error:
                 parts += [f"error: `{s.error[:1000]}`", ""]
-            parts += [f"- {k}: {v}" for k, v in s.numbers.items()]
+            parts += [line for k, v in s.numbers.items() for line in _item(k, v)]
             parts += [""] + [f"- note: {n}" for n in s.notes] + [""]
             if s.traceback:
                 parts += ["```", s.traceback, "```", ""]
@@ -180,7 +180,17 @@ KEYS = ("gpu", "bandwidth_gb_s", "passed", "failures", "errors", "identical", "g
         "nographs_one_stream_tok_s", "hf_one_stream_tok_s", "one_stream_bw_fraction", "ttft_ms", "hf_ttft_ms",
         "greedy64_tok_s", "nographs_greedy64_tok_s", "hf_greedy_tok_s", "beam16_tok_s", "nographs_beam16_tok_s",
         "hf_beam_tok_s", "greedy64_speedup", "beam16_speedup", "agreement_prompts", "first_divergence_median",
-        "tensorrt")
+        "flex_ttft_ms", "flex_one_stream_tok_s", "flex_greedy64_tok_s", "flex_vs_sdpa_greedy64", "tensorrt")
+
+
+def _item(key: str, value) -> list[str]:
+    """A number's markdown lines: `- key: value`; a dict (a kernel profile) as a nested list."""
+    if not isinstance(value, dict):
+        return [f"- {key}: {value}"]
+    lines = [f"- {key}:"]
+    for k, v in value.items():
+        lines += [f"  - {k}:"] + [f"    - {x}" for x in v] if isinstance(v, list) else [f"  - {k}: {v}"]
+    return lines
 
 
 def _key_numbers(s: StepResult) -> str:

@@ -57,6 +57,10 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
         assert n[key] > 0, key
     assert n["agreement_prompts"] == 64 and len(n["first_divergences"]) == 64  # fp32 here: all identical
     assert n["agreement_identical"] == 64
+    for key in ("profile_one_stream", "profile_greedy64"):  # the kernel profiles (here: torch ops' CPU time)
+        prof = n[key]
+        assert prof["wall_ms_per_token"] > 0 and 0 < prof["busy_ms_per_token"] and len(prof["top"]) >= 5, key
+        assert all("% aten::" in line and "/token)" in line for line in prof["top"]), prof["top"]
     assert steps["tensorrt"]["status"] in ("skipped", "ok")
     targets = {t["target"]: t for t in res["targets"]}
     assert targets["fp32 tokens identical to transformers"]["met"] is True
