@@ -97,6 +97,18 @@ def test_repetition_penalty_ignores_ids_past_the_lm_head_and_bad_words_match_acr
     assert got[0, 9] == -float("inf") and got[0, 10] == 4.0 and got[0, 8] == 2.0  # (7, 8) across prompt and output
 
 
+@pytest.mark.parametrize("fills", [True, False])
+def test_a_bad_words_prefix_as_long_as_the_context_follows_the_installed_transformers(fills, monkeypatch):
+    """transformers 5.17 skips a word longer than the context (its prefix filling the whole context never bans),
+    5.24 bans it: the engine asks the installed one, and does either; both differ only at that length."""
+    assert processors._prefix_may_fill() == bool(torch.isinf(NoBadWordsLogitsProcessor([[5, 20]], eos_token_id=EOS)(
+        torch.tensor([[5]]), torch.zeros(1, V))[0, 20]))
+    monkeypatch.setattr(processors, "_prefix_may_fill", lambda: fills)
+    ctx = processors.Context([5], 1.0, 0.0, 0.0, 0, [(5, 20), (3, 5, 21)])
+    assert ctx.bad_word_hits([]) == ([20] if fills else [])  # the context [5] is the prefix of (5, 20)
+    assert ctx.bad_word_hits([3, 5]) == [20, 21]  # a longer context: both versions ban both words
+
+
 # --- in the engine ---------------------------------------------------------------------------------------------
 def engine_run(path, batched: bool) -> dict:
     """12 greedy / sampling / beam requests with penalties, no-repeat-ngram, bad words and log probs (some
