@@ -16,8 +16,9 @@ The backend is chosen at load (`Attention.__init__`, logged with its reason) by 
 `auto` (default): SDPA, on every device. On an H200 (bench/gpu_runs/2026-11-27-h200.md) the paged flex
 path, though its kernel won a one-layer decode race (`race`: 0.247 vs 0.274 ms, 32 rows x 512 keys), served the
 7B-shaped model slower end to end: greedy at 64 concurrent 421 vs 755 tok/s, TTFT 98 vs 54 ms, one stream 145 vs
-151 tok/s (the race leaves out the per-forward block mask and compiles at new shapes). `auto` takes flex again
-once the GPU check's `flex_vs_sdpa_*` rows put it ahead; `flex`: flex on
+151 tok/s (the race leaves out the per-forward block mask, compiles at new shapes and the prefill kernel; which
+of them costs what is not measured yet). `auto` takes flex again once the GPU check's `flex_vs_sdpa_*` rows put
+it ahead; `flex`: flex on
 any device (on a CPU eager FlexAttention, slow: for tests), still SDPA where it cannot run; `sdpa`: SDPA (and the
 C decode kernel on a CPU). Under flex, a layer with a sliding window, and a cache whose block size the kernel
 cannot tile, run SDPA. A flex call that fails at run time (other than a CUDA fault, which poisons the context and
