@@ -7,6 +7,7 @@ import json
 import random
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -54,7 +55,9 @@ def test_text_only(grpc):
 @pytest.mark.parametrize("shape,color,size", [("circle", "red", (64, 64)), ("square", "green", (120, 80)),
                                               ("triangle", "blue", (48, 96)), ("square", "yellow", (200, 200))])
 def test_image_colour_and_shape(grpc, shape, color, size):
-    img = png(shape, color, size, seed=hash((shape, color)) % 1000)
+    # a seed fixed across runs: hash() of a str changes with PYTHONHASHSEED, and the demo model misreads about
+    # 0.4% of 200x200 yellow squares as circles (seeds 396, 547, 589, 890 of 0-999), which CI once drew
+    img = png(shape, color, size, seed=zlib.crc32(f"{shape}/{color}".encode()) % 1000)
     assert grpc.generate(COLOR_Q, [img], max_tokens=4).text.strip() == color
     assert grpc.generate(SHAPE_Q, [img], max_tokens=4).text.strip() == shape
     assert grpc.generate(DESCRIBE_Q, [img], max_tokens=6).text.strip() == f"a {color} {shape}"
