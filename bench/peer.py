@@ -61,6 +61,7 @@ class Point:
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process (label) during the run
     triton: dict[str, dict[str, float]] = field(default_factory=dict)  # ours: per model, Triton's counters
     stages_ms: dict[str, float] = field(default_factory=dict)  # ours: mean ms of the front end's and llm's timers
+    engine_steps: str = ""  # ours: where the engine's step time went (`peer_procs.engine_line`)
 
 
 def parse_result(data: dict, engine: str, round_: int) -> Point:
@@ -226,6 +227,7 @@ def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path,
     before, client0 = peer_procs.snapshot(root), peer_procs.children_cpu_s()
     triton0 = peer_procs.scrape_triton(metrics[0]) if metrics else {}
     stages0 = peer_procs.scrape_histograms(*metrics) if metrics else {}
+    engine0 = peer_procs.scrape_engine(metrics[0]) if metrics else {}
     with open(work / f"{engine}-client.log", "a") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
     cpu = peer_procs.split(before, peer_procs.snapshot(root))
@@ -235,6 +237,8 @@ def drive(engine: str, round_: int, concurrency: int, args, py: Path, hub: Path,
     if metrics:
         p.triton = peer_procs.triton_per_request(triton0, peer_procs.scrape_triton(metrics[0]))
         p.stages_ms = peer_procs.stage_means_ms(stages0, peer_procs.scrape_histograms(*metrics))
+        time.sleep(0.6)  # the engine's gauges refresh every 0.5 s
+        p.engine_steps = peer_procs.engine_line(engine0, peer_procs.scrape_engine(metrics[0]), p.duration_s)
     print(f"peer: {engine:5s} round {round_} c={concurrency:2d}: {p.output_tok_s:7.1f} tok/s, TTFT median "
           f"{p.ttft_median_ms:7.1f} ms, TPOT median {p.tpot_median_ms:6.1f} ms ({p.completed} done, {p.failed} "
           f"failed)", flush=True)
@@ -335,6 +339,8 @@ def cpu_table(points: list[Point]) -> list[str]:
         if p.stages_ms:
             out.append(f"  - mean ms: client TTFT {p.ttft_mean_ms:.1f}, " + ", ".join(
                 f"{k} {v:.1f}" for k, v in p.stages_ms.items()))
+        if p.engine_steps:
+            out.append(f"  - {p.engine_steps}")
         for model, t in p.triton.items():
             out.append(f"  - Triton `{model}`: {t['requests']:.0f} requests in {t['executions']:.0f} executions, per "
                        f"request: queue {t.get('queue_ms', 0):.2f} ms, compute {t.get('compute_input_ms', 0):.2f} + "

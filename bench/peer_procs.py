@@ -193,3 +193,44 @@ def apply_affinity(plan: dict[int, set[int]]) -> int:
             except OSError:
                 pass
     return done
+
+
+ENGINE_GAUGES = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds")
+
+
+def parse_engine_gauges(text: str) -> dict[str, float]:
+    """The llm's step-time gauges (`triton_vlm_engine_<ENGINE_GAUGES>`, cumulative) in Prometheus text, summed
+    over instances."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("triton_vlm_engine_")
+        if name in ENGINE_GAUGES and not line.startswith("#"):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def scrape_engine(url: str) -> dict[str, float]:
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return parse_engine_gauges(r.read().decode())
+    except OSError:
+        return {}
+
+
+def engine_line(before: dict[str, float], after: dict[str, float], duration_s: float) -> str:
+    """Where the engine's time went over a run of `duration_s` seconds, from two scrapes of its gauges; "" when
+    they did not move."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_GAUGES}
+    if d["prefill_steps"] <= 0 and d["decode_steps"] <= 0:
+        return ""
+    busy = d["prefill_seconds"] + d["decode_seconds"]
+    pre = (f"prefill {d['prefill_seconds']:.2f} s in {d['prefill_steps']:.0f} steps "
+           f"({d['prefill_tokens'] / max(1.0, d['prefill_steps']):.0f} prompt tokens a step, "
+           f"{1000 * d['prefill_seconds'] / max(1.0, d['prefill_tokens']):.2f} ms a token)")
+    dec = (f"decode {d['decode_seconds']:.2f} s in {d['decode_steps']:.0f} steps "
+           f"({d['decode_rows'] / max(1.0, d['decode_steps']):.1f} rows a step, "
+           f"{1000 * d['decode_seconds'] / max(1.0, d['decode_steps']):.1f} ms a step)")
+    share = f"{100 * busy / duration_s:.0f}% of the run's {duration_s:.2f} s"
+    return f"engine computing {busy:.2f} s = {share}: {pre}; {dec}"

@@ -54,6 +54,12 @@ def test_latency_histograms_token_counters_and_outcomes(triton_server):
         assert delta(f"{h}_sum") > 0, h
         assert metric(after, f"{h}_bucket", le="+Inf") == metric(after, f"{h}_count")
     assert metric(after, "triton_vlm_engine_kv_blocks_total") > 0
+    time.sleep(0.7)  # the engine gauges refresh every 0.5 s
+    after = scrape(triton_server)
+    assert delta("triton_vlm_engine_prefill_tokens") >= 3 * 8  # where the steps' time went (StepTimes)
+    assert delta("triton_vlm_engine_decode_rows") >= 3 * 5  # 6 tokens each, the first from the prefill
+    assert delta("triton_vlm_engine_prefill_seconds") > 0 and delta("triton_vlm_engine_decode_seconds") > 0
+    assert delta("triton_vlm_engine_decode_steps") >= 5
 
 
 def test_engine_gauges_see_a_serial_stream_of_requests_shorter_than_their_refresh(triton_server):

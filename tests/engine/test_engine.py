@@ -105,6 +105,26 @@ def test_concurrent_greedy_and_beam_match_hf_generate(ckpt):
     assert eng.cache.used_blocks == 0 and eng.cache.reserved == 0 and not eng.scheduler.has_work()
 
 
+def test_step_times_count_every_prompt_position_and_decoded_row(ckpt):
+    """`StepTimes` (the `triton_vlm_engine_prefill_*` / `decode_*` gauges): prompt positions computed and rows
+    decoded, exactly; the phases' seconds within the wall time of the steps."""
+    _, path = ckpt
+    eng = engine(path)  # prefill_chunk 8: the prompts take several steps
+    specs = [(5, 6, 0), (17, 4, 0), (23, 9, 2)]  # (prompt length, new tokens, arrival step), greedy, EOS never chosen
+    arrivals: dict[int, list] = {}
+    for i, (n, m, at) in enumerate(specs):
+        arrivals.setdefault(at, []).append(request(f"t{i}", prompt(n, 40 + i), max_tokens=m, min_tokens=m))
+    start = time.perf_counter()
+    run_staggered(eng, arrivals)
+    wall = time.perf_counter() - start
+    s = eng.stats()
+    assert s.prefill_tokens == sum(n for n, _, _ in specs)
+    assert s.decode_rows == sum(m - 1 for _, m, _ in specs)  # the first token of each comes from its prefill
+    assert s.prefill_steps >= -(-s.prefill_tokens // 8)  # prefill_chunk: at most 8 prompt positions a step
+    assert max(m for _, m, _ in specs) - 1 <= s.decode_steps <= s.steps
+    assert 0 < s.prefill_seconds and 0 < s.decode_seconds and s.prefill_seconds + s.decode_seconds <= wall
+
+
 def test_batch_invariance_16_requests(ckpt):
     _, path = ckpt
     eng = engine(path, prefill_chunk=16)

@@ -136,6 +136,13 @@ class EngineStats:
     lora_device_bytes: int
     preemptions: int  # running requests preempted since start (max_utilization), cumulative
     preempted_requests: int  # requests waiting to run again after a preemption
+    # where the steps' time goes, cumulative (`scheduler.StepTimes`)
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,10 +225,11 @@ class Engine:
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
-            kv_blocks_total=self.cache.num_blocks, kv_blocks_reserved=self.cache.reserved, steps=self._steps, decoded_rows=self._decoded_rows,
+            kv_blocks_total=self.cache.num_blocks, kv_blocks_reserved=self.cache.reserved, steps=self._steps,
+            decoded_rows=self._decoded_rows,
             lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
             lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes,
-            preemptions=sched.preemptions, preempted_requests=preempted)
+            preemptions=sched.preemptions, preempted_requests=preempted, **dataclasses.asdict(sched.times))
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""

@@ -20,6 +20,8 @@ forward ends the requests in it; the others go on. A CUDA error (`faults.is_devi
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -38,6 +40,22 @@ from .state import Active, Output
 SAMPLE = ("sample",)  # the group key of batchable sampling requests (beam keys are (num_beams, K))
 
 
+@dataclass
+class StepTimes:
+    """Where the engine's steps spend their time, cumulative since start (exported as gauges,
+    `triton_vlm_engine_<field>`): the prefill phase of the steps that had prompt chunks and the decode phase of the
+    steps that had decode rows, each with its forwards, the results made from them (first tokens, decoder steps)
+    and the results' delivery to the caller. Host wall time (`time.perf_counter`): on a GPU a phase ends at its
+    device read-back. Busy fraction = d(prefill_seconds + decode_seconds) / d(wall time)."""
+
+    prefill_steps: int = 0  # steps with at least one prompt chunk
+    prefill_tokens: int = 0  # prompt positions computed (chunks x rows x length)
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0  # steps with at least one decode row
+    decode_rows: int = 0  # rows decoded (one new token each)
+    decode_seconds: float = 0.0
+
+
 class Scheduler:
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int,
                  prefill_chunk: int, decode_text: Callable[[list[int]], str],
@@ -50,6 +68,7 @@ class Scheduler:
         adapters.on_evict = self.runner.lora_stacks.drop  # an evicted adapter's stacks go with it
         self.output = OutputProcessor(decode_text)
         self.fault: Optional[BaseException] = None  # the first CUDA error seen: the engine stops on it
+        self.times = StepTimes()
 
     # the policy's queue and budgets, for the engine's stats and the tests
     @property
@@ -86,8 +105,20 @@ class Scheduler:
             self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
         for a, e in plan.failed:
             self._fail(a, out, self._error(e, f"while admitting request {a.id}"))
-        self._prefill(plan, out, flush)
-        self._decode([a for a in plan.decode if a.admitted], out)
+        t = self.times
+        if plan.prefill:
+            t.prefill_tokens += sum(c.length * (len(c.active.kv.resume_rows) if c.rows else 1) for c in plan.prefill)
+            t0 = time.perf_counter()
+            self._prefill(plan, out, flush)
+            t.prefill_seconds += time.perf_counter() - t0
+            t.prefill_steps += 1
+        decode = [a for a in plan.decode if a.admitted]
+        if decode:
+            t.decode_rows += sum(len(a.kv.rows) for a in decode)  # before: a request that ends gives its rows back
+            t0 = time.perf_counter()
+            self._decode(decode, out)
+            t.decode_seconds += time.perf_counter() - t0
+            t.decode_steps += 1
         return out
 
     def fail_all(self, error: VLMError) -> list[Output]:

@@ -18,7 +18,10 @@ the requests looked up at admission) and `triton_vlm_prefix_cache_hits_total` (t
 queries is the hit rate. `triton_vlm_preemptions_total`: running requests preempted (scheduler policy
 max_utilization: their KV blocks freed, their tokens recomputed when they run again; vLLM's
 `num_preemptions_total`), beside the gauges `triton_vlm_engine_preemptions` (the same count) and
-`triton_vlm_engine_preempted_requests` (waiting to run again).
+`triton_vlm_engine_preempted_requests` (waiting to run again). Where the engine's steps spend their time,
+cumulative (`engine/scheduler.py` `StepTimes`): `triton_vlm_engine_prefill_{steps,tokens,seconds}` and
+`triton_vlm_engine_decode_{steps,rows,seconds}`; the rate of `prefill_seconds + decode_seconds` is the fraction of
+the time the engine computes (1.0: it is the bottleneck), `decode_seconds / decode_steps` the time of a step.
 Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
