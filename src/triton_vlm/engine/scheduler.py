@@ -43,10 +43,11 @@ SAMPLE = ("sample",)  # the group key of batchable sampling requests (beam keys 
 @dataclass
 class StepTimes:
     """Where the engine's steps spend their time, cumulative since start (exported as gauges,
-    `triton_vlm_engine_<field>`): the prefill phase of the steps that had prompt chunks and the decode phase of the
-    steps that had decode rows, each with its forwards, the results made from them (first tokens, decoder steps)
-    and the results' delivery to the caller. Host wall time (`time.perf_counter`): on a GPU a phase ends at its
-    device read-back. Busy fraction = d(prefill_seconds + decode_seconds) / d(wall time)."""
+    `triton_vlm_engine_<field>`): the prefill phase of the steps that had prompt chunks (its forwards, the first
+    tokens and their hand-off to the caller) and the decode phase of the steps that had decode rows (its forward and
+    the decoders' steps; the engine hands those results off after the step). Admission and the hand-off after the
+    step are in neither. Host wall time (`time.perf_counter`): on a GPU a phase ends at its device read-back.
+    Busy fraction = d(prefill_seconds + decode_seconds) / d(wall time)."""
 
     prefill_steps: int = 0  # steps with at least one prompt chunk
     prefill_tokens: int = 0  # prompt positions computed (chunks x rows x length)
