@@ -195,7 +195,8 @@ def apply_affinity(plan: dict[int, set[int]]) -> int:
     return done
 
 
-ENGINE_GAUGES = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds")
+ENGINE_GAUGES = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds",
+                 "spare_steps")
 
 
 def parse_engine_gauges(text: str) -> dict[str, float]:
@@ -233,4 +234,4 @@ def engine_line(before: dict[str, float], after: dict[str, float], duration_s: f
            f"({d['decode_rows'] / max(1.0, d['decode_steps']):.1f} rows a step, "
            f"{1000 * d['decode_seconds'] / max(1.0, d['decode_steps']):.1f} ms a step)")
     share = f"{100 * busy / duration_s:.0f}% of the run's {duration_s:.2f} s"
-    return f"engine computing {busy:.2f} s = {share}: {pre}; {dec}"
+    return f"engine computing {busy:.2f} s = {share}: {pre}; {dec}; {d['spare_steps']:.0f} steps borrowed a spare CPU"

@@ -189,16 +189,17 @@ def test_engine_gauges_become_where_the_steps_time_went():
         'triton_vlm_engine_decode_seconds{model="llm",version="1"} 4.0',
         'triton_vlm_engine_decode_rows{model="llm",version="1"} 1600',
         'triton_vlm_engine_decode_steps{model="llm",version="1"} 200',
+        'triton_vlm_engine_spare_steps{model="llm",version="1"} 30',
         'triton_vlm_engine_steps{model="llm",version="1"} 999',  # not a step-time gauge
     ])
     after = peer_procs.parse_engine_gauges(text)
     assert after == {"prefill_seconds": 1.5, "prefill_tokens": 400.0, "prefill_steps": 10.0, "decode_seconds": 4.0,
-                     "decode_rows": 1600.0, "decode_steps": 200.0}
+                     "decode_rows": 1600.0, "decode_steps": 200.0, "spare_steps": 30.0}
     before = {"prefill_seconds": 0.5, "prefill_tokens": 100.0, "prefill_steps": 5.0, "decode_seconds": 1.0,
-              "decode_rows": 400.0, "decode_steps": 50.0}
+              "decode_rows": 400.0, "decode_steps": 50.0, "spare_steps": 10.0}
     assert peer_procs.engine_line(before, after, 4.0) == (
         "engine computing 4.00 s = 100% of the run's 4.00 s: prefill 1.00 s in 5 steps (60 prompt tokens a step, "
-        "3.33 ms a token); decode 3.00 s in 150 steps (8.0 rows a step, 20.0 ms a step)")
+        "3.33 ms a token); decode 3.00 s in 150 steps (8.0 rows a step, 20.0 ms a step); 20 steps borrowed a spare CPU")
     assert peer_procs.engine_line(after, after, 4.0) == ""  # nothing ran
 
 

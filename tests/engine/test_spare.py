@@ -84,13 +84,14 @@ def test_engine_borrows_the_spare_cpu_and_gives_the_same_tokens(ckpt, monkeypatc
     assert got == want
     s = eng.spare
     assert s is not None and s.used and s.lent_steps >= 1
+    assert eng.stats().spare_steps == s.lent_steps  # the gauge triton_vlm_engine_spare_steps
     assert s.workers and all(os.sched_getaffinity(t) == {cpus[-1]} for t in s.workers if _alive(t))
 
 
 def test_spare_threads_off(ckpt, monkeypatch):
     monkeypatch.setenv(spare.ENV, "0")
     eng, _ = generate(ckpt, (sorted(os.sched_getaffinity(0))[-1],), [[1, 5, 6, 7]])
-    assert eng.spare is None
+    assert eng.spare is None and eng.stats().spare_steps == 0
 
 
 def _alive(tid: int) -> bool:

@@ -143,6 +143,7 @@ class EngineStats:
     decode_steps: int = 0
     decode_rows: int = 0
     decode_seconds: float = 0.0
+    spare_steps: int = 0  # steps that ran with threads borrowed from the spare CPUs (`cpu/spare.py`)
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ class Engine:
             decoded_rows=self._decoded_rows,
             lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
             lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes,
-            preemptions=sched.preemptions, preempted_requests=preempted, **dataclasses.asdict(sched.times))
+            preemptions=sched.preemptions, preempted_requests=preempted, **dataclasses.asdict(sched.times),
+            spare_steps=self.spare.lent_steps if self.spare is not None else 0)
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""
