@@ -146,6 +146,20 @@ def test_plan_maps_openai_and_vllm_fields_to_ensemble_inputs():
     assert lp.logprobs and lp.include_usage and lp.inputs[N.RETURN_LOG_PROBS]
 
 
+def test_the_llm_is_asked_only_for_the_outputs_the_front_end_reads():
+    from triton_vlm.openai.triton import llm_outputs
+
+    plain = llm_outputs(make_plan(_chat(), {}).inputs)
+    assert set(plain) == {N.TEXT_OUTPUT, N.OUTPUT_IDS, N.SEQUENCE_LENGTH, N.SEQUENCE_INDEX, N.CUM_LOG_PROBS}
+    lp = llm_outputs(make_plan(_chat(logprobs=True), {}).inputs)
+    assert set(lp) == set(plain) | {N.OUTPUT_LOG_PROBS}
+    top = llm_outputs(make_plan(_chat(logprobs=True, top_logprobs=2), {}).inputs)
+    assert set(top) == set(lp) | {N.OUTPUT_TOP_LOG_PROBS, N.OUTPUT_TOP_LOG_PROB_IDS}
+    best = make_plan(CompletionRequest(model="m", prompt="p", n=2, best_of=5, temperature=1.0), {})
+    assert N.OUTPUT_LOG_PROBS in llm_outputs(best.inputs)  # ranked by the engine's log probs
+    assert set(top) <= {spec.name for spec in N.LLM_OUTPUTS}  # names the llm declares
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(n=0), "n must be"), (dict(n=17), "n must be"), (dict(seed=-1), "seed"),
     (dict(top_logprobs=3), "needs logprobs"), (dict(stop=[str(i) for i in range(17)]), "stop holds"),

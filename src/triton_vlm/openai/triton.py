@@ -77,6 +77,21 @@ class LLMResponse:
     top: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # [sequence][token] -> (id, log prob)
 
 
+# the llm outputs `parse_llm` reads; the others (batch_index, dropped_images, ...) are not asked for, so the llm
+# neither builds nor sends them with every streamed token
+_LLM_OUTPUTS = (N.TEXT_OUTPUT, N.OUTPUT_IDS, N.SEQUENCE_LENGTH, N.SEQUENCE_INDEX, N.CUM_LOG_PROBS)
+
+
+def llm_outputs(params: dict[str, object]) -> tuple[str, ...]:
+    """The outputs to ask the llm for, given the request's generation inputs: log probs only when asked."""
+    names = list(_LLM_OUTPUTS)
+    if params.get(N.RETURN_LOG_PROBS):
+        names.append(N.OUTPUT_LOG_PROBS)
+    if params.get(N.RETURN_TOP_LOG_PROBS):
+        names += [N.OUTPUT_TOP_LOG_PROBS, N.OUTPUT_TOP_LOG_PROB_IDS]
+    return tuple(names)
+
+
 def bytes_tensor(items: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(x)) + x for x in items)
 
@@ -301,4 +316,6 @@ class TritonClient:
         if max_tokens is None:
             max_tokens = max(1, self.context_length - prompt_tokens) if self.context_length else 16
         self._generation_inputs(req, llm, max_tokens)
+        for name in llm_outputs(req.params):
+            llm.outputs.add().name = name
         return llm, prompt_tokens
