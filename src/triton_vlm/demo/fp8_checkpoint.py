@@ -51,10 +51,10 @@ def fp8_channel(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.
     return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def quantization_config(fmt: str, not_converted: list[str]) -> dict:
+def quantization_config(fmt: str, not_converted: list[str], block: tuple[int, int] = BLOCK) -> dict:
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": not_converted}
+                "weight_block_size": list(block), "modules_to_not_convert": not_converted}
     strategy = "channel" if fmt == "ct-channel" else "tensor"
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
                "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}
@@ -67,8 +67,8 @@ def quantization_config(fmt: str, not_converted: list[str]) -> dict:
             "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
-    """Write `src` quantized in `fmt` to `out` (see the module docstring)."""
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple[int, int] = BLOCK) -> Path:
+    """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`: fp8-block's block size)."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     if fmt not in FORMATS:
@@ -82,7 +82,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
         if not QUANTIZED.search(name):
             tensors[key] = w.contiguous()
             continue
-        q, scale = fp8_block(w, BLOCK) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
+        q, scale = fp8_block(w, block) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
         tensors[key], tensors[key[: -len("weight")] + suffix] = q.contiguous(), scale.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     skip = set(INDEX_FILES) | set(SINGLE_FILES)
@@ -93,7 +93,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str) -> Path:
     config = json.loads((out / "config.json").read_text())
     towers = sorted({k.split(".")[0] for k in tensors if k.split(".")[0] in ("vision_tower", "visual",
                                                                               "multi_modal_projector")})
-    config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers])
+    config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers], block)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
