@@ -137,8 +137,8 @@ def _check_scope(scope: str, cfg: Any, where: str) -> None:
         value = getattr(cfg, name, None)
         if value not in neutral:
             raise Unservable(f"{where}: {name} = {value!r} changes the math and is not implemented for "
-                                  f"model_type {getattr(cfg, 'model_type', None)!r}; remove it or use a "
-                                  "checkpoint without it")
+                             f"model_type {getattr(cfg, 'model_type', None)!r}, so the checkpoint is "
+                             "refused")
     known = classified(scope)
     for f in _class_fields(type(cfg)):
         if f.name in known or f.name.startswith("_"):
@@ -147,8 +147,8 @@ def _check_scope(scope: str, cfg: Any, where: str) -> None:
         value = getattr(cfg, f.name, default)
         if value != default:
             raise Unservable(f"{where}: {f.name} = {value!r} is a field this engine does not know "
-                                  f"(transformers' {type(cfg).__name__} defines it, default {default!r}); "
-                                  "it may change the math, so the checkpoint is refused")
+                             f"(transformers' {type(cfg).__name__} defines it, default {default!r}); "
+                             "it may change the math, so the checkpoint is refused")
 
 
 def _class_fields(cls: type) -> tuple:
