@@ -19,25 +19,32 @@ from triton_vlm.spec import CheckpointError, CheckpointSpec
 
 
 def _classes() -> list[tuple[str, type]]:
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaNextConfig, MistralConfig,  # noqa: PLC0415
-                              Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, SiglipVisionConfig)
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (Qwen2_5_VLTextConfig,  # noqa: PLC0415
-                                                                         Qwen2_5_VLVisionConfig)
-    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig  # noqa: PLC0415
+    """(scope, config class) of every served family (`families.FAMILIES`: a family added later is walked too),
+    with the text models and towers a LLaVA may hold (its sub-configs are any `AutoConfig`)."""
+    import transformers
+    from transformers import CLIPVisionConfig, LlamaConfig, MistralConfig, Qwen2Config, SiglipVisionConfig  # noqa: PLC0415
 
-    return ([("text", c) for c in (LlamaConfig, MistralConfig, Qwen2Config, Qwen2VLTextConfig, Qwen2_5_VLTextConfig)]
-            + [("top", c) for c in (LlavaConfig, LlavaNextConfig, Qwen2VLConfig, Qwen2_5_VLConfig)]
-            + [("vision", c) for c in (CLIPVisionConfig, SiglipVisionConfig, Qwen2VLVisionConfig,
-                                       Qwen2_5_VLVisionConfig)])
+    from triton_vlm.families import FAMILIES
+
+    out = [("text", c) for c in (LlamaConfig, MistralConfig, Qwen2Config)]
+    out += [("vision", c) for c in (CLIPVisionConfig, SiglipVisionConfig)]
+    for family in FAMILIES.values():
+        top = getattr(transformers, family.model_class).config_class
+        out.append(("top", top))
+        for key, scope in (("text_config", "text"), ("vision_config", "vision")):
+            sub = top.sub_configs.get(key)
+            if sub is not None and sub is not transformers.AutoConfig:
+                out.append((scope, sub))
+    return out
 
 
 def test_every_field_of_the_served_config_classes_is_classified():
     """A field no table names would be ignored by the engine: the served families' classes must have none."""
-    from triton_vlm.families import FAMILIES
-
-    assert set(FAMILIES) == {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl"}, "a new family: add its classes here"
+    classes = _classes()
+    assert {c.__name__ for _, c in classes} >= {"LlavaConfig", "LlavaNextConfig", "Qwen2VLConfig",
+                                                "Qwen2_5_VLTextConfig", "Qwen2_5_VLVisionConfig"}
     unclassified = {}
-    for scope, cls in _classes():
+    for scope, cls in classes:
         names = {f.name for f in dataclasses.fields(cls)} | set(cls().to_dict())
         missing = sorted(n for n in names - cf.classified(scope) if not n.startswith("_"))
         if missing:
