@@ -113,6 +113,7 @@ class CheckpointSpec:
     image_token_id: Optional[int]
     context_length: int
     hf_config: Any = field(repr=False, compare=False)  # the parsed transformers config (for the vision tower)
+    quant: Any = None  # `quant.QuantConfig` of a quantized checkpoint, None for unquantized weights
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "CheckpointSpec":
@@ -125,6 +126,14 @@ class CheckpointSpec:
             top = AutoConfig.from_pretrained(str(d), local_files_only=True)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{d}: cannot parse config.json ({type(e).__name__}: {e})") from None
+        from .checkpoint_fields import Unservable, check_fields  # noqa: PLC0415
+        from .quant import read_quantization  # noqa: PLC0415
+
+        try:  # a quantization not read exactly, or a field that changes the math, is refused here
+            quant = read_quantization(top)
+            check_fields(top)
+        except Unservable as e:
+            raise CheckpointError(f"{d}: {e}") from None
         text_cfg = getattr(top, "text_config", None) or top
         eos = _eos_ids(d, text_cfg, top)
         image_token_id = getattr(top, "image_token_id", None)
@@ -134,7 +143,7 @@ class CheckpointSpec:
         text = _text_spec(text_cfg, top, eos, image_token_id)
         vision = _vision_spec(top) if getattr(top, "vision_config", None) is not None else None
         return cls(model_dir=d, text=text, vision=vision, eos_ids=eos, image_token_id=image_token_id,
-                   context_length=text.max_position_embeddings, hf_config=top)
+                   context_length=text.max_position_embeddings, hf_config=top, quant=quant)
 
 
 def _ids(value: Any) -> tuple[int, ...]:

@@ -32,6 +32,8 @@ from typing import Any, Iterator
 
 import torch
 
+from .checkpoint_fields import Unservable
+from .quant import QuantizedWeights, read_quantization
 from .spec import CheckpointError, read_json
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -84,7 +86,8 @@ class TensorSource:
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        self.rules = renames_for(read_json(self.model_dir / "config.json"))
+        config = read_json(self.model_dir / "config.json")
+        self.rules = renames_for(config)
         self._open: dict[Path, Any] = {}
         self.files: dict[str, tuple[Path, str]] = {}  # name -> (file, key in the file)
         for name, (path, key) in self._file_keys():
@@ -93,6 +96,10 @@ class TensorSource:
                 raise CheckpointError(f"{self.model_dir}: checkpoint keys {self.files[canon][1]!r} and {key!r} "
                                       f"both load as {canon!r}; a checkpoint must hold each tensor once")
             self.files[canon] = (path, key)
+        try:  # a quantized checkpoint's scales leave the tensors; its weights are dequantized when read
+            self.quant = QuantizedWeights.split(read_quantization(config), self.files)
+        except Unservable as e:
+            raise CheckpointError(f"{self.model_dir}: {e}") from None
 
     def _file_keys(self) -> Iterator[tuple[str, tuple[Path, str]]]:
         d = self.model_dir
@@ -151,7 +158,14 @@ class TensorSource:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        path, key = self.files[name]
+        """The tensor as the model computes with it (a quantized weight dequantized: `quant.dequant`)."""
+        try:
+            return self.quant.dequantize(name, self._read(*self.files[name]),
+                                         lambda n: self._read(*self.quant.held[n]))
+        except Unservable as e:
+            raise CheckpointError(f"{self.model_dir}: {e}") from None
+
+    def _read(self, path: Path, key: str) -> torch.Tensor:
         h = self._handle(path)
         if hasattr(h, "get_tensor"):
             return h.get_tensor(key)

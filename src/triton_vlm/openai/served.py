@@ -81,6 +81,7 @@ class ServedModel:
         spec = CheckpointSpec.load(self.model_dir)
         self.eos_ids = frozenset(spec.eos_ids)
         self.context_length = context_length or spec.context_length
+        self.weights = spec.quant.label if spec.quant is not None else "unquantized"  # /v1/models says it
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         source, origin = load_template(self.model_dir, chat_template, self.tokenizer)
         self.markers, self.video_markers = image_markers(spec)
@@ -99,7 +100,7 @@ class ServedModel:
 
     def cards(self) -> list[dict]:
         base = {"id": self.base_id, "object": "model", "created": self.created, "owned_by": "triton-vlm",
-                "root": self.base_id, "parent": None, "max_model_len": self.context_length}
+                "root": self.base_id, "parent": None, "max_model_len": self.context_length, "weights": self.weights}
         cards = [base]
         for name in self.adapters.names():
             cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "triton-vlm",

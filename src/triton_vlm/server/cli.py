@@ -202,6 +202,12 @@ def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
         model = Path(args.model).expanduser().resolve()
         if not (model / "config.json").exists():
             raise SystemExit(f"{model} is not a Hugging Face checkpoint directory (no config.json)")
+        from ..spec import CheckpointError, CheckpointSpec  # noqa: PLC0415 - transformers' config parsing
+
+        try:  # a checkpoint the engine cannot read exactly is refused here, before tritonserver starts
+            CheckpointSpec.load(model)
+        except CheckpointError as e:
+            raise SystemExit(f"triton-vlm: cannot serve {e}") from None
     else:
         from ..demo import ensure_demo_adapters, ensure_demo_model  # noqa: PLC0415
 

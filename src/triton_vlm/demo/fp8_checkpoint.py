@@ -1,0 +1,138 @@
+"""Quantize a tiny checkpoint offline into the FP8 formats the model makers publish (the engine's FP8 fixtures).
+
+`quantize_checkpoint(src, out, fmt)` writes `src`'s tensors under their own keys (the hub layout stays the hub
+layout: the renames must apply to the scales too), the decoder's linear layers quantized to float8_e4m3fn with
+their scales beside them, every other tensor (embeddings, norms, lm_head, vision tower, projector) as it is, and
+the other files copied, config.json gaining the format's `quantization_config`:
+- `fp8-block`: Qwen's `-FP8` releases (`quant_method: "fp8"`, `weight_block_size`, `activation_scheme:
+  "dynamic"`, `modules_to_not_convert`): one float32 `weight_scale_inv` = amax / 448 per block;
+- `ct-channel` / `ct-tensor`: compressed-tensors' "FP8-Dynamic" (`quant_method: "compressed-tensors"`,
+  `format: "float-quantized"`, static per-channel or per-tensor weights, dynamic per-token activations,
+  `ignore`): `weight_scale` = amax / 448 per output row ([out, 1]) or tensor ([1]), in bfloat16 as
+  llm-compressor writes a bf16 model's.
+`ensure_fp8_checkpoint(base, fmt)` caches one under the cache dir (`base`: "llava" = the trained demo model in
+the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..weight_source import INDEX_FILES, SINGLE_FILES, TensorSource
+
+FORMATS = ("fp8-block", "ct-channel", "ct-tensor")
+BASES = ("llava", "qwen2_5_vl")
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+BLOCK = (32, 32)  # the tiny models' dims are multiples of 32; the releases use [128, 128] on theirs
+QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj\.weight$")
+VERSION = 1  # bump when the fixtures change
+
+
+def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] float -> (e4m3 [R, C], float32 scale_inv [R / bm, C / bn])."""
+    (rows, cols), (bm, bn) = w.shape, block
+    b = w.float().reshape(rows // bm, bm, cols // bn, bn)
+    scale = (b.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [R / bm, C / bn]
+    q = (b / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows, cols), scale
+
+
+def fp8_channel(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] float -> (e4m3 [R, C], bf16 scale [R, 1] or [1])."""
+    w = w.float()
+    amax = w.abs().amax().reshape(1) if per_tensor else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16)
+    q = w / scale.float()  # [R, C] / [1] or [R, 1]
+    return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantization_config(fmt: str, not_converted: list[str], block: tuple[int, int] = BLOCK) -> dict:
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": list(block), "modules_to_not_convert": not_converted}
+    strategy = "channel" if fmt == "ct-channel" else "tensor"
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
+            "group_size": None, "block_structure": None, "actorder": None, "observer": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": [f"re:.*{re.escape(m)}.*" if m != "lm_head" else m for m in not_converted],
+            "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple[int, int] = BLOCK) -> Path:
+    """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`: fp8-block's block size)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    src, out = Path(src), Path(out)
+    source = TensorSource(src)
+    suffix = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (_, key) in source.files.items():
+        w = source.get(name)
+        if not QUANTIZED.search(name):
+            tensors[key] = w.contiguous()
+            continue
+        q, scale = fp8_block(w, block) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
+        tensors[key], tensors[key[: -len("weight")] + suffix] = q.contiguous(), scale.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(INDEX_FILES) | set(SINGLE_FILES)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip and not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy2(f, out / f.name)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    towers = sorted({k.split(".")[0] for k in tensors if k.split(".")[0] in ("vision_tower", "visual",
+                                                                              "multi_modal_projector")})
+    config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers], block)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _base(base: str) -> Path:
+    from ..paths import cache_dir  # noqa: PLC0415
+
+    if base == "llava":
+        from .hub_layout import ensure_demo_hub_model  # noqa: PLC0415
+
+        return ensure_demo_hub_model(progress=False)
+    if base != "qwen2_5_vl":
+        raise ValueError(f"base must be one of {BASES}, got {base!r}")
+    path = cache_dir() / f"fp8-base-qwen2_5_vl-v{VERSION}"
+    if not (path / "config.json").is_file():
+        from .build import _lock  # noqa: PLC0415
+        from .qwen_checkpoint import build_qwen_vl  # noqa: PLC0415
+
+        with _lock(path):
+            if not (path / "config.json").is_file():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+                build_qwen_vl(tmp, "qwen2_5_vl", seed=11)
+                tmp.rename(path)
+    return path
+
+
+def ensure_fp8_checkpoint(base: str, fmt: str) -> Path:
+    """`base` quantized in `fmt`, cached under the cache dir (written atomically on first use)."""
+    from ..paths import cache_dir  # noqa: PLC0415
+    from .build import _lock  # noqa: PLC0415
+
+    src = _base(base)
+    out = cache_dir() / f"fp8-{base}-{fmt}-v{VERSION}"
+    if (out / "model.safetensors").is_file():
+        return out
+    with _lock(out):
+        if not (out / "model.safetensors").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            quantize_checkpoint(src, tmp, fmt)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+    return out
