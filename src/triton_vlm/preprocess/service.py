@@ -38,9 +38,10 @@ from ..families import get_family
 from .. import names as N
 from ..errors import InvalidArgument
 from .image_cache import ImageCache, ProcessedImage, image_key
-from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, header_size, payload_to_bytes
-from ..params import (DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS, DEFAULT_MAX_VIDEOS, MediaCost, check_media_budget,
-                      check_word_count, words_to_flat)
+from .images import (DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, header_size,
+                     payload_to_bytes)
+from ..params import (DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS, DEFAULT_MAX_VIDEOS, MediaCost,
+                      check_media_budget, check_word_count, words_to_flat)
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
 VIDEO_MARKER = "<video>"
@@ -270,18 +271,22 @@ class Preprocessor:
 
     def _probe(self, p: ImagePart, budget: int, max_tokens: int) -> "_Pending":
         """One medium's cost from its header (nothing decoded); a video that cannot fit the context is refused."""
-        if p.kind == "video":
-            from .videos import probe_video  # noqa: PLC0415
+        return self._probe_video(p, budget, max_tokens) if p.kind == "video" else self._probe_image(p)
 
-            header = probe_video(p.payload, p.what, self.video.cfg, self.max_pixels, planner=self.video.plan)
-            if header.plan.tokens > budget:
-                raise InvalidArgument(
-                    f"{p.what}: {header.describe()}; the context leaves {budget} prompt tokens (context length "
-                    f"{self.info.context_length} - max_tokens {max_tokens}); send a shorter or smaller video or "
-                    "lower max_tokens")
-            plan = header.plan
-            return _Pending(MediaCost(p.what, plan.tokens, plan.frame_bytes + plan.pixel_bytes, header.describe()),
-                            header=header)
+    def _probe_video(self, p: ImagePart, budget: int, max_tokens: int) -> "_Pending":
+        from .videos import probe_video  # noqa: PLC0415
+
+        header = probe_video(p.payload, p.what, self.video.cfg, self.max_pixels, planner=self.video.plan)
+        if header.plan.tokens > budget:
+            raise InvalidArgument(
+                f"{p.what}: {header.describe()}; the context leaves {budget} prompt tokens (context length "
+                f"{self.info.context_length} - max_tokens {max_tokens}); send a shorter or smaller video or "
+                "lower max_tokens")
+        plan = header.plan
+        return _Pending(MediaCost(p.what, plan.tokens, plan.frame_bytes + plan.pixel_bytes, header.describe()),
+                        header=header)
+
+    def _probe_image(self, p: ImagePart) -> "_Pending":
         raw = payload_to_bytes(p.payload, p.what)
         key = image_key(raw)
         hit = self.cache.get(key)
