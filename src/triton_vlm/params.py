@@ -363,3 +363,38 @@ def words_to_flat(words: Sequence[Sequence[int]]) -> list[int]:
             flat.append(len(w))
             flat.extend(int(t) for t in w)
     return flat
+
+
+# --- media budget (the preprocess model's parameters `max_media_tokens` / `max_media_bytes`) --------------------
+# What one request's images and videos may cost, computed from their headers before any pixel is decoded
+# (preprocess/service.py): placeholder tokens of every medium (also those truncation will drop), and bytes of pixels
+# held (each image decoded at its own size, RGB uint8; each video's kept frames resized, RGB uint8; and every
+# medium's pixel_values, float32). 65,536 tokens and 1 GiB take a whole 32k context of Qwen2-VL video at once.
+DEFAULT_MAX_MEDIA_TOKENS = 65536
+DEFAULT_MAX_MEDIA_BYTES = 1 << 30
+DEFAULT_MAX_VIDEOS = 2  # videos per request (the preprocess model's `max_videos`; the OpenAI front end counts too)
+
+
+@dataclass(frozen=True)
+class MediaCost:
+    """One image's or video's cost, known before decoding: its tokens and the bytes of pixels it will hold."""
+
+    what: str  # e.g. "videos[0]"
+    tokens: int
+    nbytes: int
+    detail: str  # what was counted, for the error text (size, frames, grid)
+
+
+def check_media_budget(costs: Sequence[MediaCost], max_tokens: int, max_bytes: int) -> None:
+    """InvalidArgument naming the medium that takes a request past `max_tokens` tokens or `max_bytes` bytes."""
+    tokens = nbytes = 0
+    for c in costs:
+        tokens, nbytes = tokens + c.tokens, nbytes + c.nbytes
+        if tokens > max_tokens:
+            raise InvalidArgument(f"{c.what} ({c.detail}) brings the request's images and videos to {tokens} tokens; "
+                                  f"at most {max_tokens} are accepted per request (max_media_tokens); send fewer "
+                                  "or smaller media")
+        if nbytes > max_bytes:
+            raise InvalidArgument(f"{c.what} ({c.detail}) brings the request's decoded pixels to {nbytes} bytes; at "
+                                  f"most {max_bytes} are accepted per request (max_media_bytes); send fewer or "
+                                  "smaller media")

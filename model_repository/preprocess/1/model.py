@@ -19,6 +19,7 @@ _IN = {s.name: s for s in N.PREPROCESS_INPUTS}
 
 class TritonPythonModel:
     def initialize(self, args):
+        from triton_vlm.params import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS
         from triton_vlm.preprocess.service import Preprocessor
 
         config.setup_logging()
@@ -33,6 +34,8 @@ class TritonPythonModel:
             image_cache_size=config.parse_int(p, "image_cache_size", 64),
             max_text_chars=config.parse_int(p, "max_text_chars", 0),
             max_videos=config.parse_int(p, "max_videos", 2),
+            max_media_tokens=config.parse_int(p, "max_media_tokens", 0) or DEFAULT_MAX_MEDIA_TOKENS,
+            max_media_bytes=config.parse_int(p, "max_media_bytes", 0) or DEFAULT_MAX_MEDIA_BYTES,
         )
         self.lora = _LoraCheck(self.pre.info.model_dir, p.get("lora_dir") or None,
                                config.parse_int(p, "max_lora_rank", 64))

@@ -12,7 +12,10 @@ everything that family does differently, and the stages ask it instead of branch
   the features of one image (LLaVA-NeXT: grid, unpad, row separators; LLaVA: none), and `weight_prefixes` where
   their tensors live in the checkpoint;
 - **text model**: `text_config(config)`; the text models themselves (Llama, Mistral, Qwen2) are shared by the
-  families: `spec.TextSpec` and `engine/`.
+  families: `spec.TextSpec` and `engine/`;
+- **videos** (families with a `video_token`): `video_plan(cfg, size, frames, fps)` -> a `VideoPlan`, the frames
+  sampling keeps, their resized size, the patch grid and the tokens, computed from the container's header before
+  any frame is decoded, so preprocess bounds a request's media cost before paying it.
 """
 from __future__ import annotations
 
@@ -76,6 +79,22 @@ class ImageLayout:
         return self.tiles(self.largest_image)
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """What one video costs, known from its container's header (frame count, rate, frame size) before decoding."""
+
+    keep: tuple[int, ...]  # indices of the frames sampling keeps, ascending
+    size: Size  # (height, width) each kept frame is resized to
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    tokens: int  # placeholder tokens
+    pixel_bytes: int  # bytes of the video's pixel_values (float32 rows)
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of the kept frames once resized (RGB, uint8), held until they are patched."""
+        return len(self.keep) * self.size[0] * self.size[1] * 3
+
+
 class Packer(nn.Module):
     """Features of one image's tiles [tiles, t, hidden] -> the image's features [T, hidden] (LLaVA: its one tile)."""
 
@@ -136,6 +155,11 @@ class Family:
             raise CheckpointError(f"image processor output size depends on the input image ({sorted(shapes)}); "
                                   "a fixed size is required (e.g. center crop or a fixed height/width)")
         check_tile(shapes.pop(), layout.tile)
+
+    def video_plan(self, cfg: Any, size: Size, frames: int, fps: float) -> VideoPlan:
+        """The cost of a video of `frames` frames of `size` (height, width) at `fps`, under the checkpoint's video
+        processor settings `cfg` (`preprocess.videos.VideoConfig`); ValueError when sampling keeps nothing."""
+        raise CheckpointError(f"the {self.name} family takes no videos")
 
     # --- vision graph ---------------------------------------------------------------------------------------
     def projector(self, config: Any) -> nn.Module:

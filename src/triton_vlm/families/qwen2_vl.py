@@ -18,6 +18,10 @@ Vision graph: the whole tower and merger (`vision/qwen_tower.py`), run on every 
 attention kept inside each image (and for Qwen2.5-VL inside each window).
 
 Text model: Qwen2 with M-RoPE (`mrope_section`, 3-D positions for image tokens; `engine/model/mrope.py`).
+
+Videos (`Qwen2VLVideoProcessor`): the frames `sample_indices` keeps, each resized to `smart_resize` of the frame size
+under the video processor's min / max pixels, in pairs (`temporal_patch_size`): `video_plan` gives that grid and
+its tokens from the container's header, before a frame is decoded (`preprocess/videos.py` decodes and patches).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Any, Optional
 
 from ..errors import InvalidArgument
 from ..spec import CheckpointError, CheckpointSpec, read_json
-from .base import Family, Size
+from .base import Family, Size, VideoPlan
 
 MAX_RATIO = 200  # transformers' smart_resize refuses aspect ratios past this
 DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
@@ -45,6 +49,31 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
                               f"{ratio:g}:1; at most {MAX_RATIO}:1 is allowed (the checkpoint's image processor "
                               "refuses it)")
     return hf(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def sample_indices(total: int, fps: float, cfg: Any) -> list[int]:
+    """`Qwen2VLVideoProcessor.sample_frames` with `fps`: the indices of the frames kept (total / fps x cfg.fps
+    frames, clamped to [min_frames, max_frames] and to the file's frames, floored to whole temporal patches, taken at
+    `arange(0, total, total / n)`); ValueError when that leaves none."""
+    import torch  # noqa: PLC0415
+
+    max_frames = math.floor(min(cfg.max_frames, total) / cfg.temporal) * cfg.temporal
+    n = total / fps * cfg.fps
+    n = min(max(n, cfg.min_frames), max_frames, total)
+    n = math.floor(n / cfg.temporal) * cfg.temporal
+    if n <= 0:
+        raise ValueError(f"{total} frames at {fps:g} fps give no sample of {cfg.temporal} frames")
+    return torch.arange(0, total, total / n).int().tolist()
+
+
+def video_plan(cfg: Any, size: Size, total: int, fps: float) -> VideoPlan:
+    """A video's cost from its header: kept frames, resized size, grid (t, h, w) and tokens (`Family.video_plan`)."""
+    keep = sample_indices(total, fps, cfg)
+    h, w = smart_resize(int(size[0]), int(size[1]), cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels)
+    grid = (-(-len(keep) // cfg.temporal), h // cfg.patch, w // cfg.patch)  # a last odd frame is repeated
+    rows = grid[0] * grid[1] * grid[2]
+    return VideoPlan(tuple(keep), (h, w), grid, rows // (cfg.merge * cfg.merge),
+                     rows * 3 * cfg.temporal * cfg.patch * cfg.patch * 4)
 
 
 @dataclass(frozen=True)
@@ -146,6 +175,9 @@ class Qwen2VL(Family):
                 raise CheckpointError(f"the image processor gives grid {grid} (pixel_values {rows}) for a "
                                       f"{height}x{width} image; the checkpoint's config gives "
                                       f"{layout.grid((height, width))}")
+
+    def video_plan(self, cfg: Any, size: Size, frames: int, fps: float) -> VideoPlan:
+        return video_plan(cfg, size, frames, fps)
 
     def projector(self, config: Any):
         raise CheckpointError("qwen2_vl has no separate projector: the merger is part of the vision tower")

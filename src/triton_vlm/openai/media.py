@@ -7,7 +7,8 @@ http(s) from allowed hosts; not sniffed here: preprocess decodes and checks vide
   and only at public addresses and allowed ports (fetch.py: the SSRF checks, redirects re-checked, one error
   text for every network failure), fetched with a size limit (the body is read up to `max_bytes`; a larger
   `Content-Length` is refused before reading) and a time limit for the whole fetch;
-- at most `max_images` per request, counted before anything is fetched;
+- at most `max_images` images and `max_videos` videos per request, both counted before anything is fetched
+  (`load_media`);
 - anything else (`file:`, local paths, other schemes) is refused. Every refusal is a 400 naming the URL's kind
   and what is allowed.
 """
@@ -18,6 +19,7 @@ import binascii
 import urllib.parse
 from dataclasses import dataclass
 
+from ..params import DEFAULT_MAX_VIDEOS
 from ..preprocess.images import DEFAULT_MAX_IMAGES
 from .aio import gather_all
 from .errors import bad_request
@@ -94,6 +96,7 @@ class MediaPolicy:
     ports: tuple[int, ...] = DEFAULT_PORTS  # of http(s) image URLs
     allow_private: bool = False  # fetch from loopback / private / link-local addresses too (fetch.py)
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES  # a video_url's file
+    max_videos: int = DEFAULT_MAX_VIDEOS  # per request (the preprocess model's max_videos)
 
     def host_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")
@@ -103,18 +106,27 @@ class MediaPolicy:
                 return True
         return False
 
+    def check_counts(self, n_images: int, n_videos: int = 0) -> None:
+        """400 when a request holds more images than `max_images` or more videos than `max_videos`."""
+        for n, most, kind in ((n_images, self.max_images, "images"), (n_videos, self.max_videos, "videos")):
+            if n > most:
+                raise bad_request(f"the request has {n} {kind}; at most {most} are accepted", param="messages")
+
+    async def load_media(self, image_urls: list[str], video_urls: list[str]) -> tuple[list[bytes], list[bytes]]:
+        """Every image and video of a request, fetched concurrently once both counts are known to be within
+        `max_images` / `max_videos` (the preprocess model decodes and checks them: their cost, frame and pixel
+        limits); the first failure cancels the other fetches."""
+        self.check_counts(len(image_urls), len(video_urls))
+        out = await gather_all([*(self.load(u) for u in image_urls), *(self.load(u, "video") for u in video_urls)])
+        return out[:len(image_urls)], out[len(image_urls):]
+
     async def load_all(self, urls: list[str]) -> list[bytes]:
-        """Every image of a request, fetched concurrently once their count is known to be within `max_images`;
-        the first failure cancels the other fetches."""
-        if len(urls) > self.max_images:
-            raise bad_request(f"the request has {len(urls)} images; at most {self.max_images} are accepted",
-                              param="messages")
-        return await gather_all(self.load(u) for u in urls)
+        """Every image of a request (`load_media` without videos)."""
+        return (await self.load_media(urls, []))[0]
 
     async def load_videos(self, urls: list[str]) -> list[bytes]:
-        """Every video of a request (`video_url`), fetched concurrently like images (the preprocess model decodes
-        and checks them: its `max_videos`, frame and pixel limits)."""
-        return await gather_all(self.load(u, "video") for u in urls)
+        """Every video of a request (`video_url`), counted against `max_videos` before any is fetched."""
+        return (await self.load_media([], urls))[1]
 
     async def load(self, url: str, kind: str = "image") -> bytes:
         """The bytes of the image an `image_url` (or the video a `video_url`) names; APIError(400) when it may not

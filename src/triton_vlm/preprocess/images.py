@@ -122,6 +122,18 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def header_size(raw: bytes) -> tuple[int, int] | None:
+    """(height, width) from an image file's header, no pixel decoded (before the EXIF orientation, which may swap
+    them); None when PIL cannot read the header (`decode_image` then says why)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(raw), formats=ACCEPTED_FORMATS) as im:
+                return (int(im.height), int(im.width))
+    except Exception:  # noqa: BLE001 - any unreadable header is judged by decode_image
+        return None
+
+
 def decode_image(data: bytes | str, what: str = "image", max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Payload (raw bytes / base64 / data URL) -> loaded RGB PIL image, EXIF orientation applied."""
     raw = payload_to_bytes(data, what)

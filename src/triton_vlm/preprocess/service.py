@@ -4,9 +4,13 @@ Steps of `Preprocessor.__call__`:
 
 1. split the prompt into text / image parts (`prompt.split_prompt`: inline `<img src="data:image/...">` tags
    and `<image>` markers paired with `images`; image start/end markers added around each image);
-2. decode and validate EVERY image (`images.decode_image`), also those truncation will drop: a broken,
-   oversized or non-image payload is an error whatever `max_tokens` is, so a request's validity never
-   depends on the token budget;
+2. cost every image and video from its header before any pixel is decoded (`images.header_size`,
+   `videos.probe_video` with the family's `video_plan`): its tokens and the bytes of pixels it will hold, checked
+   against the request's media budget (`max_media_tokens`, `max_media_bytes`: `params.check_media_budget`); a video
+   whose tokens alone exceed `context_length - max_tokens` is refused (it could never be kept). Then decode and
+   validate EVERY image (`images.decode_image`) and video (`videos.decode_frames`: one frame at a time, resized as
+   it arrives), also those truncation will drop: a broken, oversized or non-image payload is an error whatever
+   `max_tokens` is, so a request's validity never depends on the token budget;
 3. tokenize the whole prompt once, each image written as ONE placeholder token, with the tokenizer's special
    tokens (BOS first, as the tokenizer adds it), then expand each placeholder to that image's token count
    (the family's `layout.tokens(height, width)`: the same for every image of llava-1.5, a function of the
@@ -34,8 +38,10 @@ from ..families import get_family
 from .. import names as N
 from ..errors import InvalidArgument
 from .image_cache import ImageCache, ProcessedImage, image_key
-from .images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, payload_to_bytes
-from ..params import check_word_count, words_to_flat
+from .images import (DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, header_size,
+                     payload_to_bytes)
+from ..params import (DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS, DEFAULT_MAX_VIDEOS, MediaCost,
+                      check_media_budget, check_word_count, words_to_flat)
 from .prompt import IMAGE_MARKER, ImagePart, TextPart, split_prompt
 
 VIDEO_MARKER = "<video>"
@@ -93,13 +99,17 @@ class Preprocessor:
         marker: str = IMAGE_MARKER,
         image_cache_size: int = 64,
         max_text_chars: int = 0,
-        max_videos: int = 2,
+        max_videos: int = DEFAULT_MAX_VIDEOS,
+        max_media_tokens: int = DEFAULT_MAX_MEDIA_TOKENS,
+        max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
     ):
         """`max_text_chars`: longest prompt text accepted (inline images not counted); 0 = context length x
         `CHARS_PER_TOKEN_BOUND`. Longer text is refused before tokenization, which is linear but costs ~1 s per
         MB: a prompt many times the context would be truncated to a small fraction of itself anyway."""
-        if max_images < 0 or max_pixels <= 0:
-            raise ValueError(f"max_images must be >= 0 and max_pixels > 0, got {max_images}, {max_pixels}")
+        if max_images < 0 or max_pixels <= 0 or max_media_tokens <= 0 or max_media_bytes <= 0:
+            raise ValueError(f"max_images must be >= 0 and max_pixels, max_media_tokens, max_media_bytes > 0, got "
+                             f"{max_images}, {max_pixels}, {max_media_tokens}, {max_media_bytes}")
+        self.max_media_tokens, self.max_media_bytes = max_media_tokens, max_media_bytes
         comps = load_components(model_dir)
         self.info = ModelInfo.load(model_dir, pipeline=pipeline, context_length=context_length,
                                    image_start=image_start, image_end=image_end, components=comps)
@@ -116,7 +126,7 @@ class Preprocessor:
         if family.video_token is not None:
             from .videos import VideoProcessor, video_config  # noqa: PLC0415 - PyAV only where videos are taken
 
-            self.video = VideoProcessor(video_config(model_dir))
+            self.video = VideoProcessor(video_config(model_dir), family.video_plan)
             self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(family.video_token))
             self.video_token = family.video_token
             self.video_markers = (VIDEO_MARKER,) + family.video_markers
@@ -235,7 +245,7 @@ class Preprocessor:
                 f"text_input holds {n_chars} characters of text (inline images not counted); at most "
                 f"{self.max_text_chars} are accepted (context length {info.context_length} x "
                 f"{CHARS_PER_TOKEN_BOUND}); send a shorter prompt")
-        media = self._decode([p for p in parts if isinstance(p, ImagePart)])  # every one, also those dropped
+        media = self._decode([p for p in parts if isinstance(p, ImagePart)], budget, max_tokens)  # also dropped ones
         segments = self._truncate(self._tokenize(parts, [m.count for m in media]), budget, max_tokens)
         kept = [media[s.image] for s in segments if s.image >= 0]
         self._process([m for m in kept if m.kind == "image"])
@@ -251,28 +261,61 @@ class Preprocessor:
             media_seconds=np.array([m.seconds for m in kept], np.float32),
         )
 
-    def _decode(self, parts: list[ImagePart]) -> list["_Media"]:
-        """Every image and video of the prompt decoded and validated (images found in the cache are not), with its
-        placeholder count: a request's validity never depends on what truncation drops."""
-        out = []
-        for p in parts:
-            if p.kind == "video":
-                from .videos import decode_video  # noqa: PLC0415
+    def _decode(self, parts: list[ImagePart], budget: int, max_tokens: int) -> list["_Media"]:
+        """Every image and video of the prompt costed from its header and checked against the request's media budget,
+        then decoded and validated (images found in the cache are not), with its placeholder count: a request's
+        validity never depends on what truncation drops."""
+        pending = [self._probe(p, budget, max_tokens) for p in parts]
+        check_media_budget([c.cost for c in pending], self.max_media_tokens, self.max_media_bytes)
+        return [self._load(p, c) for p, c in zip(parts, pending)]
 
-                video = decode_video(p.payload, p.what, self.video.cfg, self.max_pixels)
-                rows, grid, seconds = self.video(video)  # the patches now: a video is never cached here
-                out.append(_Media("video", video.size, grid[0] * grid[1] * grid[2] // self.video.cfg.merge ** 2,
-                                  grid, seconds, pixels=rows))
-                continue
-            raw = payload_to_bytes(p.payload, p.what)
-            key = image_key(raw)
-            hit = self.cache.get(key)
-            im = None if hit is not None else decode_image(raw, p.what, self.max_pixels)
-            size = hit.size if hit is not None else (im.height, im.width)
-            grid = self.info.layout.grid(size) if self.whole_images else (0, 0, 0)
-            out.append(_Media("image", size, _image_tokens(self.info, size, p.what), grid, 0.0,
-                              pixels=None if hit is None else hit.pixels, decoded=im, key=key))
-        return out
+    def _probe(self, p: ImagePart, budget: int, max_tokens: int) -> "_Pending":
+        """One medium's cost from its header (nothing decoded); a video that cannot fit the context is refused."""
+        return self._probe_video(p, budget, max_tokens) if p.kind == "video" else self._probe_image(p)
+
+    def _probe_video(self, p: ImagePart, budget: int, max_tokens: int) -> "_Pending":
+        from .videos import probe_video  # noqa: PLC0415
+
+        header = probe_video(p.payload, p.what, self.video.cfg, self.max_pixels, planner=self.video.plan)
+        if header.plan.tokens > budget:
+            raise InvalidArgument(
+                f"{p.what}: {header.describe()}; the context leaves {budget} prompt tokens (context length "
+                f"{self.info.context_length} - max_tokens {max_tokens}); send a shorter or smaller video or "
+                "lower max_tokens")
+        plan = header.plan
+        return _Pending(MediaCost(p.what, plan.tokens, plan.frame_bytes + plan.pixel_bytes, header.describe()),
+                        header=header)
+
+    def _probe_image(self, p: ImagePart) -> "_Pending":
+        raw = payload_to_bytes(p.payload, p.what)
+        key = image_key(raw)
+        hit = self.cache.get(key)
+        size = hit.size if hit is not None else header_size(raw)
+        tokens = nbytes = 0
+        if size is not None and size[0] * size[1] <= self.max_pixels:  # else decode_image says what is wrong
+            try:  # both orientations: the EXIF orientation, applied when decoding, may turn the image
+                tokens = max(self.info.image_tokens(s) for s in (size, size[::-1]))
+                tiles = max(self.info.layout.tiles(s) for s in (size, size[::-1])) if self.info.layout else 1
+            except InvalidArgument:  # a size the family refuses: refused by name when loaded
+                tiles = 0
+            th, tw = self.info.image_size
+            nbytes = (0 if hit is not None else size[0] * size[1] * 3) + tiles * 3 * th * tw * 4
+        detail = f"{size[1]}x{size[0]} pixels, {tokens} tokens" if size is not None else "unreadable"
+        return _Pending(MediaCost(p.what, tokens, nbytes, detail), raw=raw, key=key, hit=hit)
+
+    def _load(self, p: ImagePart, pending: "_Pending") -> "_Media":
+        if pending.header is not None:
+            from .videos import decode_frames  # noqa: PLC0415
+
+            video = decode_frames(pending.header, p.what)
+            rows, grid, seconds = self.video(video)  # the patches now: a video is never cached here
+            return _Media("video", video.size, video.plan.tokens, grid, seconds, pixels=rows)
+        hit = pending.hit
+        im = None if hit is not None else decode_image(pending.raw, p.what, self.max_pixels)
+        size = hit.size if hit is not None else (im.height, im.width)
+        grid = self.info.layout.grid(size) if self.whole_images else (0, 0, 0)
+        return _Media("image", size, _image_tokens(self.info, size, p.what), grid, 0.0,
+                      pixels=None if hit is None else hit.pixels, decoded=im, key=pending.key)
 
     def _process(self, images: list["_Media"]) -> None:
         """The checkpoint's image processor on the kept images not found in the cache (all in one call)."""
@@ -280,6 +323,17 @@ class Preprocessor:
         for m, px in zip(todo, self.image_processor.per_image([m.decoded for m in todo])):
             m.pixels = px  # [tiles, 3, H, W], its own array
             self.cache.put(m.key, ProcessedImage(px, m.size))
+
+
+@dataclass
+class _Pending:
+    """One medium between its header and its pixels: its cost, and what loading it needs."""
+
+    cost: MediaCost
+    header: Any = None  # a video's `videos.VideoHeader`
+    raw: bytes = b""  # an image's file
+    key: bytes = b""  # an image's cache key
+    hit: Optional[ProcessedImage] = None  # an image found in the cache
 
 
 @dataclass

@@ -8,28 +8,38 @@ samples (`Qwen2VLVideoProcessor.sample_frames` with `fps`: total / rate x fps fr
 [min_frames, max_frames] and to the file's frames, floored to a multiple of the temporal patch, taken at
 `arange(0, total, total / n)`).
 
-Limits, checked before the pixels are decoded where the container says them: the file size (`max_bytes`), the frame
-count (`MAX_FRAMES` in the file), each frame's pixels (`max_pixels`, the image cap), frames x pixels
-(`MAX_DECODED_PIXELS`: decoding is linear in it), the decoded frames actually present. Every problem raises `InvalidArgument` naming the video (`what`).
+Two steps, so that a request's cost is known and bounded before it is paid (`preprocess/service.py`):
+`probe_video` reads the header only and checks the file size (`max_bytes`), the frame count (`MAX_FRAMES` in the
+file), each frame's pixels (`max_pixels`, the image cap) and frames x pixels (`MAX_DECODED_PIXELS`: decoding is linear
+in it), then asks the family for its `VideoPlan` (`Family.video_plan`: the frames kept, their resized size, the
+grid, the tokens and the bytes of pixels); `decode_frames` then decodes one frame at a time, checks each frame's real
+size against the header's and resizes each kept frame as it arrives, so a full-size frame is never held beyond the
+one being decoded. Every problem raises `InvalidArgument` naming the video (`what`).
 
 Pixels (`VideoProcessor`): each sampled frame resized to `smart_resize` of its size (the video processor's
 min / max pixels), bicubic as the checkpoint's image processor resizes (PIL: torchvision, which transformers' video
 processor resizes with, is not installed here), rescaled and normalised with the processor's mean and std, then cut
 into patches exactly as `Qwen2VLVideoProcessor.patchify` does: `[grid_t * grid_h * grid_w, 3 * 2 * 14 * 14]`
-rows, carried as `[rows, 3, 28, 14]` like an image's. Given these pixels, the model's answer is transformers' own.
+rows, carried as `[rows, 3, 28, 14]` like an image's, written one temporal patch at a time into the output (no
+full-size float stack of all frames). Given these pixels, the model's answer is transformers' own.
 """
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 from PIL import Image
 
 from ..errors import InvalidArgument
+from ..families.base import VideoPlan
+from ..families.qwen2_vl import sample_indices, video_plan as qwen_video_plan
 from .images import payload_to_bytes
+
+__all__ = ["DEFAULT_MAX_VIDEO_BYTES", "MAX_DECODED_PIXELS", "MAX_FRAMES", "Video", "VideoConfig", "VideoHeader",
+           "VideoProcessor", "decode_frames", "decode_video", "encode_mp4", "patchify", "probe_video",
+           "sample_indices", "video_config"]
 
 DEFAULT_MAX_VIDEO_BYTES = 64 << 20
 MAX_FRAMES = 4096  # frames a file may hold (each is decoded to be counted or kept)
@@ -69,12 +79,13 @@ class VideoConfig:
 
 @dataclass
 class Video:
-    """A decoded video: its sampled frames and what the positions need."""
+    """A decoded video: its sampled frames, resized to the plan's size, and what the positions need."""
 
-    frames: list  # sampled RGB PIL images, all of one size
-    size: tuple[int, int]  # (height, width) of a frame
+    frames: list[np.ndarray]  # the kept frames, each [plan.size[0], plan.size[1], 3] uint8 RGB
+    size: tuple[int, int]  # (height, width) of a frame of the file
     total_frames: int
     fps: float
+    plan: VideoPlan
 
     @property
     def sampled_fps(self) -> float:
@@ -95,21 +106,31 @@ def _open(data: bytes, what: str):
     return container
 
 
-def sample_indices(total: int, fps: float, cfg: VideoConfig) -> list[int]:
-    """`Qwen2VLVideoProcessor.sample_frames` with `fps`: the indices of the frames kept."""
-    import torch  # noqa: PLC0415
-
-    max_frames = math.floor(min(cfg.max_frames, total) / cfg.temporal) * cfg.temporal
-    n = total / fps * cfg.fps
-    n = min(max(n, cfg.min_frames), max_frames, total)
-    n = math.floor(n / cfg.temporal) * cfg.temporal
-    if n <= 0:
-        raise ValueError(f"{total} frames at {fps:g} fps give no sample of {cfg.temporal} frames")
-    return torch.arange(0, total, total / n).int().tolist()
+Planner = Callable[[VideoConfig, tuple[int, int], int, float], VideoPlan]  # `Family.video_plan`
 
 
-def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
-                 max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> Video:
+@dataclass(frozen=True)
+class VideoHeader:
+    """A video as its container's header describes it, and what it will cost (`Family.video_plan`): known before
+    any frame is decoded."""
+
+    data: bytes  # the file
+    size: tuple[int, int]  # (height, width) of a frame, as the header says
+    total_frames: int
+    fps: float
+    plan: VideoPlan
+
+    def describe(self) -> str:
+        (h, w), (ph, pw), (t, gh, gw) = self.size, self.plan.size, self.plan.grid
+        return (f"{w}x{h} pixels, {self.total_frames} frames at {self.fps:g} fps: sampling keeps "
+                f"{len(self.plan.keep)} frames, resized to {pw}x{ph}, {t}x{gh}x{gw} patches = {self.plan.tokens} "
+                "tokens")
+
+
+def probe_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
+                max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, planner: Optional[Planner] = None) -> VideoHeader:
+    """The header's frame count, rate and size checked against the limits, and the family's plan for them (default:
+    Qwen2-VL's rule); nothing decoded."""
     data = payload_to_bytes(payload, what)
     if len(data) > max_bytes:
         raise InvalidArgument(f"{what}: {len(data)} bytes; at most {max_bytes} are accepted")
@@ -118,42 +139,63 @@ def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pi
         stream = container.streams.video[0]
         total, rate = int(stream.frames or 0), float(stream.average_rate or 0)
         w, h = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
-        if not 0 < total <= MAX_FRAMES or rate <= 0:
-            raise InvalidArgument(f"{what}: the container reports {total} frames at {rate:g} fps; 1 to {MAX_FRAMES} "
-                                  "frames at a known rate are accepted")
-        if not 0 < w * h <= max_pixels:
-            raise InvalidArgument(f"{what}: frames of {w}x{h} pixels; at most {max_pixels} pixels per frame")
-        if total * w * h > MAX_DECODED_PIXELS:
-            raise InvalidArgument(f"{what}: {total} frames of {w}x{h} pixels; at most {MAX_DECODED_PIXELS} pixels "
-                                  "in all are decoded (send a shorter or smaller video)")
-        try:
-            keep = sample_indices(total, rate, cfg)
-        except ValueError as e:
-            raise InvalidArgument(f"{what}: {e}") from None
-        frames = _frames(container, set(keep), what)
     finally:
         container.close()
-    if len(frames) != len(keep):
-        raise InvalidArgument(f"{what}: the container reports {total} frames but only {len(frames)} of the "
-                              f"{len(keep)} sampled could be decoded")
-    sizes = {f.size for f in frames}
-    if len(sizes) != 1:
-        raise InvalidArgument(f"{what}: frames of several sizes {sorted(sizes)}; one size is required")
-    fw, fh = frames[0].size
-    return Video(frames, (fh, fw), total, rate)
+    if not 0 < total <= MAX_FRAMES or rate <= 0:
+        raise InvalidArgument(f"{what}: the container reports {total} frames at {rate:g} fps; 1 to {MAX_FRAMES} "
+                              "frames at a known rate are accepted")
+    if not 0 < w * h <= max_pixels:
+        raise InvalidArgument(f"{what}: frames of {w}x{h} pixels; at most {max_pixels} pixels per frame")
+    if total * w * h > MAX_DECODED_PIXELS:
+        raise InvalidArgument(f"{what}: {total} frames of {w}x{h} pixels; at most {MAX_DECODED_PIXELS} pixels "
+                              "in all are decoded (send a shorter or smaller video)")
+    try:
+        plan = (planner or qwen_video_plan)(cfg, (h, w), total, rate)
+    except ValueError as e:
+        raise InvalidArgument(f"{what}: {e}") from None
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{what}: frames of {w}x{h} pixels: {e.message}") from None
+    return VideoHeader(data, (h, w), total, rate, plan)
 
 
-def _frames(container, keep: set[int], what: str) -> list:
-    out, last = [], max(keep)
+def decode_frames(header: VideoHeader, what: str) -> Video:
+    """The kept frames, decoded one at a time and each resized to the plan's size as it arrives (bicubic, as the
+    checkpoint's processor resizes): never more than one full-size frame in memory. A frame whose size is not the
+    header's is refused."""
+    container = _open(header.data, what)
+    try:
+        frames = _frames(container, header, what)
+    finally:
+        container.close()
+    if len(frames) != len(header.plan.keep):
+        raise InvalidArgument(f"{what}: the container reports {header.total_frames} frames but only {len(frames)} "
+                              f"of the {len(header.plan.keep)} sampled could be decoded")
+    return Video(frames, header.size, header.total_frames, header.fps, header.plan)
+
+
+def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
+                 max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, planner: Optional[Planner] = None) -> Video:
+    return decode_frames(probe_video(payload, what, cfg, max_pixels, max_bytes, planner), what)
+
+
+def _frames(container, header: VideoHeader, what: str) -> list[np.ndarray]:
+    keep, last = set(header.plan.keep), max(header.plan.keep)
+    (h, w), (ph, pw) = header.size, header.plan.size
+    out = []
     try:
         for i, frame in enumerate(container.decode(video=0)):
+            if (frame.height, frame.width) != (h, w):
+                raise InvalidArgument(f"{what}: frame {i} is {frame.width}x{frame.height} pixels but the container's "
+                                      f"header says {w}x{h}; every frame must have the header's size")
             if i in keep:
-                out.append(frame.to_image().convert("RGB"))
+                out.append(np.asarray(frame.to_image().convert("RGB").resize((pw, ph), Image.BICUBIC)))
             if i >= last:
                 break
+    except InvalidArgument:
+        raise
     except Exception as e:  # noqa: BLE001 - a corrupt stream raises from inside FFmpeg
         raise InvalidArgument(f"{what}: broken video stream ({type(e).__name__}: {e})") from None
-    return out
+    return out  # each [ph, pw, 3] uint8
 
 
 def patchify(video: np.ndarray, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -168,30 +210,28 @@ def patchify(video: np.ndarray, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int
 
 
 class VideoProcessor:
-    """Sampled frames -> (patches [rows, 3, T*P, P] float32, grid (t, h, w), seconds per temporal patch)."""
+    """Decoded frames -> (patches [rows, 3, T*P, P] float32, grid (t, h, w), seconds per temporal patch), written
+    one temporal patch at a time into the output (the only full-size float array); `plan` is the family's rule."""
 
-    def __init__(self, cfg: VideoConfig):
+    def __init__(self, cfg: VideoConfig, planner: Optional[Planner] = None):
         self.cfg = cfg
+        self.plan = planner or qwen_video_plan
 
     def grid(self, video: Video) -> tuple[int, int, int]:
-        from ..families.qwen2_vl import smart_resize  # noqa: PLC0415
-
-        c = self.cfg
-        h, w = smart_resize(video.size[0], video.size[1], c.patch * c.merge, c.min_pixels, c.max_pixels)
-        frames = len(video.frames) + (-len(video.frames) % c.temporal)
-        return (frames // c.temporal, h // c.patch, w // c.patch)
+        return video.plan.grid
 
     def __call__(self, video: Video) -> tuple[np.ndarray, tuple[int, int, int], float]:
-        c = self.cfg
-        _, gh, gw = self.grid(video)
-        size = (gw * c.patch, gh * c.patch)  # PIL (width, height)
+        c, (t, gh, gw) = self.cfg, video.plan.grid
+        frames = video.frames + video.frames[-1:] * (-len(video.frames) % c.temporal)  # the last repeated
         mean = np.asarray(c.mean, np.float32)[:, None, None]
         std = np.asarray(c.std, np.float32)[:, None, None]
-        arr = np.stack([np.asarray(f.resize(size, Image.BICUBIC), np.float32).transpose(2, 0, 1)
-                        for f in video.frames])  # [frames, 3, H, W]
-        arr = (arr * np.float32(c.rescale) - mean) / std
-        rows, grid = patchify(arr.astype(np.float32), c)
-        return rows.reshape(-1, 3, c.temporal * c.patch, c.patch), grid, c.temporal / video.sampled_fps
+        per = gh * gw
+        rows = np.empty((t * per, 3 * c.temporal * c.patch * c.patch), np.float32)  # [t*h*w, C*T*P*P]
+        for i in range(t):
+            pair = np.stack(frames[i * c.temporal:(i + 1) * c.temporal]).astype(np.float32).transpose(0, 3, 1, 2)
+            pair = (pair * np.float32(c.rescale) - mean) / std  # [T, 3, H, W]
+            rows[i * per:(i + 1) * per] = patchify(pair, c)[0]
+        return rows.reshape(-1, 3, c.temporal * c.patch, c.patch), (t, gh, gw), c.temporal / video.sampled_fps
 
 
 def encode_mp4(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:

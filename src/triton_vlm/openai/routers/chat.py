@@ -87,8 +87,7 @@ async def _chat(fe: Frontend, body: ChatCompletionRequest):
     video_urls = [u[1] for u in urls if isinstance(u, tuple)]
     if video_urls and not fe.served.video_markers:
         raise bad_request(f"the model {fe.served.base_id} takes no videos", param="messages")
-    videos = await fe.media.load_videos(video_urls)
-    images = await fe.media.load_all([u for u in urls if not isinstance(u, tuple)])
+    images, videos = await fe.media.load_media([u for u in urls if not isinstance(u, tuple)], video_urls)
     prompt = fe.served.chat.render(turns, len(images), add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message, tools=tools.tools,
                                    n_videos=len(videos))
