@@ -23,7 +23,9 @@ def bound_addresses(port: int) -> set[str]:
             if row[3] == LISTEN and int(hex_port, 16) == port:
                 raw = bytes.fromhex(addr)  # the kernel's 32-bit words, each in host (little-endian) order
                 words = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
-                found.add(str(ipaddress.ip_address(words)))
+                ip = ipaddress.ip_address(words)
+                mapped = getattr(ip, "ipv4_mapped", None)  # gRPC listens on 127.0.0.1 as ::ffff:127.0.0.1
+                found.add(str(mapped or ip))
     return found
 
 

@@ -23,7 +23,7 @@ from triton_vlm.server import auth
 from triton_vlm.server.cli import example_image
 from triton_vlm.server.process import TritonServer, free_port
 
-from listen_support import bound_addresses, outside_address
+from listen_support import bound_addresses, connects, outside_address
 
 KEY = "k3y-with:colon=and/slash"  # ':' and '=' are the separators of Triton's option: they must survive
 ADMIN = "adm1n-key"
@@ -279,8 +279,10 @@ def test_with_a_key_every_interface_listens_and_health_and_metrics_need_it(keyed
     non-loopback address of this machine when it has one; the OpenAI port's /health and /metrics (adapter names,
     the deployment's state) need the key, and no answer without it names an internal address or an adapter."""
     ports = [keyed.port(n) for n in ("http", "grpc", "metrics", "openai")]
-    assert {p: bound_addresses(p) for p in ports} == dict.fromkeys(ports, {"0.0.0.0"})
+    bound = {p: bound_addresses(p) for p in ports}  # gRPC's dual-stack socket: "::", IPv4 included
+    assert all(bound[p] and bound[p] <= {"0.0.0.0", "::"} for p in ports), bound
     host = outside_address() or "localhost"
+    assert all(connects(host, p) for p in ports), (host, ports)
     port = keyed.port("openai")
     for path in ("/health", "/metrics", "/v1/models"):
         for headers in ({}, {"authorization": "Bearer wrong"}):
