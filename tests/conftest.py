@@ -45,6 +45,21 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if not need & set(i.keywords)]
 
 
+# A test that needs a C kernel skips with a reason starting KERNEL_SKIP where the kernel cannot build (no cc, no
+# usable packing). On a machine that builds them (CI's: .ci/run sets TRITON_VLM_REQUIRE_KERNELS=1) such a skip
+# is a failure: the kernels' tests cannot go green there by testing nothing.
+KERNEL_SKIP = "C kernel not built here"
+REQUIRE_KERNELS = "TRITON_VLM_REQUIRE_KERNELS"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped and os.environ.get(REQUIRE_KERNELS) == "1" and KERNEL_SKIP in str(report.longrepr):
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_KERNELS}=1 and the kernel is missing: {report.longrepr}"
+
+
 # Every process this session starts inherits this variable (tritonserver, its stubs, launcher subprocesses): the
 # leftover check below looks only at those, so servers of other sessions on the same machine never fail it.
 SESSION_MARK = "TRITON_VLM_TEST_SESSION"

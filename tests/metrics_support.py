@@ -2,7 +2,10 @@
 name, for unit tests of the gauges (`triton_vlm.triton.metrics`)."""
 from __future__ import annotations
 
+import re
+import time
 import types
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -46,3 +49,25 @@ def fake_llm_metrics(monkeypatch) -> FakeLLMMetrics:
     fake.now["stats"] = EngineStats(**fake.fields)
     fake.metrics = M.LLMMetrics(lambda: fake.now["stats"])
     return fake
+
+
+# --- a live llm's metrics after its next refresh ------------------------------------------------------------------
+TICK_STAMP = re.compile(r"^triton_vlm_lora_requests_info\{[^}]*\} (\S+)$", re.M)
+
+
+def after_next_refresh(metrics_url: str, timeout: float = 10.0) -> str:
+    """Triton's metrics text once the llm has refreshed its gauges and counters (every 0.5 s) after this call:
+    what happened before the call is in it. Waits on the refresh itself, not on a fixed sleep: each refresh
+    stamps `triton_vlm_lora_requests_info` with its time (a server with adapters), and updates the prefix-cache
+    counters just after; scraped once more, so that refresh has finished."""
+    t0 = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(metrics_url, timeout=10) as r:
+            stamp = TICK_STAMP.search(r.read().decode())
+        if stamp is not None and float(stamp.group(1)) > t0:
+            with urllib.request.urlopen(metrics_url, timeout=10) as r:
+                return r.read().decode()
+        assert time.monotonic() < deadline, f"the llm's metrics were not refreshed within {timeout:.0f} s " + (
+            "(no triton_vlm_lora_requests_info: a server without adapters?)" if stamp is None else "")
+        time.sleep(0.05)

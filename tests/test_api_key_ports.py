@@ -23,6 +23,8 @@ from triton_vlm.server import auth
 from triton_vlm.server.cli import example_image
 from triton_vlm.server.process import TritonServer, free_port
 
+from listen_support import bound_addresses, connects, outside_address
+
 KEY = "k3y-with:colon=and/slash"  # ':' and '=' are the separators of Triton's option: they must survive
 ADMIN = "adm1n-key"
 # every category of Triton 2.51's --http-restricted-api / --grpc-restricted-protocol (tritonserver --help)
@@ -95,7 +97,8 @@ def keyed(demo_model, demo_adapters, tmp_path_factory, launched):
                OPENAI_PORT=str(free_port()), TMPDIR=str(tmp), TRITON_VLM_LOG=str(tmp / "server.log"),
                TRITON_VLM_API_KEY=KEY, TRITON_VLM_ADMIN_KEY=ADMIN)
     env.pop("MODEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.server"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "triton_vlm.server", "--host", "0.0.0.0"], env=env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     launched.add(proc.pid)
     lines: list[str] = []
@@ -108,7 +111,7 @@ def keyed(demo_model, demo_adapters, tmp_path_factory, launched):
             lines.append(line)
         out = "".join(lines)
         assert "+ a blue triangle -> ' a blue triangle'" in out and "FAILED" not in out, out
-        assert "API key required" in out, out
+        assert "API key required" in out and "listen  0.0.0.0: other machines may connect, with the API key" in out
         yield Launched(proc, env, lines)
     finally:
         if proc.poll() is None:
@@ -120,8 +123,9 @@ def keyed(demo_model, demo_adapters, tmp_path_factory, launched):
                 proc.wait(10)
 
 
-def _http(port: int, method: str, path: str, body: bytes | None = None, **headers) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("localhost", port, timeout=120)
+def _http(port: int, method: str, path: str, body: bytes | None = None, *, host: str = "localhost",
+          **headers) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=120)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
         r = conn.getresponse()
@@ -260,10 +264,35 @@ def test_deeply_nested_body_without_the_key_is_refused_before_it_is_parsed(keyed
     for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/llm/infer"):
         status, raw = _http(keyed.port("http"), "POST", path, b"[" * (5 << 20))
         assert (status, json.loads(raw)) == (403, {"error": RESTRICTED}), path
-    time.sleep(2)
+    # answered 403 before parsing: a parse would have killed it before it answered; it still serves with the key
+    status, raw = _http(keyed.port("http"), "POST", "/v2/models/ensemble/generate", _generate_body(),
+                        authorization=f"Bearer {KEY}")
+    assert status == 200 and json.loads(raw)["text_output"].strip() == "blue", raw
     assert keyed.tritonserver().pid == before
     assert _http(keyed.port("http"), "GET", "/v2/health/ready")[0] == 200
     assert keyed.proc.poll() is None
+
+
+@pytest.mark.server
+def test_with_a_key_every_interface_listens_and_health_and_metrics_need_it(keyed):
+    """Launched with --host 0.0.0.0 and a key: every port listens on every interface, reached here from a
+    non-loopback address of this machine when it has one; the OpenAI port's /health and /metrics (adapter names,
+    the deployment's state) need the key, and no answer without it names an internal address or an adapter."""
+    ports = [keyed.port(n) for n in ("http", "grpc", "metrics", "openai")]
+    bound = {p: bound_addresses(p) for p in ports}  # gRPC's dual-stack socket: "::", IPv4 included
+    assert all(bound[p] and bound[p] <= {"0.0.0.0", "::"} for p in ports), bound
+    host = outside_address() or "localhost"
+    assert all(connects(host, p) for p in ports), (host, ports)
+    port = keyed.port("openai")
+    for path in ("/health", "/metrics", "/v1/models"):
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            status, raw = _http(port, "GET", path, host=host, **headers)
+            assert status == 401, (path, headers, raw)
+            assert b"localhost" not in raw and b"french" not in raw and b"lora" not in raw.lower(), raw
+    status, raw = _http(port, "GET", "/health", host=host, authorization=f"Bearer {KEY}")
+    assert (status, json.loads(raw)) == (200, {"status": "ok"})  # Triton's address is not in it
+    status, raw = _http(port, "GET", "/metrics", host=host, authorization=f"Bearer {KEY}")
+    assert status == 200 and b"triton_vlm_lora_requests_info{" in raw and b"triton_vlm_openai_requests_total" in raw
 
 
 @pytest.mark.server
@@ -287,3 +316,25 @@ def test_triton_server_without_a_key_restricts_only_the_admin_apis(tmp_path):
     server.api_key = KEY
     cmd = server.command(tmp_path / "bin" / "tritonserver", tmp_path, tmp_path / "repo", {})
     assert [a for a in cmd if "restricted" in a] == auth.restricted_args(ADMIN, KEY)
+
+
+@pytest.mark.parametrize("host,key,insecure,refused", [
+    ("127.0.0.1", None, False, False), ("localhost", None, False, False), ("::1", None, False, False),
+    ("127.0.0.2", None, False, False), ("0.0.0.0", None, False, True), ("::", None, False, True),
+    ("192.0.2.2", None, False, True), ("example.org", None, False, True), ("0.0.0.0", KEY, False, False),
+    ("0.0.0.0", None, True, False),
+])
+def test_only_loopback_listens_without_a_key_or_insecure(host, key, insecure, refused):
+    assert (auth.exposure_error(host, key, insecure) is not None) == refused
+    assert auth.connect_host(host) == ("localhost" if host in ("127.0.0.1", "localhost", "::1", "127.0.0.2", "0.0.0.0",
+                                                               "::") else host)
+
+
+def test_every_port_of_tritonserver_listens_on_the_host(tmp_path):
+    server = TritonServer("model", admin_key=ADMIN)
+    cmd = server.command(tmp_path / "bin" / "tritonserver", tmp_path, tmp_path / "repo", {})
+    assert [a for a in cmd if "-address=" in a] == [f"--{n}-address=127.0.0.1" for n in ("http", "grpc", "metrics")]
+    server.host = "0.0.0.0"
+    cmd = server.command(tmp_path / "bin" / "tritonserver", tmp_path, tmp_path / "repo", {})
+    assert [a for a in cmd if "-address=" in a] == [f"--{n}-address=0.0.0.0" for n in ("http", "grpc", "metrics")]
+    assert server.grpc_url == f"localhost:{server.grpc_port}"  # this machine's clients reach it on loopback

@@ -16,8 +16,6 @@ import io
 import queue
 import random
 import re
-import time
-import urllib.request
 import uuid
 from dataclasses import replace
 
@@ -29,6 +27,8 @@ from tritonclient.utils import InferenceServerException
 from triton_vlm import names as N
 from triton_vlm.demo.shapes import draw
 from triton_vlm_client import VLMClient
+
+from metrics_support import after_next_refresh
 
 Q = "USER: <image>\nWhat color is the shape? ASSISTANT:"
 
@@ -242,10 +242,9 @@ def test_the_ensembles_cache_salt_shares_blocks_within_a_salt_only(triton_server
 
 
 def prefix_hits(server) -> float:
-    """triton_vlm_prefix_cache_hits_total (prompt tokens found cached), refreshed by the llm every 0.5 s."""
-    time.sleep(1.2)
-    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    """triton_vlm_prefix_cache_hits_total (prompt tokens found cached) with every request answered before the
+    call counted (the llm refreshes it every 0.5 s: read after the next refresh)."""
+    text = after_next_refresh(server.metrics_url)
     return sum(float(v) for v in re.findall(r"^triton_vlm_prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", text, re.M))
 
 

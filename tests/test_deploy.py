@@ -264,6 +264,21 @@ def test_compose_listens_on_loopback_unless_told():
         key = service["environment"]["TRITON_VLM_API_KEY"]
         assert compose_value(key, {"TRITON_VLM_API_KEY": "k"}) == "k" and compose_value(key, {}) == ""
         assert not [a for a in service["command"] if "api-key" in a]
+        # in the container: every interface (Docker forwards to the container's address), no key asked for
+        assert service["command"][:3] == ["--host", "0.0.0.0", "--insecure"]
+
+
+def test_containers_listen_on_every_interface_and_say_how_the_key_is_required():
+    """The launcher listens on 127.0.0.1 unless told; in a container the published ports reach the container's
+    address, so the images and manifests say --host 0.0.0.0 (the images through $TRITON_VLM_HOST), which the
+    launcher refuses without a key unless --insecure is explicit."""
+    for name in ("cpu", "gpu"):
+        env = {k: v for i in _instructions(name) if i.cmd == "ENV" for k, v in zip(i.value[::2], i.value[1::2])}
+        assert env.get("TRITON_VLM_HOST") == "0.0.0.0", env
+        assert "--insecure" not in _instruction(name, "CMD")  # a bare `docker run` without a key is refused
+    for path in RENDERS:
+        args = server_container(render(path))["args"]
+        assert arg_values(args, "--host") == ["0.0.0.0"] and "--insecure" in args, (path, args)
 
 
 @pytest.mark.parametrize("path", GATEWAYS)

@@ -19,6 +19,8 @@ from triton_vlm.engine.profile import KVBudgetError, MemoryProbe
 MiB = 2**20
 CONTEXT = 256
 
+NO_KERNEL = "C kernel not built here: no C compiler for the decode attention; torch gathers the keys"
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -76,7 +78,7 @@ def test_the_cpu_decode_kernel_needs_no_gathered_keys(monkeypatch, ckpt):
     """The C decode attention reads the keys in place (`engine/cpu/cpu_decode.py`): the profile measures what it
     actually needs, and the cache gets the difference."""
     if cpu_decode.kernel(attention.decode_torch) is None:  # no C compiler here: torch gathers, as above
-        return
+        pytest.skip(NO_KERNEL)
     in_place = engine_with_memory(monkeypatch, ckpt, 512 * MiB, max_rows=512).memory
     keys = 512 * CONTEXT * in_place.token_bytes // 4  # one layer's gathered keys of 512 rows
     assert in_place.activation_bytes < keys

@@ -11,12 +11,18 @@ import pytest
 
 from triton_vlm_client import VLMClient, VLMClientError
 
+from metrics_support import after_next_refresh
+
 pytestmark = pytest.mark.server
 
 
-def scrape(server) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+def scrape(server, refreshed: bool = False) -> dict[str, float]:
+    """The llm's metrics now, or (`refreshed`) once its gauges were refreshed after this call."""
+    if refreshed:
+        text = after_next_refresh(server.metrics_url)
+    else:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+            text = r.read().decode()
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(triton_vlm_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|\+Inf|NaN)$", line)
@@ -54,8 +60,7 @@ def test_latency_histograms_token_counters_and_outcomes(triton_server):
         assert delta(f"{h}_sum") > 0, h
         assert metric(after, f"{h}_bucket", le="+Inf") == metric(after, f"{h}_count")
     assert metric(after, "triton_vlm_engine_kv_blocks_total") > 0
-    time.sleep(0.7)  # the engine gauges refresh every 0.5 s
-    after = scrape(triton_server)
+    after = scrape(triton_server, refreshed=True)  # the engine gauges refresh every 0.5 s
     assert delta("triton_vlm_engine_prefill_tokens") >= 3 * 8  # where the steps' time went (StepTimes)
     assert delta("triton_vlm_engine_decode_rows") >= 3 * 5  # 6 tokens each, the first from the prefill
     assert delta("triton_vlm_engine_prefill_seconds") > 0 and delta("triton_vlm_engine_decode_seconds") > 0
@@ -157,7 +162,6 @@ def test_reserved_kv_gauge_reads_what_admission_sees(triton_server):
     assert all(reserved >= used for reserved, used, _ in seen), seen
     assert any(reserved > used > 0 for reserved, used, _ in seen), seen
     assert any(blocks >= 4 * 450 // 16 for _, _, blocks in seen), seen  # its worst case: 4 x (prompt + 450)
-    time.sleep(1.0)  # the gauges' next refresh
-    values = scrape(triton_server)
+    values = scrape(triton_server, refreshed=True)  # the gauges' next refresh
     assert metric(values, "triton_vlm_engine_kv_cache_reserved_perc", model="llm") == 0.0
     assert metric(values, "triton_vlm_engine_kv_cache_usage_perc", model="llm") == 0.0

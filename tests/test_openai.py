@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import random
 import re
@@ -387,17 +388,34 @@ def test_api_key_401(start):
     r = secured.client(api_key="s3cret").chat.completions.create(
         model="demo-v3", messages=[{"role": "user", "content": "Say hello."}])
     assert r.choices[0].message.content == " hello"
-    with urllib.request.urlopen(secured.url + "/health", timeout=10) as resp:  # health needs no key
-        assert resp.status == 200
+    # /health and /metrics tell the deployment's state and the adapters in use: the key too
+    for path in ("/health", "/metrics", "/nonexistent"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(secured.url + path, timeout=10)
+        body = e.value.read()
+        assert e.value.code == 401 and b"Missing bearer token" in body, path
+        assert b"lora" not in body and b"localhost" not in body and b"triton" not in body.lower(), body
+    keyed = {"Authorization": "Bearer s3cret"}
+    with urllib.request.urlopen(urllib.request.Request(secured.url + "/health", headers=keyed), timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}  # no internal address
+    with urllib.request.urlopen(urllib.request.Request(secured.url + "/metrics", headers=keyed), timeout=10) as resp:
+        assert resp.status == 200 and b"triton_vlm_openai_requests_total" in resp.read()
 
 
 def test_triton_unreachable_is_503(start, base_config):
-    dead = start(triton=f"localhost:{free_port()}", startup_timeout_s=0.0)
+    port, metrics_port = free_port(), free_port()
+    dead = start(triton=f"localhost:{port}", triton_metrics_url=f"http://localhost:{metrics_port}/metrics",
+                 startup_timeout_s=0.0)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(dead.url + "/health", timeout=30)
     assert e.value.code == 503
+    assert json.loads(e.value.read()) == {"status": "unavailable"}  # Triton's address is not the client's business
     status, body = status_of(lambda: chat(dead.client(), [{"role": "user", "content": "hi"}]))
     assert status == 503 and body["type"] == "service_unavailable"
+    assert str(port) not in body["message"], body
+    with urllib.request.urlopen(dead.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert "# Triton metrics unavailable (URLError)" in text and str(metrics_port) not in text, text
 
 
 def test_no_chat_template_is_400_until_one_is_given(start, demo_model, tmp_path):

@@ -13,6 +13,7 @@ import time
 import openai
 import pytest
 
+from metrics_support import after_next_refresh
 from test_openai import base_config, start  # noqa: F401 - fixtures: front ends on the session's server
 from test_openai_hostile import MiB, image_server, post_raw  # noqa: F401 - image_server is a fixture
 
@@ -87,7 +88,7 @@ def test_a_failing_prompt_cancels_the_calls_other_prompts(fe, triton_server):
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="demo-v3", prompt=["USER: Say hello. ASSISTANT:", bad], n=16, temperature=1.0,
                              extra_body={"ignore_eos": True})  # the good one: 16 rows to the context's end
-    time.sleep(1.0)
+    after_next_refresh(triton_server.metrics_url)  # the running gauge from now on, not from before the request
     _wait(lambda: _engine(triton_server).get("running", 1.0) == 0.0, 10, "the engine idle again")
     after = _engine(triton_server)
     assert after.get("success", 0.0) == before.get("success", 0.0), "the other prompt ran on"

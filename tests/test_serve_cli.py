@@ -13,6 +13,8 @@ import pytest
 
 from triton_vlm.server.process import free_port
 
+from listen_support import bound_addresses, connects, outside_address
+
 pytestmark = pytest.mark.server
 
 
@@ -49,6 +51,14 @@ def test_serve_answers_and_stops_cleanly(demo_model, tmp_path, launched):
         assert "request 'USER: <image>\\nDescribe the image. ASSISTANT:' + a blue triangle -> ' a blue triangle'" \
             in out, out
         assert f"http://localhost:{env['HTTP_PORT']}" in out and f"localhost:{env['GRPC_PORT']}" in out
+        # no key: every port on loopback only, and the banner says how to listen on every interface
+        assert "listen  127.0.0.1 only (this machine); to listen on every interface: --host 0.0.0.0 with an API " \
+            "key" in out and "--insecure" in out, out
+        ports = [int(env[f"{n}_PORT"]) for n in ("HTTP", "GRPC", "METRICS", "OPENAI")]
+        assert {p: bound_addresses(p) for p in ports} == dict.fromkeys(ports, {"127.0.0.1"})
+        outside = outside_address()
+        if outside is not None:  # a client on the network is refused on every port
+            assert not [p for p in ports if connects(outside, p)], (outside, ports)
         # the printed command works as printed (bash, the venv's client, an image that exists)
         hint = lines[-1].split("try:", 1)[1].strip()
         answer = subprocess.run(["bash", "-c", hint], capture_output=True, text=True, timeout=120)
@@ -142,6 +152,23 @@ def test_launcher_refuses_a_setting_no_model_declares(setting, message):
                           text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "vision_backend" in proc.stderr or "models:" in proc.stderr  # the keys that exist are listed
+
+
+@pytest.mark.parametrize("module", ["triton_vlm.server", "triton_vlm.openai"])
+def test_every_interface_without_a_key_is_refused_at_start(module, tmp_path):
+    """--host 0.0.0.0 with no API key stops before anything starts, saying why and what to pass; --insecure
+    (an explicit choice) or a key lets it through to the next check."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_VLM_API_KEY", "TRITON_VLM_HOST")}
+    proc = subprocess.run([sys.executable, "-m", module, "--host", "0.0.0.0"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0, proc
+    assert "--host 0.0.0.0 would let anyone who reaches this machine use every model" in proc.stderr, proc.stderr
+    assert "give one (--api-key KEY or $TRITON_VLM_API_KEY), or pass --insecure" in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing was started or written
+    if module == "triton_vlm.server":  # $TRITON_VLM_HOST names the host too; --insecure passes the check
+        proc = subprocess.run([sys.executable, "-m", module, "--insecure", "--model", str(tmp_path / "none")],
+                              env={**env, "TRITON_VLM_HOST": "0.0.0.0"}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "is not a Hugging Face checkpoint directory" in proc.stderr, proc.stderr
 
 
 def test_a_failed_start_names_the_failing_models_error(demo_model, tmp_path, launched):

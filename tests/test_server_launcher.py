@@ -288,7 +288,7 @@ def test_run_folders_of_dead_launchers_are_pruned_to_the_newest_few(tmp_path):
 # --- the printed client command --------------------------------------------------------------------------------
 def test_the_try_command_passes_a_real_newline_and_an_existing_image(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_VLM_CACHE", str(tmp_path))
-    cmd = try_command(8001)
+    cmd = try_command("localhost:8001")
     # run it through bash with the client replaced by a printer of its arguments
     client = cmd.split(" ", 1)[0]
     probe = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"

@@ -38,5 +38,9 @@ RUN python3 -c "from triton_vlm.server.install import prepare_server_tree; prepa
 EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://localhost:8000/v2/health/ready', timeout=2)"]
+# Every port on every interface of the container: Docker and Kubernetes forward a published port to the
+# container's own address, never to its loopback. So the launcher wants an API key (-e TRITON_VLM_API_KEY=KEY) or
+# an explicit --insecure, and without either refuses to start, saying so (README: The API key).
+ENV TRITON_VLM_HOST=0.0.0.0
 ENTRYPOINT ["triton-vlm-serve"]
 CMD ["--log-file", "-"]

@@ -32,5 +32,9 @@ USER ${UID}
 EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
     CMD ["curl", "-sf", "localhost:8000/v2/health/ready"]
+# Every port on every interface of the container: Docker and Kubernetes forward a published port to the
+# container's own address, never to its loopback. So the launcher wants an API key (-e TRITON_VLM_API_KEY=KEY) or
+# an explicit --insecure, and without either refuses to start, saying so (README: The API key).
+ENV TRITON_VLM_HOST=0.0.0.0
 ENTRYPOINT ["triton-vlm-serve"]
 CMD ["--log-file", "-", "--set", "llm.dtype=float16", "--set", "vision.vision_backend=tensorrt"]

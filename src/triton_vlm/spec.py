@@ -75,10 +75,6 @@ class TextSpec:
         """Every id whose positions take vision features, in the order the features come (prompt order)."""
         return tuple(i for i in (self.image_token_id, self.video_token_id) if i is not None)
 
-    @property
-    def kv_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 @dataclass(frozen=True)
 class VisionSpec:

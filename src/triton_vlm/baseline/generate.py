@@ -4,7 +4,7 @@ This is what a plain `transformers` python-backend model does. It stays selectab
 `backend: hf`) as the reference and the benchmark's baseline; the default backend is our engine.
 It exposes the same submit / cancel / start / shutdown interface as `triton_vlm.engine.Engine`. LoRA adapters
 (the same registry and wire tensors as the engine's, resolved by the llm adapter) run through `peft`
-(`hf_peft.py`).
+(`baseline/peft.py`).
 """
 from __future__ import annotations
 

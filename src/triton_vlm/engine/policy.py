@@ -204,7 +204,7 @@ class Policy:
     # --- KV reservations: the worst case, or on demand (`preempt.py`) ------------------------------------------
     def _reservation(self, a: Active) -> int:
         """The KV blocks `a` must hold reserved now: its worst case, or on demand what the coming step needs."""
-        if self.on_demand and preempt.preemptible(a):
+        if self.on_demand:  # every request can be preempted and resumed exactly (beams as a group)
             return preempt.blocks_now(a, self.cache.block_size)
         return a.kv.worst
 
@@ -225,7 +225,7 @@ class Policy:
 
     def _grow(self, plan: StepPlan) -> None:
         """On demand: each running request's reservation grows to what the coming step can write, oldest first;
-        where the cache is short, the latest arrived preemptible running request is preempted (possibly the
+        where the cache is short, the latest arrived running request is preempted (possibly the
         growing one itself: then nothing arrived after it holds blocks it could take)."""
         for a in sorted(self.running, key=lambda r: r.arrival):
             grow = self._reservation(a) - a.kv.reserved
@@ -233,7 +233,7 @@ class Policy:
                 if self.cache.try_reserve(grow):
                     a.kv.reserved += grow
                     break
-                victim = max((r for r in self.running if preempt.preemptible(r)), key=lambda r: r.arrival)
+                victim = max(self.running, key=lambda r: r.arrival)
                 self.preempt(victim)
                 plan.preempted.append(victim)
 

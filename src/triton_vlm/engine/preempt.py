@@ -35,11 +35,6 @@ MAX_UTILIZATION = "max_utilization"
 POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION)
 
 
-def preemptible(a: Active) -> bool:
-    """Whether `a` can be preempted and resumed exactly: every request (beams as a group)."""
-    return True
-
-
 def blocks_now(a: Active, block_size: int) -> int:
     """KV blocks `a`'s rows can hold by the end of the coming step: a row that generated k tokens (at least the
     first one, sampled from the prefill) holds prompt + k positions after feeding its last token, i.e.

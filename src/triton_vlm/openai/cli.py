@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..server.auth import ENV_HOST, LOOPBACK, exposure_error
 from .config import FrontendConfig
 from .guard import DEFAULT_MAX_REQUEST_BYTES
 from .media import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
@@ -40,7 +41,11 @@ def parser() -> argparse.ArgumentParser:
                    "server's own model_path, when this machine can read it")
     p.add_argument("--served-model-name", help="the base model's id (default: the checkpoint folder's name)")
     p.add_argument("--lora-dir", type=Path, help="adapter registry listed by /v1/models (default: the server's)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=os.environ.get(ENV_HOST) or LOOPBACK,
+                   help=f"the address to listen on (default {LOOPBACK}: this machine only; also ${ENV_HOST}); "
+                        "another one needs --api-key or --insecure")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a --host other than loopback without an API key: anyone who reaches it is served")
     p.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
     p.add_argument("--api-key", default=os.environ.get("TRITON_VLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (also $TRITON_VLM_API_KEY, as the launcher); "
@@ -93,7 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from .app import build_app
 
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    refused = exposure_error(args.host, args.api_key, args.insecure)
+    if refused:
+        p.error(refused)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app = build_app(config_from_args(args))

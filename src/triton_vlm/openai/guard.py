@@ -1,7 +1,8 @@
 """`RequestGuard`: the first thing a request meets, a pure ASGI middleware that refuses before reading a body.
 
-- With an API key, a request to /v1/* without `Authorization: Bearer <key>` is answered 401 from its headers:
-  its body is never read (an unauthenticated client cannot make the server take in megabytes).
+- With an API key, a request without `Authorization: Bearer <key>` is answered 401 from its headers, whatever
+  its path (/v1/*, and /health and /metrics, which tell the deployment's state and the adapters in use): its
+  body is never read (an unauthenticated client cannot make the server take in megabytes).
 - A body over `max_bytes` (`--max-request-bytes`, default 32 MiB) is answered 413: at once when its
   `Content-Length` says so, else as soon as the bytes received pass the limit (chunked bodies), before any JSON
   parsing. The app downstream only ever sees a body within the limit.
@@ -49,7 +50,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        if self.api_key and scope.get("path", "").startswith("/v1/"):
+        if self.api_key:
             err = key_error(headers.get("authorization", ""), self.api_key)
             if err is not None:
                 return await _reply(send, err, {"www-authenticate": "Bearer"})

@@ -15,6 +15,7 @@ The front end's own (vLLM's names are `vllm:*`; ours follow the project's `trito
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
 from typing import Optional
 
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 PREFIX = "triton_vlm_openai"
+log = logging.getLogger("triton_vlm.openai")
 
 
 class FrontendMetrics:
@@ -73,13 +75,15 @@ class FrontendMetrics:
         return "\n".join(line for line in lines if "_created" not in line) + "\n"
 
     async def scrape_triton(self) -> str:
-        """Triton's metrics text, or a comment saying why there is none."""
+        """Triton's metrics text, or a comment saying why there is none (the error's kind, never the URL: the
+        front end's log has it)."""
         if not self.triton_url:
             return "# Triton metrics: no metrics URL configured\n"
         try:
             return await asyncio.to_thread(_get, self.triton_url)
         except Exception as e:  # noqa: BLE001 - the front end's own metrics are still served
-            return f"# Triton metrics unavailable from {self.triton_url}: {type(e).__name__}: {e}\n"
+            log.warning("cannot read Triton's metrics from %s: %s", self.triton_url, e)
+            return f"# Triton metrics unavailable ({type(e).__name__})\n"
 
 
 def _get(url: str) -> str:

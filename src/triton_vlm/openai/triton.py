@@ -23,6 +23,8 @@ started with `--api-key` wants for every API but health (`triton_vlm.server.auth
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -34,6 +36,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from .. import names as N
 from ..server.auth import grpc_metadata
 from .errors import APIError, from_triton
+
+log = logging.getLogger("triton_vlm.openai")
 
 PREPROCESS, VISION, LLM, ENSEMBLE = "preprocess", "vision", "llm", "ensemble"
 ROUTES = ("pipeline", "ensemble")
@@ -172,9 +176,16 @@ def _top(out: dict, n: int, lens: list[int]) -> list[list[list[tuple[int, float]
              for i in range(min(lens[j], lp.shape[1]))] for j in range(n)]
 
 
+# gRPC's own words for a connection that failed (not Triton's): they name Triton's internal address
+_TRANSPORT = re.compile(r"failed to connect|ipv[46]:|unix:|dns resolution|socket closed|connection reset|broken pipe"
+                        r"|connection refused|handshake", re.I)
+
+
 def _rpc_error(e: grpc.aio.AioRpcError) -> APIError:
-    code = e.code()
-    if code == grpc.StatusCode.UNAVAILABLE and not (e.details() or "").strip():
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and (not details.strip() or _TRANSPORT.search(details)):
+        if details.strip():
+            log.warning("Triton unreachable: %s", details)  # the address for the operator, not the client
         return from_triton("UNAVAILABLE", "the Triton server cannot be reached")
     return from_triton(code.name if code is not None else "UNKNOWN", e.details() or "")
 

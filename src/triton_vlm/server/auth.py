@@ -56,3 +56,40 @@ def restricted_args(admin_key: str, api_key: str | None) -> list[str]:
 def grpc_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """The gRPC metadata that carries the API key to Triton (none without a key)."""
     return ((GRPC_API_KEY_HEADER, bearer(api_key)),) if api_key else ()
+
+
+# --- where the ports listen ---------------------------------------------------------------------------------------
+LOOPBACK = "127.0.0.1"  # the default of every port: reachable from this machine only
+ENV_HOST = "TRITON_VLM_HOST"
+EXPOSE_HINT = ("to listen on every interface: --host 0.0.0.0 with an API key (--api-key KEY, or $TRITON_VLM_API_KEY "
+               "to keep it off the command line), or --insecure to serve without one")
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress  # noqa: PLC0415
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, assume others can reach it
+        return False
+
+
+def exposure_error(host: str, api_key: str | None, insecure: bool) -> str | None:
+    """Why listening on `host` is refused (a non-loopback address with no API key and no explicit --insecure), or
+    None when it is allowed."""
+    if is_loopback(host) or api_key or insecure:
+        return None
+    return (f"--host {host} would let anyone who reaches this machine use every model, read the deployment's "
+            "metrics and send Triton the requests that crash it (docs/security.md), and no API key is set; "
+            "give one (--api-key KEY or $TRITON_VLM_API_KEY), or pass --insecure to serve without one")
+
+
+def connect_host(host: str) -> str:
+    """The address this machine's own clients use to reach a port listening on `host` (a wildcard address
+    listens on loopback too)."""
+    if host in ("", "0.0.0.0", "::", "[::]") or is_loopback(host):
+        return "localhost"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

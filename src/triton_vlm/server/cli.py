@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..paths import cache_dir
 from . import cpu_layout, rundir
-from .auth import API_KEY_HEADER, ENV_API_KEY, bearer, check_key
+from .auth import (API_KEY_HEADER, ENV_API_KEY, ENV_HOST, EXPOSE_HINT, LOOPBACK, bearer, check_key, connect_host,
+                   exposure_error, is_loopback)
 from .frontend import OpenAIFrontend
 from .process import TritonServer
 from .repository import check_parameters
@@ -108,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
                          "$TRITON_VLM_API_KEY, which keeps it off this command line): the OpenAI API, and\n"
                          "Triton's HTTP and gRPC for all but health (gRPC metadata\n"
                          "'triton-grpc-protocol-authorization'); docs/security.md")
+    ap.add_argument("--host", default=os.environ.get(ENV_HOST) or LOOPBACK,
+                    help=f"the address every port listens on (also ${ENV_HOST}); default {LOOPBACK}: this machine\n"
+                         "only. --host 0.0.0.0 (every interface) needs --api-key, or --insecure")
+    ap.add_argument("--insecure", action="store_true",
+                    help="allow a --host other than loopback without --api-key: whoever reaches it may use every\n"
+                         "model and Triton's own APIs (docs/security.md)")
     ap.add_argument("--served-model-name", default=None,
                     help="the base model's id in the OpenAI API (default: the checkpoint folder's name)")
     ap.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
@@ -120,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             check_key(args.api_key)
         except ValueError as e:
             raise SystemExit(f"triton-vlm: {e}") from None
+    refused = exposure_error(args.host, args.api_key, args.insecure)
+    if refused:
+        raise SystemExit(f"triton-vlm: {refused}")
     model, params = _model_and_params(args)
     run_dir = rundir.create()  # removed at a clean stop; kept (with the log) when the server failed
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
                           log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver,
-                          cuda_pool_mb=args.cuda_pool_mb, api_key=args.api_key or None)
+                          cuda_pool_mb=args.cuda_pool_mb, api_key=args.api_key or None, host=args.host)
     print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
           flush=True)
     stopping = threading.Event()
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         children.append(frontend)
     if not stopping.is_set():
-        _print_banner(args, model, log_file, server.cpu_layout)
+        _print_banner(args, server, model, log_file)
         rc = _supervise(stopping, args.timeout, *children)
     else:
         rc = 0
@@ -171,8 +181,8 @@ def _start_frontend(args, server: TritonServer, model: Path, run_dir: Path) -> O
         extra += ["--served-model-name", args.served_model_name]
     if args.tool_call_parser:
         extra += ["--tool-call-parser", args.tool_call_parser]
-    frontend = OpenAIFrontend(server.grpc_url, f"http://localhost:{args.metrics_port}/metrics", str(model),
-                              port=args.openai_port, lora_dir=args.lora_dir, extra_args=tuple(extra),
+    frontend = OpenAIFrontend(server.grpc_url, server.metrics_url, str(model), port=args.openai_port,
+                              host=args.host, insecure=args.insecure, lora_dir=args.lora_dir, extra_args=tuple(extra),
                               log_file=run_dir / "openai.log", api_key=args.api_key, cpu_layout=server.cpu_layout)
     try:
         frontend.start().wait_ready(min(args.timeout, 120.0))
@@ -228,32 +238,44 @@ def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
     return model, params
 
 
-def _print_banner(args, model: Path, log_file: Path | None, layout=None) -> None:
+def _print_banner(args, server: TritonServer, model: Path, log_file: Path | None) -> None:
+    layout, here = server.cpu_layout, connect_host(args.host)
     try:
-        answer = smoke_request(f"localhost:{args.grpc_port}", demo=not args.model, api_key=args.api_key)
+        answer = smoke_request(server.grpc_url, demo=not args.model, api_key=args.api_key)
         if not args.model:  # the demo adapters too
             for name in ("french", "sentence"):
-                http_url = f"localhost:{args.http_port}"
-                answer += "\n  request " + adapter_smoke_request(http_url, name, args.api_key)
+                answer += "\n  request " + adapter_smoke_request(server.http_url, name, args.api_key)
     except Exception as e:  # noqa: BLE001 - report, keep serving
         answer = f"FAILED: {e}"
     print(f"triton-vlm: serving {model}\n"
           f"  request {answer}\n"
-          f"  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate)\n"
-          f"  gRPC    localhost:{args.grpc_port}\n"
-          f"  metrics http://localhost:{args.metrics_port}/metrics\n"
-          + (f"  OpenAI  http://localhost:{args.openai_port}/v1  (chat/completions, completions, models; "
+          f"  HTTP    http://{server.http_url}  (POST /v2/models/ensemble/generate)\n"
+          f"  gRPC    {server.grpc_url}\n"
+          f"  metrics {server.metrics_url}\n"
+          + (f"  OpenAI  http://{here}:{args.openai_port}/v1  (chat/completions, completions, models; "
              f"/metrics)\n" if args.openai_port else "")
+          + f"  listen  {_listening(args)}\n"
           + (f"  log     {log_file}\n" if log_file else "")
           + (f"  CPUs    {layout.describe()} ({cpu_layout.MODE_ENV}=none: every process on every CPU)\n"
              if layout is not None else "")
           + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "")
-          + ("  API key required on the OpenAI API and on Triton's HTTP and gRPC (all but health); the client\n"
-             "          and curl below read it from $TRITON_VLM_API_KEY\n" if args.api_key else "") +
+          + ("  API key required on the OpenAI API (/health and /metrics too) and on Triton's HTTP and gRPC (all\n"
+             "          but health); the client and curl below read it from $TRITON_VLM_API_KEY\n"
+             if args.api_key else "") +
           "  restart tritonserver is restarted if it or one of its models' processes dies\n"
-          f"  try:    {try_command(args.grpc_port)}"
-          + (f"\n          {openai_try_command(args.openai_port, model, bool(args.api_key))}" if args.openai_port else ""),
+          f"  try:    {try_command(server.grpc_url)}"
+          + (f"\n          {openai_try_command(f'{here}:{args.openai_port}', model, bool(args.api_key))}"
+             if args.openai_port else ""),
           flush=True)
+
+
+def _listening(args) -> str:
+    """Where the ports listen, and how to change it."""
+    if is_loopback(args.host):
+        return f"{args.host} only (this machine); {EXPOSE_HINT}"
+    return (f"{args.host}: " + ("other machines may connect, with the API key" if args.api_key else
+                                "other machines may connect, and NO API KEY is required (--insecure)")
+            + "; Triton's metrics port needs no key (Triton has none for it)")
 
 
 EXAMPLE_PROMPT = "USER: <image>\nWhat color is the shape? ASSISTANT:"
@@ -270,17 +292,17 @@ def example_image() -> Path:
     return path
 
 
-def try_command(grpc_port: int) -> str:
+def try_command(grpc_url: str) -> str:
     """A client command line that works as printed in bash: the venv's client by its path, the prompt's newline
     written `$'\\n'` (in "..." bash would pass a backslash and an n), an image that exists."""
     client = Path(sys.executable).parent / "triton-vlm-client"
     prompt = "$'" + EXAMPLE_PROMPT.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
-    return (f"{shlex.quote(str(client)) if client.exists() else 'triton-vlm-client'} --url localhost:{grpc_port} "
+    return (f"{shlex.quote(str(client)) if client.exists() else 'triton-vlm-client'} --url {grpc_url} "
             f"{prompt} --image {shlex.quote(str(example_image()))}")
 
 
 
-def openai_try_command(port: int, model: Path, api_key: bool) -> str:
+def openai_try_command(address: str, model: Path, api_key: bool) -> str:
     """A curl command line for the OpenAI API that works as printed in bash: a chat message with the example
     image as a data: URL (base64 of the file, inlined by the shell)."""
     image = shlex.quote(str(example_image()))
@@ -288,5 +310,5 @@ def openai_try_command(port: int, model: Path, api_key: bool) -> str:
             '{"type": "image_url", "image_url": {"url": "data:image/png;base64,\'"$(base64 -w0 ' + image + ')"\'"}},'
             ' {"type": "text", "text": "What color is the shape?"}]}]}')
     auth = ' -H "Authorization: Bearer $TRITON_VLM_API_KEY"' if api_key else ""
-    return (f"curl -s localhost:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+    return (f"curl -s {address}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import cpu_layout, procs
+from .auth import LOOPBACK, bearer, connect_host
 
 
 @dataclass
@@ -27,7 +28,8 @@ class OpenAIFrontend:
     metrics_url: str  # Triton's metrics, re-exported on the front end's /metrics
     model_dir: str
     port: int = 9000
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK  # a non-loopback address needs api_key or insecure (`auth.exposure_error`)
+    insecure: bool = False  # passed on as --insecure: listen on a non-loopback `host` without an API key
     lora_dir: str | None = None
     extra_args: tuple[str, ...] = ()  # e.g. ("--served-model-name", NAME)
     api_key: str | None = None  # passed as TRITON_VLM_API_KEY: a command line is readable by every local user
@@ -40,13 +42,15 @@ class OpenAIFrontend:
 
     @property
     def url(self) -> str:
-        return f"http://localhost:{self.port}"
+        return f"http://{connect_host(self.host)}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "triton_vlm.openai", "--triton", self.grpc_url, "--model-dir", self.model_dir,
                "--host", self.host, "--port", str(self.port), "--triton-metrics-url", self.metrics_url]
         if self.lora_dir:
             cmd += ["--lora-dir", self.lora_dir]
+        if self.insecure:
+            cmd.append("--insecure")
         return cmd + list(self.extra_args)
 
     def start(self) -> "OpenAIFrontend":
@@ -66,9 +70,12 @@ class OpenAIFrontend:
         return self
 
     def health(self) -> int | None:
-        """The HTTP status of GET /health (200: Triton ready too; 503: Triton not ready), None: no answer."""
+        """The HTTP status of GET /health (200: Triton ready too; 503: Triton not ready), None: no answer. With an
+        API key, /health needs it too."""
+        headers = {"Authorization": bearer(self.api_key)} if self.api_key else {}
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(f"{self.url}/health", headers=headers),
+                                        timeout=2) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..paths import REPO_ROOT
 from . import cpu_layout, diagnose, gpu, procs, rundir
-from .auth import ADMIN_HEADER, restricted_args
+from .auth import ADMIN_HEADER, LOOPBACK, connect_host, restricted_args
 from .install import prepare_server_tree, server_env
 from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 
@@ -75,16 +75,21 @@ class TritonServer:
     api_key: str | None = None
     name: str = "tritonserver"
     cpu_layout: "cpu_layout.CpuLayout | None" = None  # set by start(): the CPUs of the llm stub and of the rest
+    host: str = LOOPBACK  # the address HTTP, gRPC and metrics listen on (`auth.exposure_error` says when not)
     _own_run_dir: bool = field(default=False, repr=False)
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{connect_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"{connect_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{connect_host(self.host)}:{self.metrics_port}/metrics"
 
     def model_params(self) -> dict[str, dict[str, str]]:
         """The parameters the models get: ours, the checkpoint path, the GPU defaults (`gpu.default_llm_dtype`)."""
@@ -98,8 +103,11 @@ class TritonServer:
             str(binary),
             f"--model-repository={repo}",
             f"--backend-directory={tree / 'backends'}",
+            f"--http-address={self.host}",
             f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             "--disable-auto-complete-config",
             f"--exit-timeout-secs={self.exit_timeout}",

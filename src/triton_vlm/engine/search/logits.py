@@ -1,5 +1,5 @@
 """OpenAI's presence / frequency penalties, the one expression both the engine (`processors.presence_frequency`,
-per-row values) and the transformers baseline (`hf_generate.PresenceFrequencyPenalty`) compute.
+per-row values) and the transformers baseline (`baseline/generate.py`'s `PresenceFrequencyPenalty`) compute.
 
 `logits[t] -= frequency * count[t] + presence * (count[t] > 0)`, count over the GENERATED tokens only, applied as
 vLLM applies them: after the repetition penalty, frequency first, before temperature. HF has no such processor;

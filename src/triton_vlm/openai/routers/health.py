@@ -1,5 +1,6 @@
 """GET /health (200 when Triton and its models are ready, else 503) and GET /metrics (Triton's metrics plus the
-front end's own, Prometheus text)."""
+front end's own, Prometheus text). With an API key both need it (`guard.RequestGuard`); neither names an internal
+address (Triton's URL is the operator's business, not the client's)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -13,8 +14,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     ready = await frontend(request).client.ready()
-    return JSONResponse({"status": "ok" if ready else "unavailable", "triton": frontend(request).client.url},
-                        status_code=200 if ready else 503)
+    return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")
