@@ -132,3 +132,26 @@ def test_the_front_end_counts_videos_before_fetching_anything(monkeypatch):
     assert fetched == []
     images, videos = asyncio.run(policy.load_media([], urls[:2]))
     assert videos == [b"x", b"x"] and images == [] and len(fetched) == 2
+
+
+def test_the_front_end_takes_its_media_limits_from_the_preprocess_model():
+    """The front end counts images and videos with the preprocess model's own `max_images` / `max_videos` (a server
+    configured for 3 videos is not refused at 2 by its front end), and falls back to the defaults only when the
+    server cannot say."""
+    from triton_vlm.openai import app
+    from triton_vlm.params import DEFAULT_MAX_VIDEOS
+    from triton_vlm.preprocess.images import DEFAULT_MAX_IMAGES
+
+    class Client:
+        def __init__(self, params):
+            self.params = params
+
+        async def model_parameters(self, model):
+            if isinstance(self.params, Exception):
+                raise self.params
+            return self.params
+
+    assert asyncio.run(app._media_limits(Client({"max_images": "5", "max_videos": "3"}))) == (5, 3)
+    assert asyncio.run(app._media_limits(Client({}))) == (DEFAULT_MAX_IMAGES, DEFAULT_MAX_VIDEOS)
+    assert asyncio.run(app._media_limits(Client(ConnectionError("down")))) == (DEFAULT_MAX_IMAGES,
+                                                                                 DEFAULT_MAX_VIDEOS)

@@ -11,6 +11,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from ..params import DEFAULT_MAX_VIDEOS
 from ..preprocess.images import DEFAULT_MAX_IMAGES
 from .config import FrontendConfig
 from .errors import install_handlers
@@ -39,13 +40,16 @@ async def _server_parameters(client: TritonClient, timeout_s: float) -> dict[str
         await asyncio.sleep(0.5)
 
 
-async def _max_images(client: TritonClient) -> int:
-    """The preprocess model's `max_images` (images per request), or its default when the server does not say."""
+async def _media_limits(client: TritonClient) -> tuple[int, int]:
+    """The preprocess model's `max_images` and `max_videos` (per request), or their defaults where the server does
+    not say: the front end counts both before it fetches anything."""
     try:
-        return int((await client.model_parameters(PREPROCESS)).get("max_images") or DEFAULT_MAX_IMAGES)
+        params = await client.model_parameters(PREPROCESS)
     except Exception as e:  # noqa: BLE001
-        log.warning("cannot read the preprocess model's max_images: %s", e)
-        return DEFAULT_MAX_IMAGES
+        log.warning("cannot read the preprocess model's max_images / max_videos: %s", e)
+        return DEFAULT_MAX_IMAGES, DEFAULT_MAX_VIDEOS
+    return (int(params.get("max_images") or DEFAULT_MAX_IMAGES),
+            int(params.get("max_videos") or DEFAULT_MAX_VIDEOS))
 
 
 async def start_frontend(config: FrontendConfig) -> Frontend:
@@ -62,8 +66,9 @@ async def start_frontend(config: FrontendConfig) -> Frontend:
     served = await asyncio.to_thread(ServedModel, Path(model_dir), served_name=config.served_model_name,
                                      lora_dir=lora_dir, chat_template=config.chat_template, context_length=context)
     client.context_length = served.context_length
+    max_images, max_videos = await _media_limits(client)
     media = MediaPolicy(tuple(config.allowed_image_domains), config.max_image_bytes, config.image_fetch_timeout_s,
-                        max_images=await _max_images(client), ports=tuple(config.image_ports),
+                        max_images=max_images, max_videos=max_videos, ports=tuple(config.image_ports),
                         allow_private=config.allow_private_image_hosts)
     log.info("serving %s (%s) from Triton at %s, route %s, adapters %s, chat template %s", served.base_id,
              served.model_dir, config.triton, config.route, served.adapters.names() or "none",
