@@ -128,7 +128,7 @@ def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_s
 
 
 @pytest.mark.server
-def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server):
+def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server, uncached_server):
     victim, forged = png("square", "green", 24311), png("circle", "yellow", 24312)
     prompt = "USER: <image>\n" + "Look at this image closely. " * 4 + "What color is the shape? ASSISTANT:"
     with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
@@ -140,7 +140,14 @@ def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server
     assert first == 0 and again > 0
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
         got = c.generate(prompt, [victim], max_tokens=4, return_num_input_tokens=True)
-    assert got.text.split()[-1] == "green"
+    with VLMClient(uncached_server.grpc_url, protocol="grpc", timeout=120) as c:  # a server never attacked
+        clean = c.generate(prompt, [victim], max_tokens=4)
+    with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+        forged_answer = c.generate(prompt, [forged], max_tokens=4)
+    # the victim gets the answer to its own image (the demo model's, right or wrong: as built by today's
+    # transformers it reads this green square as "red" after the long prompt), not the forged image's
+    assert got.output_ids == clean.output_ids
+    assert got.output_ids != forged_answer.output_ids
     assert got.num_cached_tokens < again  # not the blocks holding the forged image (only text before it, if any)
 
 
