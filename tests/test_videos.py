@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from triton_vlm.errors import InvalidArgument
+from triton_vlm.families.qwen2_vl import smart_resize
 from triton_vlm.preprocess import videos as V
 
 CFG = V.VideoConfig(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=28 * 28 * 64)
@@ -28,7 +29,7 @@ def test_sample_indices(total, fps, want):
 def test_decode_samples_the_frames_and_patches_them_in_order():
     video = V.decode_video(_mp4(10), "videos[0]", CFG, 1 << 24)
     assert (len(video.frames), video.size, video.total_frames, video.fps) == (4, (48, 64), 10, 4.0)
-    rows, grid, seconds = V.VideoProcessor(CFG)(video)
+    rows, grid, seconds = V.VideoProcessor(CFG, smart_resize)(video)
     assert grid == (2, 4, 4) and rows.shape == (32, 3, 28, 14) and seconds == 2 / video.sampled_fps
     # patchify's order: the first row is frame pair 0, the top-left 14x14 patch of the first 2x2 merge unit
     frames = np.arange(4 * 3 * 56 * 56, dtype=np.float32).reshape(4, 3, 56, 56)

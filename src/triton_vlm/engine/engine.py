@@ -59,7 +59,7 @@ from .kv.kv_cache import blocks_needed
 from .model import mrope
 from .kv.prefix_cache import PrefixStats, request_hasher
 from .model.model import DTYPES, LlamaModel
-from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
+from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, text_rules_of, worst_case
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
@@ -168,7 +168,8 @@ class Engine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.tokenizer = tokenizer
         self.image_token_id = mc.image_token_id
-        self.rope = mrope.PromptRope.for_checkpoint(model_dir)  # M-RoPE (Qwen2-VL), None for 1-D positions
+        self.text_rules = text_rules_of(model_dir)  # what the family's text model does differently, as data
+        self.rope = mrope.PromptRope.from_rules(self.text_rules)  # M-RoPE (Qwen2-VL), None for 1-D positions
         self.eos_ids = mc.eos_token_ids
         self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,

@@ -316,3 +316,12 @@ def max_image_tokens(model_dir: str | Path) -> Optional[int]:
         return None
     extra = read_json(Path(model_dir) / "processor_config.json").get("num_additional_image_tokens")
     return family_of(spec).layout(spec, extra).max_tokens
+
+
+def text_rules_of(model_dir: str | Path):
+    """What the checkpoint's family does differently in the text model (`families.TextRules`: M-RoPE's rule,
+    DeepStack levels), as data: the engine's one question to `families/` besides `max_image_tokens`."""
+    from ..families import text_rules  # noqa: PLC0415
+    from ..spec import CheckpointSpec  # noqa: PLC0415
+
+    return text_rules(CheckpointSpec.load(model_dir))

@@ -116,7 +116,7 @@ class Preprocessor:
         if family.video_token is not None:
             from .videos import VideoProcessor, video_config  # noqa: PLC0415 - PyAV only where videos are taken
 
-            self.video = VideoProcessor(video_config(model_dir))
+            self.video = VideoProcessor(video_config(model_dir), family.resize)
             self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(family.video_token))
             self.video_token = family.video_token
             self.video_markers = (VIDEO_MARKER,) + family.video_markers

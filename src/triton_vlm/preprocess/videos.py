@@ -170,14 +170,13 @@ def patchify(video: np.ndarray, cfg: VideoConfig) -> tuple[np.ndarray, tuple[int
 class VideoProcessor:
     """Sampled frames -> (patches [rows, 3, T*P, P] float32, grid (t, h, w), seconds per temporal patch)."""
 
-    def __init__(self, cfg: VideoConfig):
+    def __init__(self, cfg: VideoConfig, resize):
         self.cfg = cfg
+        self.resize = resize  # (height, width, factor, min_pixels, max_pixels) -> (H, W): the family's
 
     def grid(self, video: Video) -> tuple[int, int, int]:
-        from ..families.qwen2_vl import smart_resize  # noqa: PLC0415
-
         c = self.cfg
-        h, w = smart_resize(video.size[0], video.size[1], c.patch * c.merge, c.min_pixels, c.max_pixels)
+        h, w = self.resize(video.size[0], video.size[1], c.patch * c.merge, c.min_pixels, c.max_pixels)
         frames = len(video.frames) + (-len(video.frames) % c.temporal)
         return (frames // c.temporal, h // c.patch, w // c.patch)
 
