@@ -216,8 +216,6 @@ def _mrope(text: Any) -> tuple[int, ...]:
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     if section and sum(section) != head_dim // 2:
         raise CheckpointError(f"mrope_section {list(section)} must add up to head_dim / 2 = {head_dim // 2}")
-    if rope.get("mrope_interleaved"):
-        raise CheckpointError("interleaved M-RoPE (Qwen3-VL) is not supported; Qwen2-VL / Qwen2.5-VL's is")
     return section
 
 

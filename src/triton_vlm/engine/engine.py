@@ -170,6 +170,7 @@ class Engine:
         self.image_token_id = mc.image_token_id
         self.text_rules = text_rules_of(model_dir)  # what the family's text model does differently, as data
         self.rope = mrope.PromptRope.from_rules(self.text_rules)  # M-RoPE (Qwen2-VL), None for 1-D positions
+        self.model.deepstack_levels = self.text_rules.deepstack_levels  # DeepStack (Qwen3-VL)
         self.eos_ids = mc.eos_token_ids
         self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,

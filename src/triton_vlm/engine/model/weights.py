@@ -10,6 +10,7 @@ Accepted directories:
 - a plain Llama / Mistral / Qwen2 checkpoint: `model.layers.N...` + `lm_head.weight`.
 
 Biases: every projection whose checkpoint holds a `.bias` gets it (Qwen2: q/k/v; Llama with attention_bias).
+QK-norm: a layer whose checkpoint holds `self_attn.q_norm` / `k_norm` gets both (Qwen3: RMSNorm per head).
 
 Weights come through `weight_source.TensorSource` (safetensors, sharded or not, or `pytorch_model.bin`); the
 config is `spec.CheckpointSpec.load(model_dir).text`. The lm_head, as transformers 5 ties it: the checkpoint's
@@ -76,6 +77,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
             out[f"layers.{i}.{m}"] = take(f"{p}{group}.{m}.weight")
             if f"{p}{group}.{m}.bias" in src:
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
+        norms = ("q_norm", "k_norm")  # QK-norm (Qwen3): both or neither, as the checkpoint holds them
+        if any(f"{p}self_attn.{n}.weight" in src for n in norms):
+            out |= {f"layers.{i}.{n}": take(f"{p}self_attn.{n}.weight") for n in norms}
     _check_shapes(out, config)
     return out
 
@@ -102,6 +106,8 @@ def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:
             f"layers.{i}.down_proj": (c.hidden_size, c.intermediate_size),
         }
     want |= {f"{name}.bias": (want[name][0],) for name in list(want) if f"{name}.bias" in w}
+    want |= {f"layers.{i}.{n}": (c.head_dim,) for i in range(c.num_layers) for n in ("q_norm", "k_norm")
+             if f"layers.{i}.q_norm" in w or f"layers.{i}.k_norm" in w}
     for name, shape in want.items():
         if tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config implies {shape}")
