@@ -154,3 +154,69 @@ def test_openai_image_url_equals_generate(served, ref):
     want = ref.generate(prompt, [IMAGES[n] for n in names], NEW)[0]
     assert r.choices[0].message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
     assert r.usage.prompt_tokens == ref.inputs(prompt, [IMAGES[n] for n in names])["input_ids"].shape[1]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-VL-MoE (layers 0 and 2 sparse, 2 of 4 experts per token, layer 1 dense), its experts in the
+    hub's transposed layout, and its reference."""
+    from triton_vlm.demo.qwen3_checkpoint import build_qwen3_vl
+
+    return Reference(build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl-moe") / "moe", shards=2, seed=5, experts=4))
+
+
+def test_moe_engine_equals_generate_renormalisation_matters_and_lora(moe, tmp_path):
+    """Greedy equals generate(); top-k without renormalisation gives other tokens; a PEFT LoRA on the
+    attention projections and the dense layer's MLP equals PEFT; adapters on the experts are refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.errors import InvalidArgument
+    from triton_vlm.lora.peft import load_peft
+    from triton_vlm.params import GenerationParams, GenerationRequest
+    from triton_vlm.spec import CheckpointSpec
+
+    assert CheckpointSpec.load(moe.model_dir).text.sparse_layers == (0, 2)
+    images = [IMAGES["small"], IMAGES["tall"]]
+    _, feats, want_feats = _features(moe, images)
+    torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+    ids = moe.inputs(MULTI, images)["input_ids"][0].tolist()
+    sizes = [(SIZES[k][1], SIZES[k][0]) for k in ("small", "tall")]
+    torch.manual_seed(2)
+    peft_model = get_peft_model(type(moe.model).from_pretrained(str(moe.model_dir)), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=r".*language_model\.layers\.(\d+\.self_attn\.(q_proj|v_proj)|1\.mlp\.down_proj)"))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    eng = Engine(moe.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=8, prefill_chunk=16,
+                                             enable_prefix_caching=False))
+
+    def run(rid, beams=1, adapter=None):
+        req = GenerationRequest(request_id=rid, input_ids=ids, image_embeds=feats, image_sizes=sizes, adapter=adapter,
+                                params=GenerationParams(max_tokens=20, beam_width=beams, num_return_sequences=beams))
+        req.rope = eng.rope(ids, sizes)
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [s.token_ids for s in last.sequences]
+
+    try:
+        want = moe.generate(MULTI, images, 20)
+        assert run("greedy") == want
+        lora = moe.generate(MULTI, images, 20, model=peft_model.eval())
+        assert lora != want, "the adapter must change the answer"
+        assert run("lora", adapter=load_peft(tmp_path / "adapter", eng.model_config, "a")) == lora
+        for layer in eng.model.layers:
+            if layer.moe is not None:
+                layer.moe.renormalize = False
+        assert run("raw-top-k") != want
+    finally:
+        eng.shutdown()
+    for key, what in (("layers.0.mlp.experts", "mixture-of-experts weights"), ("layers.2.mlp.up_proj", "layer 2")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+        prefix = f"base_model.model.model.language_model.{key}"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 64), f"{prefix}.lora_B.weight": torch.zeros(48, 2)},
+                  str(bad / "adapter_model.safetensors"))
+        with pytest.raises(InvalidArgument, match=f"{what}.*LoRA on the experts is not served"):
+            load_peft(bad, CheckpointSpec.load(moe.model_dir).text, "bad")

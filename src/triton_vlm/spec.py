@@ -70,6 +70,12 @@ class TextSpec:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False  # the sections interleaved across the frequencies (T, H, W, T, H, W, ...)
     video_token_id: Optional[int] = None  # Qwen2-VL's video placeholder id; None for a family without videos
+    # mixture of experts (Qwen3-VL-MoE): experts per sparse layer, experts per token, each expert's width, and
+    # which layers are sparse (`num_experts` > 0, (i + 1) % `decoder_sparse_step` == 0, not in `mlp_only_layers`)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -199,7 +205,23 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
         layer_windows=_layer_windows(text), mrope_section=_mrope(text), mrope_interleaved=_mrope_interleaved(text),
-        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id))
+        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id),
+        **_moe(text))
+
+
+def _moe(text: Any) -> dict:
+    """The mixture-of-experts fields as transformers' Qwen3-VL-MoE decoder layers read them ({} for a dense model;
+    its router always renormalises the top-k weights, as transformers' does)."""
+    experts = int(getattr(text, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    step, dense = int(getattr(text, "decoder_sparse_step", 1) or 1), set(getattr(text, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(int(text.num_hidden_layers)) if i not in dense and (i + 1) % step == 0)
+    top_k = int(text.num_experts_per_tok)
+    if not 0 < top_k <= experts:
+        raise CheckpointError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=int(text.moe_intermediate_size),
+                sparse_layers=layers)
 
 
 def _rope_fields(text: Any) -> dict:

@@ -11,7 +11,8 @@ cut into `shards` safetensors files with their index:
 - `preprocessor_config.json` of `Qwen2VLImageProcessor` with Qwen3-VL's patch 16 and mean / std 0.5, small
   `min_pixels` / `max_pixels` (4 to 64 placeholder tokens per image);
 - `generation_config.json` with the eos ids.
-Weights are seeded and scaled so that every piece (QK-norm, the position table, DeepStack, the M-RoPE axes) moves
+`experts=4` builds Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: layers 0 and 2 sparse, 2 of 4 experts per
+token, layer 1 dense through `mlp_only_layers`). Weights are seeded and scaled so that every piece (QK-norm, the position table, DeepStack, the M-RoPE axes) moves
 the tokens; nothing touches the network.
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # 4 .. 64 placeholder tokens
 
 def _config(tok, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
             max_pos: int, vision_hidden: int, vision_layers: int, vision_heads: int, deepstack: list[int],
-            positions: int, mrope_section: list[int]):
-    from transformers import Qwen3VLConfig  # noqa: PLC0415
+            positions: int, mrope_section: list[int], experts: int = 0):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig  # noqa: PLC0415
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -45,7 +46,11 @@ def _config(tok, *, hidden: int, layers: int, heads: int, kv_heads: int, head_di
                   intermediate_size=2 * vision_hidden, patch_size=PATCH, temporal_patch_size=TEMPORAL,
                   spatial_merge_size=MERGE, in_channels=3, hidden_act="gelu_pytorch_tanh",
                   num_position_embeddings=positions, deepstack_visual_indexes=deepstack)
-    return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
+    if experts:  # layer 1 dense (mlp_only_layers), the others sparse: 2 of `experts` per token
+        text |= dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=3 * hidden // 4,  # != H, H / 2
+                     decoder_sparse_step=1, mlp_only_layers=[1])
+    return (Qwen3VLMoeConfig if experts else Qwen3VLConfig)(
+        text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
                          video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
                          vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
 
@@ -54,9 +59,9 @@ def build_qwen3_vl_model(*, seed: int = 0, text_hidden: int = 64, layers: int = 
                          kv_heads: int = 2, head_dim: int = 24, intermediate: int = 128,
                          max_position_embeddings: int = 1024, vision_hidden: int = 32, vision_layers: int = 3,
                          vision_heads: int = 2, deepstack: Optional[list[int]] = None, positions: int = 16,
-                         mrope_section: Optional[list[int]] = None):
-    """(model, tokenizer) of a random Qwen3-VL (see the module doc)."""
-    from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415
+                         mrope_section: Optional[list[int]] = None, experts: int = 0):
+    """(model, tokenizer) of a random Qwen3-VL (see the module doc); `experts` > 0: Qwen3-VL-MoE."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration  # noqa: PLC0415
 
     tok = qwen_tokenizer()
     half = head_dim // 2
@@ -64,9 +69,10 @@ def build_qwen3_vl_model(*, seed: int = 0, text_hidden: int = 64, layers: int = 
     config = _config(tok, hidden=text_hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      intermediate=intermediate, max_pos=max_position_embeddings, vision_hidden=vision_hidden,
                      vision_layers=vision_layers, vision_heads=vision_heads,
-                     deepstack=[0, 1] if deepstack is None else deepstack, positions=positions, mrope_section=section)
+                     deepstack=[0, 1] if deepstack is None else deepstack, positions=positions, mrope_section=section,
+                     experts=experts)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = (Qwen3VLMoeForConditionalGeneration if experts else Qwen3VLForConditionalGeneration)(config).eval()
     with torch.no_grad():  # a livelier model than the init: the tests must see every piece
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -79,6 +85,8 @@ def build_qwen3_vl_model(*, seed: int = 0, text_hidden: int = 64, layers: int = 
                 p.normal_(0.0, 0.25)
             elif name == "lm_head.weight":  # spread logits: near-ties would make fp ulps decide tokens
                 p.normal_(0.0, 0.4)
+            elif ".experts." in name or name.endswith("mlp.gate.weight"):  # distinct experts, a decisive router
+                p.normal_(0.0, 0.05 if "gate.weight" in name else 0.2)  # flat router: renormalising matters
     return model, tok
 
 
@@ -99,6 +107,20 @@ def build_qwen3_vl(out_dir: str | Path, shards: int = 2, **kw) -> Path:
                                                do_sample=False, max_new_tokens=16)
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(out, max_shard_size=max(1, size // shards + 1))  # the hub's sharded layout + index
+    if kw.get("experts"):
+        _hub_experts(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(), indent=2))
     return out
+
+
+def _hub_experts(out: Path) -> None:
+    """The fused experts as the hub's Qwen3-VL-MoE files hold them: gate_up [E, hidden, 2 I], down [E, I, hidden]
+    (transformers' `save_pretrained` writes its in-memory [E, 2 I, hidden]; its loader transposes either back)."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    for shard in sorted(out.glob("model*.safetensors")):
+        tensors = load_file(str(shard))
+        if any(".mlp.experts." in k for k in tensors):
+            tensors = {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in tensors.items()}
+            save_file(tensors, str(shard), metadata={"format": "pt"})

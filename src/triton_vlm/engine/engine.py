@@ -184,7 +184,7 @@ class Engine:
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
                                    scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
-        if config.cuda_graphs and self.model.device.type == "cuda":
+        if config.cuda_graphs and self.model.device.type == "cuda" and not mc.sparse_layers:  # (experts: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
         self._cond = threading.Condition()

@@ -7,6 +7,7 @@
 | `qwen2_vl` | `qwen2_vl.py` | `Qwen2VLForConditionalGeneration` (Qwen2-VL) |
 | `qwen2_5_vl` | `qwen2_vl.py` | `Qwen2_5_VLForConditionalGeneration` (Qwen2.5-VL) |
 | `qwen3_vl` | `qwen3_vl.py` | `Qwen3VLForConditionalGeneration` (Qwen3-VL, dense) |
+| `qwen3_vl_moe` | `qwen3_vl.py` | `Qwen3VLMoeForConditionalGeneration` (Qwen3-VL-MoE) |
 
 Adding a family (LLaVA-OneVision, Qwen2-VL, ...) is a new module with a `Family` subclass, registered in
 `FAMILIES` below: its checkpoint recognition and layout (`weight_renames`), `ImageLayout` (tiles and tokens per
@@ -23,9 +24,9 @@ from .base import Family, ImageLayout, Packer, PositionRule, Size, TextRules
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT, AnyResLayout
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL, PatchLayout
-from .qwen3_vl import QWEN3_VL
+from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)}
 
 __all__ = ["FAMILIES", "AnyResLayout", "PatchLayout", "Family", "ImageLayout", "Packer", "PositionRule", "Size",
            "TextRules", "describe_families", "family_for_config", "family_of", "get_family", "text_rules"]

@@ -1,5 +1,5 @@
-"""Qwen3-VL (`Qwen3VLForConditionalGeneration`): Qwen2-VL's native resolution with 16-px patches, DeepStack,
-a Qwen3 text model and interleaved M-RoPE.
+"""Qwen3-VL (`Qwen3VLForConditionalGeneration`) and Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`): Qwen2-VL's
+native resolution with 16-px patches, DeepStack, a Qwen3 text model and interleaved M-RoPE.
 
 Image processing and prompts are Qwen2-VL's (`qwen2_vl.py`): the checkpoint's `Qwen2VLImageProcessor` (patch 16,
 merge 2: sides multiples of 32), `<|vision_start|><|image_pad|><|vision_end|>` per image, `<|image_pad|>` x
@@ -16,6 +16,11 @@ Text model, as data for the engine (`text_rules`): Qwen3 (QK-norm: the checkpoin
 from the config), M-RoPE with `mrope_interleaved` (`PositionRule.interleaved`), DeepStack levels (the features
 added after decoder layers 0 .. levels - 1 at the media positions). Videos (timestamps between temporal patches)
 are not taken yet: the family has no video token.
+
+MoE: the same with sparse layers (the engine reads `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+`decoder_sparse_step`, `mlp_only_layers` from the text config: `spec.TextSpec`; the experts' fused tensors in either
+layout transformers loads). LoRA is served on the attention projections and the dense layers' MLP; an adapter on
+the experts is refused at load by name.
 """
 from __future__ import annotations
 
@@ -42,3 +47,14 @@ class Qwen3VL(Qwen2VL):
 
 
 QWEN3_VL = Qwen3VL()
+
+
+class Qwen3VLMoe(Qwen3VL):
+    name = "qwen3_vl_moe"
+    model_type = "qwen3_vl_moe"
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    model_class = "Qwen3VLMoeForConditionalGeneration"
+    text_model_types = ("qwen3_vl_moe_text",)
+
+
+QWEN3_VL_MOE = Qwen3VLMoe()

@@ -155,19 +155,75 @@ def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Te
     return masks
 
 
+class Experts:
+    """A sparse layer (transformers' `Qwen3VLMoeTextSparseMoeBlock`): the router's softmax over the experts (fp32),
+    the top k renormalised to sum to 1, each token through its k experts' SiLU-gated MLPs, weighted and summed.
+    The tokens are grouped by expert: one product per active expert over its tokens, the experts in ascending
+    order (transformers' order, so the same sums)."""
+
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int):
+        self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2 I, H], [E, H, I]
+        self.top_k = top_k
+        self.renormalize = True  # transformers' router always renormalises (a test turns it off as a control)
+
+    @classmethod
+    def of(cls, w: dict[str, torch.Tensor], i: int, top_k: int) -> Optional["Experts"]:
+        if f"layers.{i}.router" not in w:
+            return None
+        return cls(w[f"layers.{i}.router"], w[f"layers.{i}.experts.gate_up_proj"], w[f"layers.{i}.experts.down_proj"],
+                   top_k)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.router, self.gate_up, self.down]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])  # [T, H]
+        logits = F.linear(x, self.router)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            picks = order[start:start + n]  # flat (token, slot) picks of expert e
+            start += n
+            tokens = picks // self.top_k
+            gate, up = F.linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights.reshape(-1)[picks, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out.reshape(h.shape)
+
+
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0, packed: bool = False):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0, packed: bool = False,
+                 top_k: int = 0):
         self.input_norm, self.post_norm, self.eps = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"], eps
         self.window = window  # sliding attention window, 0 = full causal attention
         self.qkv_proj = Linear.fused(w, i, "qkv_proj", ("q_proj", "k_proj", "v_proj"), packed)  # [q + 2 kv, hidden]
         self.o_proj = Linear.fused(w, i, "o_proj", ("o_proj",), packed)
-        self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)  # [2 intermediate, hidden]
-        self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
+        self.moe = Experts.of(w, i, top_k)  # a sparse layer's router and experts (Qwen3-VL-MoE), else None
+        self.gate_up_proj = self.down_proj = None
+        if self.moe is None:
+            self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)  # [2 inter, hidden]
+            self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
         # QK-norm (Qwen3): an RMSNorm [head_dim] over each head of q and of k, before the rotary embedding
         self.q_norm, self.k_norm = w.get(f"layers.{i}.q_norm"), w.get(f"layers.{i}.k_norm")
 
     def linears(self) -> list[Linear]:
-        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+        dense = [] if self.moe is not None else [self.gate_up_proj, self.down_proj]
+        return [self.qkv_proj, self.o_proj] + dense
+
+    def mlp(self, h: torch.Tensor, adapters: Optional[AdapterBatch], act) -> torch.Tensor:
+        """h [rows, q_len, hidden] -> [rows, q_len, hidden]: the SiLU-gated MLP, or the experts."""
+        if self.moe is not None:
+            return self.moe(h)
+        return self.down_proj(act(self.gate_up_proj(h, adapters)), adapters)
+
 
     def qk_norm(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """qkv [..., (heads + 2 kv) * hd] with q's and k's heads RMS-normed (Qwen3's q_norm / k_norm); as it is
@@ -199,7 +255,8 @@ class LlamaModel:
         packed = gemm.packing_enabled(self.device, self.dtype)
         self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
         windows = c.layer_windows or (0,) * c.num_layers
-        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed) for i in range(c.num_layers)]
+        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed, c.experts_per_token)
+                       for i in range(c.num_layers)]
         inv = rope_inv_freq(c.rope, c.head_dim)  # [head_dim / 2]
         freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
@@ -225,6 +282,7 @@ class LlamaModel:
         out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin_rot]
         for layer in self.layers:
             out += [layer.input_norm, layer.post_norm] + [t for t in (layer.q_norm, layer.k_norm) if t is not None]
+            out += layer.moe.tensors() if layer.moe is not None else []
             for lin in layer.linears():
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
         return out
@@ -320,7 +378,7 @@ class LlamaModel:
             qkv = layer.qk_norm(layer.qkv_proj(h, adapters), c.num_heads, c.num_kv_heads)
             out = attend(i, layer, qkv)  # qkv [rows, q_len, (heads + 2 kv) * hd]
             x, h = add_norm(x, layer.o_proj(out, adapters), layer.post_norm, layer.eps)
-            down = layer.down_proj(act(layer.gate_up_proj(h, adapters)), adapters)  # [rows, q_len, hidden]
+            down = layer.mlp(h, adapters, act)  # [rows, q_len, hidden]
             if i < levels:  # the layer's output, then the DeepStack features at the media positions
                 x, down = x + down, None
                 x = x + deepstack[i].to(x.dtype)
