@@ -12,7 +12,8 @@ cut into `shards` safetensors files with their index:
   `min_pixels` / `max_pixels` (4 to 64 placeholder tokens per image);
 - `generation_config.json` with the eos ids.
 `experts=4` builds Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: layers 0 and 2 sparse, 2 of 4 experts per
-token, layer 1 dense through `mlp_only_layers`). Weights are seeded and scaled so that every piece (QK-norm, the position table, DeepStack, the M-RoPE axes) moves
+token, layer 1 dense through `mlp_only_layers`). Weights are seeded and scaled so that every piece (QK-norm, the
+position table, DeepStack, the M-RoPE axes, the experts' renormalisation) moves
 the tokens; nothing touches the network.
 """
 from __future__ import annotations

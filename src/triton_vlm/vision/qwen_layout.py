@@ -60,7 +60,7 @@ def is_qwen_vision(vision_config: Any) -> bool:
 
 @dataclass(frozen=True)
 class TowerConfig:
-    kind: str  # QWEN2_VL or QWEN2_5_VL
+    kind: str  # QWEN2_VL, QWEN2_5_VL or QWEN3_VL
     depth: int
     width: int  # the blocks' hidden size
     heads: int
@@ -83,8 +83,8 @@ class TowerConfig:
             return vc
         kind = MODEL_TYPES.get(str(_get(vc, "model_type")))
         if kind is None:
-            raise CheckpointError(f"vision config model_type {_get(vc, 'model_type')!r} is not a Qwen2-VL or "
-                                  f"Qwen2.5-VL tower (one of {sorted(MODEL_TYPES)})")
+            raise CheckpointError(f"vision config model_type {_get(vc, 'model_type')!r} is not a Qwen2-VL, "
+                                  f"Qwen2.5-VL or Qwen3-VL tower (one of {sorted(MODEL_TYPES)})")
         rope = _get(vc, "rope_parameters") or {}
         common = dict(kind=kind, depth=int(_get(vc, "depth")), heads=int(_get(vc, "num_heads")),
                       in_channels=int(_get(vc, "in_channels", _get(vc, "in_chans", 3))),

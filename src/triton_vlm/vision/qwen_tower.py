@@ -1,4 +1,5 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower as one static torch graph: exact against transformers, ONNX-exportable.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower as one static torch graph: exact against transformers,
+ONNX-exportable.
 
 transformers' towers (`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel`) compute
 their per-image layout inside `forward` with Python loops over `grid_thw` and split attention per image; no
@@ -14,6 +15,11 @@ exporter keeps that dynamic. Here the layout is host-side numpy (`qwen_layout.to
   what each gets alone;
 - norms in fp32 (LayerNorm for Qwen2-VL, RMSNorm as transformers computes it for 2.5-VL); the PatchMerger: each run
   of `spatial_merge_size**2` consecutive patches concatenated, then its MLP.
+
+Qwen3-VL (kind `qwen3_vl`): the patch embedding's bias; the learned position table, each patch's bilinear taps
+(`pos_index`, `pos_weight`, host-side: transformers' own) summed and added after the patch embedding; LayerNorm
+blocks with a `linear_fc1` / `linear_fc2` MLP; its mergers (`_StackMerger`: the main one, and one per DeepStack
+level with the norm after the 2x2 shuffle) whose outputs are concatenated: [tokens, out_hidden * (1 + levels)].
 
 2.5-VL's window permutation (transformers reorders the merge units window by window, runs the blocks and undoes
 it after the merger) is folded into the window groups: every op but attention is per patch and the merge units stay

@@ -209,7 +209,8 @@ class Layer:
         self.moe = Experts.of(w, i, top_k)  # a sparse layer's router and experts (Qwen3-VL-MoE), else None
         self.gate_up_proj = self.down_proj = None
         if self.moe is None:
-            self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)  # [2 inter, hidden]
+            # [2 intermediate, hidden]
+            self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)
             self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
         # QK-norm (Qwen3): an RMSNorm [head_dim] over each head of q and of k, before the rotary embedding
         self.q_norm, self.k_norm = w.get(f"layers.{i}.q_norm"), w.get(f"layers.{i}.k_norm")

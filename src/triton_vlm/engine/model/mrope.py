@@ -10,7 +10,8 @@ axis, where M-RoPE equals the ordinary 1-D rotary embedding (`rope_positions`). 
 delta 0 and needs nothing here.
 
 The rotary tables: `mrope_section` [s_t, s_h, s_w] (summing to head_dim / 2) says which frequencies take which
-axis, in blocks or interleaved (`frequency_axes`; `mrope_interleaved`, Qwen3-VL): `tables` picks, for each frequency, the cos / sin row of that axis's position from the model's 1-D tables
+axis, in blocks or interleaved (`frequency_axes`; `mrope_interleaved`, Qwen3-VL): `tables` picks, for each
+frequency, the cos / sin row of that axis's position from the model's 1-D tables
 (the same values transformers computes: position x inv_freq, then cos / sin), in both halves of the head.
 """
 from __future__ import annotations
