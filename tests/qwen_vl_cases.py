@@ -84,7 +84,9 @@ class Reference:
         from triton_vlm.preprocess.videos import VideoProcessor, decode_video, video_config  # noqa: PLC0415
 
         cfg = video_config(self.model_dir)
-        return VideoProcessor(cfg)(decode_video(data, "video", cfg, 1 << 24))
+        from triton_vlm.families.qwen2_vl import video_plan  # noqa: PLC0415
+
+        return VideoProcessor(cfg, video_plan)(decode_video(data, "video", cfg, 1 << 24, planner=video_plan))
 
     @torch.no_grad()
     def generate(self, prompt: str, images: list[bytes], max_new_tokens: int, beams: int = 1,

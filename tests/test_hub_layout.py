@@ -142,6 +142,7 @@ def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
     from triton_vlm.spec import CheckpointSpec
     from triton_vlm.vision.encoder import VisionEncoder
     from triton_vlm.vision.export import checkpoint_key
+    from triton_vlm.weight_source import TensorSource
 
     t5, hub = pairs[name]
     cfg = load_config(hub)
@@ -152,7 +153,7 @@ def test_engine_and_vision_weights_equal_the_transformers5_save(pairs, name):
     assert torch.equal(enc_t5(pv), enc_hub(pv))
     family = family_of(CheckpointSpec.load(hub))
     if family.name == "llava_next":  # the row separator, `image_newline` in the hub's layout
-        t5_packer, hub_packer = (family.packer(CheckpointSpec.load(p)) for p in (t5, hub))
+        t5_packer, hub_packer = (family.packer(CheckpointSpec.load(p), TensorSource(p)) for p in (t5, hub))
         assert torch.equal(t5_packer.newline, hub_packer.newline)
     assert checkpoint_key(t5, "float32") == checkpoint_key(hub, "float32")  # one ONNX export serves both
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 from media_bombs import blank_png, blank_video, hub_layout
 from triton_vlm.errors import InvalidArgument
+from triton_vlm.families.qwen2_vl import video_plan
 from triton_vlm.preprocess import videos as V
 
 CFG = V.VideoConfig(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=28 * 28 * 64)
@@ -34,11 +35,11 @@ def _whole_stack(data: bytes, cfg: V.VideoConfig) -> np.ndarray:
     resized, stacked as float32, normalised and patchified at once."""
     import av
 
-    from triton_vlm.families.qwen2_vl import smart_resize
+    from triton_vlm.families.qwen2_vl import sample_indices, smart_resize
 
     with av.open(__import__("io").BytesIO(data)) as c:
         s = c.streams.video[0]
-        keep = V.sample_indices(int(s.frames), float(s.average_rate), cfg)
+        keep = sample_indices(int(s.frames), float(s.average_rate), cfg)
         frames = [f.to_image().convert("RGB") for i, f in enumerate(c.decode(video=0)) if i in set(keep)]
     h, w = smart_resize(frames[0].height, frames[0].width, cfg.patch * cfg.merge, cfg.min_pixels, cfg.max_pixels)
     arr = np.stack([np.asarray(f.resize((w, h), Image.BICUBIC), np.float32).transpose(2, 0, 1) for f in frames])
@@ -50,9 +51,9 @@ def _whole_stack(data: bytes, cfg: V.VideoConfig) -> np.ndarray:
 @pytest.mark.parametrize("frames,h,w,fps", [(10, 48, 64, 4), (7, 90, 30, 3), (30, 50, 240, 8), (3, 28, 28, 1)])
 def test_the_plan_is_what_decoding_gives_and_the_patches_equal_the_whole_stack(frames, h, w, fps):
     data = _mp4(frames, h, w, fps)
-    header = V.probe_video(data, "videos[0]", CFG, 1 << 24)
+    header = V.probe_video(data, "videos[0]", CFG, 1 << 24, planner=video_plan)
     video = V.decode_frames(header, "videos[0]")
-    rows, grid, _ = V.VideoProcessor(CFG)(video)
+    rows, grid, _ = V.VideoProcessor(CFG, video_plan)(video)
     plan = header.plan
     assert video.size == (h, w) and len(video.frames) == len(plan.keep)
     assert {f.shape for f in video.frames} == {(*plan.size, 3)}
@@ -62,7 +63,7 @@ def test_the_plan_is_what_decoding_gives_and_the_patches_equal_the_whole_stack(f
 
 
 def test_a_frame_whose_size_is_not_the_headers_is_refused():
-    header = V.probe_video(_mp4(6, 48, 64), "videos[1]", CFG, 1 << 24)
+    header = V.probe_video(_mp4(6, 48, 64), "videos[1]", CFG, 1 << 24, planner=video_plan)
     lying = V.VideoHeader(header.data, (64, 64), header.total_frames, header.fps, header.plan)
     with pytest.raises(InvalidArgument, match=r"videos\[1\]: frame 0 is 64x48 pixels but the container's header "
                                               r"says 64x64"):

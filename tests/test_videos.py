@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from triton_vlm.errors import InvalidArgument
+from triton_vlm.families.qwen2_vl import sample_indices, video_plan
 from triton_vlm.preprocess import videos as V
 
 CFG = V.VideoConfig(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=28 * 28 * 64)
@@ -22,13 +23,13 @@ def _mp4(frames: int, h: int = 48, w: int = 64, fps: int = 4) -> bytes:
     (400, 2.0, list(range(0, 400, 25))),  # capped at max_frames
 ])
 def test_sample_indices(total, fps, want):
-    assert V.sample_indices(total, fps, CFG) == want
+    assert sample_indices(total, fps, CFG) == want
 
 
 def test_decode_samples_the_frames_and_patches_them_in_order():
-    video = V.decode_video(_mp4(10), "videos[0]", CFG, 1 << 24)
+    video = V.decode_video(_mp4(10), "videos[0]", CFG, 1 << 24, planner=video_plan)
     assert (len(video.frames), video.size, video.total_frames, video.fps) == (4, (48, 64), 10, 4.0)
-    rows, grid, seconds = V.VideoProcessor(CFG)(video)
+    rows, grid, seconds = V.VideoProcessor(CFG, video_plan)(video)
     assert grid == (2, 4, 4) and rows.shape == (32, 3, 28, 14) and seconds == 2 / video.sampled_fps
     # patchify's order: the first row is frame pair 0, the top-left 14x14 patch of the first 2x2 merge unit
     frames = np.arange(4 * 3 * 56 * 56, dtype=np.float32).reshape(4, 3, 56, 56)
@@ -41,11 +42,11 @@ def test_decode_samples_the_frames_and_patches_them_in_order():
 
 def test_bad_and_oversized_videos_are_refused_by_name(monkeypatch):
     with pytest.raises(InvalidArgument, match=r"videos\[1\]: not a video file"):
-        V.decode_video(b"\x00\x01 not a video", "videos[1]", CFG, 1 << 24)
+        V.decode_video(b"\x00\x01 not a video", "videos[1]", CFG, 1 << 24, planner=video_plan)
     with pytest.raises(InvalidArgument, match="pixels per frame"):
-        V.decode_video(_mp4(6), "videos[0]", CFG, 1000)
+        V.decode_video(_mp4(6), "videos[0]", CFG, 1000, planner=video_plan)
     monkeypatch.setattr(V, "MAX_DECODED_PIXELS", 6 * 48 * 64 - 1)
     with pytest.raises(InvalidArgument, match="pixels in all"):
-        V.decode_video(_mp4(6), "videos[0]", CFG, 1 << 24)
+        V.decode_video(_mp4(6), "videos[0]", CFG, 1 << 24, planner=video_plan)
     with pytest.raises(InvalidArgument, match="bytes"):
-        V.decode_video(_mp4(6), "videos[0]", CFG, 1 << 24, max_bytes=100)
+        V.decode_video(_mp4(6), "videos[0]", CFG, 1 << 24, max_bytes=100, planner=video_plan)

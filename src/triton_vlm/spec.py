@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-# Qwen2: Llama with q/k/v biases; Qwen2-VL / Qwen2.5-VL's text models: Qwen2 with M-RoPE (`mrope_section`)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# plain text checkpoints (Qwen2: Llama with q/k/v biases); the text model a vision-language checkpoint nests is its
+# family's to accept (`families.Family.text_model_types`, checked by `families.family_of`)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 FEATURE_STRATEGIES = ("default", "full")
 VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
 VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
-NATIVE_RESOLUTION_TOWERS = ("qwen2_vl", "qwen2_vl_vision", "qwen2_5_vl_vision")  # patches at the image's own size, no CLS
 
 
 class CheckpointError(ValueError):
@@ -68,7 +68,14 @@ class TextSpec:
     layer_windows: tuple[int, ...] = ()
     # M-RoPE (Qwen2-VL): the rotary frequencies' split between the temporal, height and width positions; () = 1-D
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # the sections interleaved across the frequencies (T, H, W, T, H, W, ...)
     video_token_id: Optional[int] = None  # Qwen2-VL's video placeholder id; None for a family without videos
+    # mixture of experts (Qwen3-VL-MoE): experts per sparse layer, experts per token, each expert's width, and
+    # which layers are sparse (`num_experts` > 0, (i + 1) % `decoder_sparse_step` == 0, not in `mlp_only_layers`)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -183,7 +190,7 @@ def _rope(text: Any) -> dict:
 
 
 def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Optional[int]) -> TextSpec:
-    if text.model_type not in SUPPORTED_MODEL_TYPES:
+    if text is top and text.model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"language model type {text.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(text, "hidden_act", "silu") != "silu":
@@ -202,18 +209,40 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
-        layer_windows=_layer_windows(text), mrope_section=_mrope(text),
-        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id))
+        layer_windows=_layer_windows(text), mrope_section=_mrope(text), mrope_interleaved=_mrope_interleaved(text),
+        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id),
+        **_moe(text))
+
+
+def _moe(text: Any) -> dict:
+    """The mixture-of-experts fields as transformers' Qwen3-VL-MoE decoder layers read them ({} for a dense model;
+    its router always renormalises the top-k weights, as transformers' does)."""
+    experts = int(getattr(text, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    step, dense = int(getattr(text, "decoder_sparse_step", 1) or 1), set(getattr(text, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(int(text.num_hidden_layers)) if i not in dense and (i + 1) % step == 0)
+    top_k = int(text.num_experts_per_tok)
+    if not 0 < top_k <= experts:
+        raise CheckpointError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=int(text.moe_intermediate_size),
+                sparse_layers=layers)
+
+
+def _rope_fields(text: Any) -> dict:
+    return getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+
+
+def _mrope_interleaved(text: Any) -> bool:
+    return bool(_rope_fields(text).get("mrope_interleaved"))
 
 
 def _mrope(text: Any) -> tuple[int, ...]:
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope = _rope_fields(text)
     section = tuple(int(x) for x in (rope.get("mrope_section") or ()))
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     if section and sum(section) != head_dim // 2:
         raise CheckpointError(f"mrope_section {list(section)} must add up to head_dim / 2 = {head_dim // 2}")
-    if rope.get("mrope_interleaved"):
-        raise CheckpointError("interleaved M-RoPE (Qwen3-VL) is not supported; Qwen2-VL / Qwen2.5-VL's is")
     return section
 
 
@@ -233,7 +262,8 @@ def _layer_windows(text: Any) -> tuple[int, ...]:
 
 def _vision_spec(top: Any) -> VisionSpec:
     vision = top.vision_config
-    if vision.model_type in NATIVE_RESOLUTION_TOWERS:  # tokens per image: the family's layout (`families/`)
+    if getattr(vision, "image_size", None) is None:  # patches at the image's own size, no CLS (Qwen2-VL's):
+        # tokens per image are the family's layout (`families/`)
         return VisionSpec(model_type=vision.model_type, image_size=0, patch_size=int(vision.patch_size),
                           feature_layer=-1, select_strategy="full", extra_tokens=0)
     strategy = getattr(top, "vision_feature_select_strategy", "default")

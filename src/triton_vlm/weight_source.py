@@ -7,14 +7,8 @@ checkpoints) `pytorch_model.bin` / its index.
 Keys: every tensor is known by the name transformers 5 gives it in memory (`model.language_model.layers.N...`,
 `lm_head.weight`, `model.vision_tower.embeddings...`, `model.multi_modal_projector...`, `model.image_newline`;
 a plain Llama's `model.layers.N...`), whatever layout the checkpoint was saved in. The renames are transformers'
-own for the families served (`transformers/conversion_mapping.py`), applied in its order:
-- "llava" / "llava_next": `^language_model.lm_head` -> `lm_head`, `^language_model` -> `model.language_model`,
-  `^vision_tower` -> `model.vision_tower`, `^multi_modal_projector` -> `model.multi_modal_projector`, and for
-  llava_next `^image_newline` -> `model.image_newline`;
-- "LlavaModel" (scoped to `model.`), and "legacy"'s duplicate `.model.model`: `model.language_model.model.` and
-  `model.language_model.model.model.` -> `model.language_model.`;
-- "Qwen2VLForConditionalGeneration" (Qwen2-VL, Qwen2.5-VL): `^visual` -> `model.visual`, `^model` (unless already
-  `model.language_model` / `model.visual`) -> `model.language_model`;
+own for the families served (`transformers/conversion_mapping.py`), applied in its order; each family declares its
+own (`families.Family.weight_renames`: llava's, llava_next's, qwen2_vl's), and the tower's follows:
 - "CLIPVisionModel" (SigLIP and SigLIP2 share it), scoped to the tower: `PrefixChange(prefix_to_remove=
   "vision_model")`, i.e. `model.vision_tower.vision_model.` -> `model.vision_tower.`.
 So the hub's transformers-4 saves (`language_model.model.*`, `language_model.lm_head.*`,
@@ -39,36 +33,20 @@ from .spec import CheckpointError, read_json
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
-# (pattern, replacement), applied in turn: transformers' "llava" mapping, then LlavaModel's and the legacy one
-LLAVA_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^language_model\.lm_head\.", "lm_head."),
-    (r"^language_model\.", "model.language_model."),
-    (r"^vision_tower\.", "model.vision_tower."),
-    (r"^multi_modal_projector\.", "model.multi_modal_projector."),
-)
-NEXT_RENAMES = LLAVA_RENAMES + ((r"^image_newline$", "model.image_newline"),)
-INNER_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^model\.language_model\.model\.(model\.)?", "model.language_model."),
-)
 # towers whose transformers class is CLIPVisionModel or shares its mapping (SiglipVisionModel, Siglip2VisionModel)
 TOWERS_WITHOUT_VISION_MODEL = ("clip_vision_model", "siglip_vision_model", "siglip2_vision_model")
 TOWER_RENAME = (r"^model\.vision_tower\.vision_model\.", "model.vision_tower.")
-# transformers' "Qwen2VLForConditionalGeneration" mapping (Qwen2.5-VL shares it): the hub's `visual.*` and
-# `model.*` (its text model) -> `model.visual.*`, `model.language_model.*`; `lm_head` stays
-QWEN_VL_RENAMES: tuple[tuple[str, str], ...] = (
-    (r"^visual\.", "model.visual."),
-    (r"^model\.(?!(language_model|visual)\.)", "model.language_model."),
-)
-FAMILY_RENAMES = {"llava": LLAVA_RENAMES, "llava_next": NEXT_RENAMES, "qwen2_vl": QWEN_VL_RENAMES,
-                  "qwen2_5_vl": QWEN_VL_RENAMES}
 
 
 def renames_for(config: dict) -> tuple[tuple[str, str], ...]:
-    """The rename rules transformers applies to a checkpoint with this raw config.json (none for a text model)."""
-    family = FAMILY_RENAMES.get(str(config.get("model_type")))
+    """The rename rules transformers applies to a checkpoint with this raw config.json: its family's
+    (`families.Family.weight_renames`), then the tower's; none for a text model."""
+    from .families import family_for_config  # noqa: PLC0415 - the families name their checkpoints' layouts
+
+    family = family_for_config(config)
     if family is None:
         return ()
-    rules = family + (INNER_RENAMES if family is not QWEN_VL_RENAMES else ())
+    rules = tuple(family.weight_renames)
     tower = (config.get("vision_config") or {}).get("model_type")
     if tower in TOWERS_WITHOUT_VISION_MODEL:
         rules += (TOWER_RENAME,)

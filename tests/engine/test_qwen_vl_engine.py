@@ -13,6 +13,7 @@ from PIL import Image
 from triton_vlm.demo.qwen_checkpoint import build_qwen_vl
 from triton_vlm.engine.model import mrope
 from triton_vlm.engine.engine import Engine, EngineConfig
+from triton_vlm.engine.profile import text_rules_of
 from triton_vlm.errors import InvalidArgument
 from triton_vlm.params import GenerationParams, GenerationRequest
 from triton_vlm.preprocess.service import Preprocessor
@@ -81,7 +82,7 @@ PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>describe
 
 def test_rope_index_equals_transformers(ckpt):
     model, path, pre = ckpt
-    rope = mrope.PromptRope.for_checkpoint(path)
+    rope = mrope.PromptRope.from_rules(text_rules_of(path))
     for a, b in ((0, 1), (2, 3), (1, 2)):
         r, ids, grids, _ = _inputs(pre, PROMPT, [_png(*SIZES[a], a), _png(*SIZES[b], b)])
         want, want_delta = model.model.get_rope_index(ids, (ids == model.config.image_token_id).int(), grids)
@@ -165,7 +166,7 @@ def test_prefix_cache_keys_cover_the_image_sizes(ckpt):
     from triton_vlm.engine.kv.prefix_cache import request_hasher
 
     model, path, pre = ckpt
-    rope = mrope.PromptRope.for_checkpoint(path)
+    rope = mrope.PromptRope.from_rules(text_rules_of(path))
     r, ids, grids, pixels = _inputs(pre, PROMPT, [_png(*SIZES[0], 0), _png(*SIZES[1], 1)])
     feats = _features(model, grids, pixels)
     hashes = []
@@ -203,7 +204,7 @@ def test_video_positions_equal_transformers(ckpt):
     grids = torch.tensor(r.media_grids)
     kw = {"second_per_grid_ts": torch.tensor(r.media_seconds[:2])} if cfg.model_type == "qwen2_5_vl" else {}
     want, delta = model.model.get_rope_index(ids, kinds, grids[2:], grids[:2], **kw)
-    got = mrope.PromptRope.for_checkpoint(path)(r.input_ids, r.image_sizes, [tuple(g) for g in r.media_grids],
+    got = mrope.PromptRope.from_rules(text_rules_of(path))(r.input_ids, r.image_sizes, [tuple(g) for g in r.media_grids],
                                                 list(r.media_seconds))
     assert torch.equal(got.positions, want[:, 0]) and got.delta == int(delta)
     assert grids[0, 0] == 2 and grids[1, 0] == 3  # several temporal patches each

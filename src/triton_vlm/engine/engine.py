@@ -59,7 +59,7 @@ from .kv.kv_cache import blocks_needed
 from .model import mrope
 from .kv.prefix_cache import PrefixStats, request_hasher
 from .model.model import DTYPES, LlamaModel
-from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, worst_case
+from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, text_rules_of, worst_case
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
@@ -168,7 +168,9 @@ class Engine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.tokenizer = tokenizer
         self.image_token_id = mc.image_token_id
-        self.rope = mrope.PromptRope.for_checkpoint(model_dir)  # M-RoPE (Qwen2-VL), None for 1-D positions
+        self.text_rules = text_rules_of(model_dir)  # what the family's text model does differently, as data
+        self.rope = mrope.PromptRope.from_rules(self.text_rules)  # M-RoPE (Qwen2-VL), None for 1-D positions
+        self.model.deepstack_levels = self.text_rules.deepstack_levels  # DeepStack (Qwen3-VL)
         self.eos_ids = mc.eos_token_ids
         self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
@@ -182,7 +184,7 @@ class Engine:
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
                                    scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
-        if config.cuda_graphs and self.model.device.type == "cuda":
+        if config.cuda_graphs and self.model.device.type == "cuda" and not mc.sparse_layers:  # (experts: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
         self._cond = threading.Condition()

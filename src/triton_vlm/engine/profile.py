@@ -192,17 +192,21 @@ def scratch_cache(model, worst: WorstCase, block_size: int) -> KVCache:
 def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: int) -> None:
     """Run the worst-case prefill and decode step (module doc) on `model`, in the scratch `cache`."""
     c, dev = model.config, model.device
+    levels = getattr(model, "deepstack_levels", 0)
     ids = torch.zeros(worst.prompt_tokens, dtype=torch.long, device=dev)  # [P]
     n_img = worst.images * worst.image_tokens
     feats = None
     if n_img and c.image_token_id is not None:
         ids[1:1 + n_img] = c.image_token_id
-        feats = torch.zeros(worst.images, worst.image_tokens, c.hidden_size, dtype=torch.float32, device=dev)
-    embeds = merge_image_embeds(ids, model.embed(ids), feats, c.image_token_id)  # [P, hidden]
+        feats = torch.zeros(worst.images, worst.image_tokens, c.hidden_size * (1 + levels), dtype=torch.float32,
+                            device=dev)  # DeepStack: each token's levels too
+    embeds = merge_image_embeds(ids, model.embed(ids), feats, c.image_token_id, levels)  # [P, hidden * (1 + levels)]
     row = cache.new_row()
     for start in range(0, worst.prompt_tokens, prefill_chunk):
         n = min(prefill_chunk, worst.prompt_tokens - start)
-        model.forward(embeds[None, start:start + n], cache.plan([row], n), cache)
+        x = embeds[None, start:start + n]
+        stack = x[..., c.hidden_size:].unflatten(-1, (levels, c.hidden_size)).movedim(-2, 0) if levels else None
+        model.forward(x[..., :c.hidden_size], cache.plan([row], n), cache, deepstack=stack)
     del embeds, feats
     rows = [row] + [cache.fork(row) for _ in range(worst.rows - 1)]
     tokens = torch.zeros(worst.rows, dtype=torch.long, device=dev)
@@ -316,3 +320,12 @@ def max_image_tokens(model_dir: str | Path) -> Optional[int]:
         return None
     extra = read_json(Path(model_dir) / "processor_config.json").get("num_additional_image_tokens")
     return family_of(spec).layout(spec, extra).max_tokens
+
+
+def text_rules_of(model_dir: str | Path):
+    """What the checkpoint's family does differently in the text model (`families.TextRules`: M-RoPE's rule,
+    DeepStack levels), as data: the engine's one question to `families/` besides `max_image_tokens`."""
+    from ..families import text_rules  # noqa: PLC0415
+    from ..spec import CheckpointSpec  # noqa: PLC0415
+
+    return text_rules(CheckpointSpec.load(model_dir))

@@ -15,6 +15,9 @@
   [rows, chunk] per chunk). Its logits are not stepped.
 - M-RoPE (Qwen2-VL): a request with image positions (`GenerationRequest.rope`, `mrope.py`) prefills at its
   prompt's 3-D positions and decodes at cache position + its delta (in CUDA graphs too: the delta is an input).
+- DeepStack (Qwen3-VL, `model.deepstack_levels` from the family's `TextRules`): a media token's features carry its
+  embedding then one feature per level; the prompt's merged rows keep them (zeros at text tokens) and each prefill
+  chunk adds its slice after the first decoder layers. Decode tokens are text: nothing to add.
 - `reorder(active, parents)`: after a decoder step, row i continues row `parents[i]`: a parent kept by one
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
@@ -50,11 +53,11 @@ class ModelRunner:
         a, kv = chunk.active, chunk.active.kv
         if chunk.rows:
             return self._prefill_rows(chunk)
-        x = self._chunk_embeds(chunk)  # [1, n, hidden]
+        x, deepstack = self._split(self._chunk_embeds(chunk))  # [1, n, hidden], [levels, 1, n, hidden] or None
         adapters = LoraBatch.build([a.lora], self.lora_stacks, self.model.device)
         rope = _prompt_rope(a, chunk.start, chunk.length)  # [3, 1, n] (M-RoPE) or None
         logits = self.model.forward(x, self.cache.plan(kv.rows, chunk.length), self.cache, adapters,
-                                    rope=rope)  # [1, vocab]
+                                    rope=rope, deepstack=deepstack)  # [1, vocab]
         return self._prefilled(chunk, logits)
 
     def prefill_many(self, chunks: list[PrefillChunk]) -> list[tuple[PrefillChunk, object]]:
@@ -91,7 +94,20 @@ class ModelRunner:
         segments = [Segment(c.length, self.cache.plan(c.active.kv.rows, c.length),
                             _prompt_rope(c.active, c.start, c.length)) for c in chunks]
         adapters = LoraBatch.build([chunks[0].active.lora], self.lora_stacks, self.model.device)
-        return self.model.forward_ragged(x, segments, self.cache, adapters)
+        x, deepstack = self._split(x)
+        return self.model.forward_ragged(x, segments, self.cache, adapters, deepstack)
+
+    def _split(self, wide: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Merged rows [rows, n, hidden * (1 + levels)] -> the embeddings [rows, n, hidden] and the DeepStack
+        features [levels, rows, n, hidden] (None without DeepStack, or when the rows hold no media token)."""
+        levels = self.model.deepstack_levels
+        if not levels:
+            return wide, None
+        hidden = wide.shape[-1] // (1 + levels)
+        stack = wide[..., hidden:]
+        if not bool(stack.any()):
+            return wide[..., :hidden], None
+        return wide[..., :hidden], stack.unflatten(-1, (levels, hidden)).movedim(-2, 0)
 
     def _chunk_embeds(self, chunk: PrefillChunk) -> torch.Tensor:
         """The chunk's embeddings [1, n, hidden] (the prompt's, image features merged, built at its first)."""
@@ -136,12 +152,15 @@ class ModelRunner:
         embeddings of the generated tokens it computes again -> [prefill_len, hidden]."""
         dev = self.model.device
         ids = torch.tensor(a.req.input_ids, dtype=torch.long, device=dev)
-        embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds, self.model.config.placeholder_ids)
+        levels = self.model.deepstack_levels
+        embeds = merge_image_embeds(ids, self.model.embed(ids), a.req.image_embeds, self.model.config.placeholder_ids,
+                                    levels)  # [P, hidden * (1 + levels)]
         resume = a.kv.resume_ids
         if resume is None or len(resume) == a.prompt_len:
             return embeds
         more = torch.tensor(resume[a.prompt_len:], dtype=torch.long, device=dev)
-        return torch.cat([embeds, self.model.embed(more).to(embeds.dtype)])
+        more = merge_image_embeds(more, self.model.embed(more).to(embeds.dtype), None, None, levels)
+        return torch.cat([embeds, more])
 
     def decode(self, actives: list[Active]) -> torch.Tensor:
         rows = [r for a in actives for r in a.kv.rows]

@@ -6,25 +6,30 @@
 | `llava_next` | `llava_next.py` | `LlavaNextForConditionalGeneration` (llava-v1.6) |
 | `qwen2_vl` | `qwen2_vl.py` | `Qwen2VLForConditionalGeneration` (Qwen2-VL) |
 | `qwen2_5_vl` | `qwen2_vl.py` | `Qwen2_5_VLForConditionalGeneration` (Qwen2.5-VL) |
+| `qwen3_vl` | `qwen3_vl.py` | `Qwen3VLForConditionalGeneration` (Qwen3-VL, dense) |
+| `qwen3_vl_moe` | `qwen3_vl.py` | `Qwen3VLMoeForConditionalGeneration` (Qwen3-VL-MoE) |
 
 Adding a family (LLaVA-OneVision, Qwen2-VL, ...) is a new module with a `Family` subclass, registered in
-`FAMILIES` below: its checkpoint recognition, `ImageLayout` (tiles and tokens per image), projector and
-`Packer` (post-processing of the tiles' features). Preprocess, vision and the launcher take everything from it.
+`FAMILIES` below: its checkpoint recognition and layout (`weight_renames`), `ImageLayout` (tiles and tokens per
+image), projector and `Packer` (post-processing of the tiles' features), the text models it nests and what the
+engine does differently for them (`text_rules`: data, never a name). Preprocess, vision, the weight loader, the
+engine and the launcher take everything from it (docs/families.md).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from ..spec import CheckpointError, CheckpointSpec
-from .base import Family, ImageLayout, Packer, Size
+from .base import Family, ImageLayout, Packer, PositionRule, Size, TextRules
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT, AnyResLayout
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL, PatchLayout
+from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)}
 
-__all__ = ["FAMILIES", "AnyResLayout", "PatchLayout", "Family", "ImageLayout", "Packer", "Size", "describe_families",
-           "family_for_config", "family_of", "get_family"]
+__all__ = ["FAMILIES", "AnyResLayout", "PatchLayout", "Family", "ImageLayout", "Packer", "PositionRule", "Size",
+           "TextRules", "describe_families", "family_for_config", "family_of", "get_family", "text_rules"]
 
 
 def describe_families() -> str:
@@ -58,4 +63,12 @@ def family_of(spec: CheckpointSpec, name: str = "auto") -> Family:
     if family is None or not family.matches(raw):
         raise CheckpointError(f"{spec.model_dir}: unsupported checkpoint: model_type {raw['model_type']!r}, "
                               f"architectures {raw['architectures']}; supported: {describe_families()}")
+    family.check_text(spec)
     return family
+
+
+def text_rules(spec: CheckpointSpec) -> TextRules:
+    """What the engine does differently for this checkpoint's text model (none for a plain text checkpoint)."""
+    if getattr(spec.hf_config, "text_config", None) is None:
+        return TextRules()
+    return family_of(spec).text_rules(spec)

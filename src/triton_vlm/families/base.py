@@ -11,8 +11,12 @@ everything that family does differently, and the stages ask it instead of branch
   the family's projector, `packer(spec, weights)` the post-processing from the tiles' projected features to
   the features of one image (LLaVA-NeXT: grid, unpad, row separators; LLaVA: none), and `weight_prefixes` where
   their tensors live in the checkpoint;
-- **text model**: `text_config(config)`; the text models themselves (Llama, Mistral, Qwen2) are shared by the
-  families: `spec.TextSpec` and `engine/`;
+- **text model**: `text_config(config)`, `text_model_types` (the nested text configs it serves); the text models
+  themselves (Llama, Mistral, Qwen2) are shared by the families: `spec.TextSpec` and `engine/`. What the engine
+  does differently for a family arrives as data, `text_rules(spec)` -> `TextRules` (its M-RoPE `PositionRule`,
+  DeepStack levels), never by the family's name;
+- **checkpoint layout**: `weight_renames`, transformers' conversion-mapping rules from the layouts its checkpoints
+  are saved in to the transformers-5 names (`weight_source.TensorSource` asks `families.family_for_config`);
 - **videos** (families with a `video_token`): `video_plan(cfg, size, frames, fps)` -> a `VideoPlan`, the frames
   sampling keeps, their resized size, the patch grid and the tokens, computed from the container's header before
   any frame is decoded, so preprocess bounds a request's media cost before paying it.
@@ -27,9 +31,33 @@ import torch
 from torch import nn
 
 from ..spec import CheckpointError, CheckpointSpec, image_token_count
-from ..weight_source import TensorSource
 
 Size = tuple[int, int]  # (height, width) in pixels
+Renames = tuple[tuple[str, str], ...]  # (pattern, replacement) applied in turn to each checkpoint key
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the text configs a LLaVA-style family nests
+
+
+@dataclass(frozen=True)
+class PositionRule:
+    """M-RoPE (transformers' `get_rope_index`), as data for the engine (`engine/model/mrope.py`): which ids take
+    3-D positions, the merge of the grids, how the rotary frequencies split between the axes."""
+
+    section: tuple[int, ...]  # [3] frequencies per axis (time, height, width), summing to head_dim / 2
+    image_token_id: int
+    video_token_id: int
+    merge: int  # spatial merge size (2x2 patches -> one token)
+    tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
+    max_position: int = 1 << 30  # positions must stay inside the rotary tables (the context length)
+    interleaved: bool = False  # frequencies assigned T, H, W, T, H, W... (Qwen3-VL) instead of in blocks
+
+
+@dataclass(frozen=True)
+class TextRules:
+    """What the engine does differently for a family's text model, as data."""
+
+    position: Optional[PositionRule] = None  # M-RoPE; None: 1-D positions
+    grid_of: Any = None  # (height, width) -> (t, h, w) patches of an image (the family's layout), with M-RoPE
+    deepstack_levels: int = 0  # extra features per media token added after the first decoder layers
 
 
 @dataclass(frozen=True)
@@ -114,8 +142,11 @@ class Family:
     image_start: str = ""  # text the checkpoint's processor writes around each image's placeholders
     image_end: str = ""
     mrope = False  # 3-D rotary positions for image tokens (Qwen2-VL's M-RoPE)
+    whole_images = False  # the tower takes whole images at their own size (`layout(spec).whole_images`)
     video_token: Optional[str] = None  # the placeholder of video frames (None: the family takes no videos)
     video_markers: tuple[str, ...] = ()  # prompt text that stands for a video besides `<video>`
+    text_model_types: tuple[str, ...] = TEXT_MODEL_TYPES  # the nested text config's model_type
+    weight_renames: Renames = ()  # saved layouts -> transformers-5 names (transformers' conversion mapping)
     # where the vision tensors live, by their transformers-5 names (`weight_source.TensorSource` maps every saved
     # layout, the hub's `vision_tower.vision_model.` and `multi_modal_projector.` included, to these)
     weight_prefixes: dict[str, tuple[str, ...]] = {
@@ -133,6 +164,17 @@ class Family:
     # --- checkpoint ---------------------------------------------------------------------------------------
     def text_config(self, config: Any) -> Any:
         return getattr(config, "text_config", None) or config
+
+    def check_text(self, spec: CheckpointSpec) -> None:
+        """Refuse a nested text model this family does not serve."""
+        text = self.text_config(spec.hf_config)
+        if text is not spec.hf_config and getattr(text, "model_type", None) not in self.text_model_types:
+            raise CheckpointError(f"{spec.model_dir}: {self.name} with a {getattr(text, 'model_type', None)!r} "
+                                  f"text model is not supported; supported: {self.text_model_types}")
+
+    def text_rules(self, spec: CheckpointSpec) -> TextRules:
+        """What the engine does differently for this family's text model (default: nothing)."""
+        return TextRules()
 
     # --- image processing and tokens ------------------------------------------------------------------------
     def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> ImageLayout:
@@ -167,7 +209,8 @@ class Family:
 
         return LlavaMultiModalProjector(config)
 
-    def packer(self, spec: CheckpointSpec, weights: Optional[TensorSource] = None) -> Packer:
+    def packer(self, spec: CheckpointSpec, weights: Any = None) -> Packer:
+        """`weights`: the checkpoint's `weight_source.TensorSource` (the vision stage opens it)."""
         return Packer()
 
     def hashed_prefixes(self) -> tuple[tuple[str, ...], ...]:

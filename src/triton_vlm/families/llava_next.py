@@ -30,8 +30,8 @@ from typing import Any, Optional
 import torch
 
 from ..spec import CheckpointError, CheckpointSpec
-from ..weight_source import TensorSource
 from .base import Family, ImageLayout, Packer, Size, _vision, check_tile, probe
+from .llava import INNER_RENAMES, LLAVA_RENAMES
 
 log = logging.getLogger("triton_vlm")
 
@@ -133,6 +133,7 @@ class LlavaNext(Family):
     architectures = ("LlavaNextForConditionalGeneration",)
     model_class = "LlavaNextForConditionalGeneration"
     weight_prefixes = {**Family.weight_prefixes, "newline": ("model.image_newline",)}
+    weight_renames = LLAVA_RENAMES + ((r"^image_newline$", "model.image_newline"),) + INNER_RENAMES
 
     def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> AnyResLayout:
         v = _vision(spec)
@@ -181,8 +182,9 @@ class LlavaNext(Family):
 
         return LlavaNextMultiModalProjector(config)
 
-    def packer(self, spec: CheckpointSpec, weights: Optional[TensorSource] = None) -> AnyResPacker:
-        weights = weights or TensorSource(spec.model_dir)
+    def packer(self, spec: CheckpointSpec, weights: Any = None) -> AnyResPacker:
+        if weights is None:
+            raise CheckpointError("llava_next's packer reads image_newline: pass the checkpoint's TensorSource")
         key = next((k for k in self.weight_prefixes["newline"] if k in weights), None)
         if key is None:
             raise CheckpointError(f"{spec.model_dir}: no image_newline tensor (looked for "

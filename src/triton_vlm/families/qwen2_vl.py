@@ -31,12 +31,18 @@ from typing import Any, Optional
 
 from ..errors import InvalidArgument
 from ..spec import CheckpointError, CheckpointSpec, read_json
-from .base import Family, Size, VideoPlan
+from .base import Family, PositionRule, Renames, Size, TextRules, VideoPlan
 
 MAX_RATIO = 200  # transformers' smart_resize refuses aspect ratios past this
 DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+# transformers' "Qwen2VLForConditionalGeneration" conversion mapping (Qwen2.5-VL shares it): the hub's `visual.*`
+# and `model.*` (its text model) -> `model.visual.*`, `model.language_model.*`; `lm_head` stays
+QWEN_VL_RENAMES: Renames = (
+    (r"^visual\.", "model.visual."),
+    (r"^model\.(?!(language_model|visual)\.)", "model.language_model."),
+)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> Size:
@@ -142,8 +148,11 @@ class Qwen2VL(Family):
     image_markers = (VISION_START + IMAGE_PAD + VISION_END,)  # the checkpoint's own format, kept as a marker
     image_start, image_end = VISION_START, VISION_END
     mrope = True
+    whole_images = True
     video_token = VIDEO_PAD
     video_markers = (VISION_START + VIDEO_PAD + VISION_END,)
+    text_model_types = ("qwen2_vl_text",)
+    weight_renames = QWEN_VL_RENAMES
 
     def layout(self, spec: CheckpointSpec, extra_tokens: Optional[int] = None) -> PatchLayout:
         v = spec.hf_config.vision_config
@@ -185,12 +194,16 @@ class Qwen2VL(Family):
     def text_config(self, config: Any) -> Any:
         return config.text_config
 
-    def rope_config(self, spec: CheckpointSpec) -> dict:
-        """What M-RoPE needs: the token ids, the merge size and (Qwen2.5-VL) the video's tokens per second."""
-        cfg = spec.hf_config
-        return {"image_token_id": int(cfg.image_token_id), "video_token_id": int(cfg.video_token_id),
-                "merge": int(cfg.vision_config.spatial_merge_size),
-                "tokens_per_second": getattr(cfg.vision_config, "tokens_per_second", None)}
+    def text_rules(self, spec: CheckpointSpec) -> TextRules:
+        """M-RoPE: the token ids, the merge size, (Qwen2.5-VL) the video's tokens per second, the sections."""
+        cfg, text = spec.hf_config, spec.text
+        if not text.mrope_section:
+            return TextRules()
+        rule = PositionRule(text.mrope_section, int(cfg.image_token_id), int(cfg.video_token_id),
+                            int(cfg.vision_config.spatial_merge_size),
+                            getattr(cfg.vision_config, "tokens_per_second", None), text.max_position_embeddings,
+                            text.mrope_interleaved)
+        return TextRules(position=rule, grid_of=self.layout(spec).grid)
 
 
 class Qwen25VL(Qwen2VL):
@@ -198,6 +211,7 @@ class Qwen25VL(Qwen2VL):
     model_type = "qwen2_5_vl"
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_class = "Qwen2_5_VLForConditionalGeneration"
+    text_model_types = ("qwen2_5_vl_text",)
 
 
 QWEN2_VL = Qwen2VL()

@@ -34,6 +34,16 @@ def module_shape(spec: TextSpec, module: str) -> tuple[int, int]:
             "up_proj": (h, ff), "down_proj": (ff, h)}[module]
 
 
+def check_experts(spec: TextSpec, layer: int, module: str, where: str) -> None:
+    """A mixture-of-experts layer has no dense MLP: an adapter on its MLP projections is refused by name (LoRA is
+    served on the attention projections, and on the MLP of the dense layers)."""
+    if layer in spec.sparse_layers and module in ("gate_proj", "up_proj", "down_proj"):
+        dense = [i for i in range(spec.num_layers) if i not in spec.sparse_layers]
+        raise InvalidArgument(f"{where}: {module} of layer {layer} is in a mixture-of-experts layer; LoRA on the "
+                              f"experts is not served (adapters may target q_proj, k_proj, v_proj, o_proj, and "
+                              f"gate_proj / up_proj / down_proj of the dense layers {dense})")
+
+
 @dataclass(frozen=True)
 class LoraModule:
     a: torch.Tensor  # [r, in]: fp32 (registry adapters, as PEFT keeps them) or the model's dtype (wire weights)
@@ -122,6 +132,7 @@ def check_trtllm(weights: np.ndarray, config: np.ndarray, spec: TextSpec,
         if not 1 <= r <= max_rank:
             raise InvalidArgument(f"lora_config row {i}: Invalid low_rank (r) {r}; must be in [1, {max_rank}] "
                                   "(max_lora_rank)")
+        check_experts(spec, layer, module, f"lora_config row {i}")
         n_in, n_out = module_shape(spec, module)
         need = r * (n_in + n_out)
         if need > weights.shape[1]:

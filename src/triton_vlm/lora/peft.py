@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InvalidArgument
 from ..spec import TextSpec
-from .format import MODULE_IDS, Adapter, LoraModule, module_shape, to_trtllm
+from .format import MODULE_IDS, Adapter, LoraModule, check_experts, module_shape, to_trtllm
 
 _KEY = re.compile(r"^base_model\.model\.(?P<name>(?:model\.language_model\.|language_model\.model\.|model\.)layers\."
                   r"(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>[a-z_]+))\.lora_(?P<ab>[AB])\.weight$")
@@ -69,6 +69,10 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[str, int,
         if "lora_magnitude_vector" in key:
             raise InvalidArgument(f"{where}: DoRA adapters are not supported ({key})")
         m = _KEY.match(key)
+        if ".experts." in key or (m is not None and m.group("module") == "experts"):
+            raise InvalidArgument(f"{where}: the adapter targets mixture-of-experts weights ({key}); LoRA on the "
+                                  "experts is not served (adapters may target the attention projections and the "
+                                  "dense layers' MLP)")
         if m is None or m.group("module") not in MODULE_IDS:
             raise InvalidArgument(f"{where}: tensor {key} is not a LoRA weight of a language-model projection "
                                   f"({', '.join(MODULE_IDS)}); biases, embeddings, lm_head are not supported")
@@ -96,6 +100,8 @@ def load_peft(adapter_dir: str | Path, spec: TextSpec | None, name: str | None =
         r = int(pattern_value(rank_pattern, mod_name, r0))
         alpha = float(pattern_value(alpha_pattern, mod_name, alpha0))
         a, b = ab["A"].to(torch.float32), ab["B"].to(torch.float32)
+        if spec is not None:
+            check_experts(spec, layer, module, where)
         n_in, n_out = module_shape(spec, module) if spec is not None else (a.shape[1], b.shape[0])
         if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
             raise InvalidArgument(f"{where}: {mod_name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; "

@@ -34,12 +34,11 @@ from PIL import Image
 
 from ..errors import InvalidArgument
 from ..families.base import VideoPlan
-from ..families.qwen2_vl import sample_indices, video_plan as qwen_video_plan
 from .images import payload_to_bytes
 
 __all__ = ["DEFAULT_MAX_VIDEO_BYTES", "MAX_DECODED_PIXELS", "MAX_FRAMES", "Video", "VideoConfig", "VideoHeader",
            "VideoProcessor", "decode_frames", "decode_video", "encode_mp4", "patchify", "probe_video",
-           "sample_indices", "video_config"]
+           "video_config"]
 
 DEFAULT_MAX_VIDEO_BYTES = 64 << 20
 MAX_FRAMES = 4096  # frames a file may hold (each is decoded to be counted or kept)
@@ -128,9 +127,9 @@ class VideoHeader:
 
 
 def probe_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
-                max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, planner: Optional[Planner] = None) -> VideoHeader:
-    """The header's frame count, rate and size checked against the limits, and the family's plan for them (default:
-    Qwen2-VL's rule); nothing decoded."""
+                max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, *, planner: Planner) -> VideoHeader:
+    """The header's frame count, rate and size checked against the limits, and the family's plan for them
+    (`Family.video_plan`); nothing decoded."""
     data = payload_to_bytes(payload, what)
     if len(data) > max_bytes:
         raise InvalidArgument(f"{what}: {len(data)} bytes; at most {max_bytes} are accepted")
@@ -150,7 +149,7 @@ def probe_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pix
         raise InvalidArgument(f"{what}: {total} frames of {w}x{h} pixels; at most {MAX_DECODED_PIXELS} pixels "
                               "in all are decoded (send a shorter or smaller video)")
     try:
-        plan = (planner or qwen_video_plan)(cfg, (h, w), total, rate)
+        plan = planner(cfg, (h, w), total, rate)
     except ValueError as e:
         raise InvalidArgument(f"{what}: {e}") from None
     except InvalidArgument as e:
@@ -174,8 +173,8 @@ def decode_frames(header: VideoHeader, what: str) -> Video:
 
 
 def decode_video(payload: Union[bytes, str], what: str, cfg: VideoConfig, max_pixels: int,
-                 max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, planner: Optional[Planner] = None) -> Video:
-    return decode_frames(probe_video(payload, what, cfg, max_pixels, max_bytes, planner), what)
+                 max_bytes: int = DEFAULT_MAX_VIDEO_BYTES, *, planner: Planner) -> Video:
+    return decode_frames(probe_video(payload, what, cfg, max_pixels, max_bytes, planner=planner), what)
 
 
 def _frames(container, header: VideoHeader, what: str) -> list[np.ndarray]:
@@ -213,9 +212,9 @@ class VideoProcessor:
     """Decoded frames -> (patches [rows, 3, T*P, P] float32, grid (t, h, w), seconds per temporal patch), written
     one temporal patch at a time into the output (the only full-size float array); `plan` is the family's rule."""
 
-    def __init__(self, cfg: VideoConfig, planner: Optional[Planner] = None):
+    def __init__(self, cfg: VideoConfig, planner: Planner):
         self.cfg = cfg
-        self.plan = planner or qwen_video_plan
+        self.plan = planner  # the family's `video_plan`
 
     def grid(self, video: Video) -> tuple[int, int, int]:
         return video.plan.grid

@@ -103,8 +103,10 @@ def make_backend(model_dir: str | Path, s: BackendSettings, explicit: Optional[s
 
 
 def native_resolution(model_dir: str | Path) -> bool:
-    """The checkpoint's tower takes whole images at their own size (Qwen2-VL's), not fixed-size tiles."""
-    from ..spec import NATIVE_RESOLUTION_TOWERS, read_json  # noqa: PLC0415
+    """The checkpoint's tower takes whole images at their own size (its family's layout says so: Qwen2-VL's), not
+    fixed-size tiles."""
+    from ..families import family_of  # noqa: PLC0415
+    from ..spec import CheckpointSpec  # noqa: PLC0415
 
-    vision = read_json(Path(model_dir) / "config.json").get("vision_config") or {}
-    return vision.get("model_type") in NATIVE_RESOLUTION_TOWERS
+    spec = CheckpointSpec.load(model_dir)
+    return spec.vision is not None and family_of(spec).whole_images

@@ -96,4 +96,4 @@ def make_qwen_backend(model_dir: Path, settings):
     if settings.backend == "onnxruntime":
         return QwenOnnxBackend(model_dir, settings)
     raise InvalidArgument(f"vision_backend {settings.backend!r} is not available for a native-resolution tower "
-                          "(Qwen2-VL / Qwen2.5-VL); use torch (GPU or CPU) or onnxruntime (CPU)")
+                          "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL); use torch (GPU or CPU) or onnxruntime (CPU)")

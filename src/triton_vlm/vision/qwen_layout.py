@@ -1,4 +1,4 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower's configuration and its per-batch layout, host-side (numpy).
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower's configuration and its per-batch layout, host-side (numpy).
 
 `TowerConfig` reads the vision config (a transformers config object or its dict); `tower_aux(grids, config)` is
 everything the graph (`qwen_tower.QwenTowerGraph`) needs that depends on the images' grids, computed once per
@@ -10,6 +10,8 @@ batch, so the graph is static. N = sum(t * h * w) patches over the grids, in the
   padding the shorter groups to L; `attn_slot` int64 [N]: each patch's flat position g * L + l in it. Full
   attention's groups are the frames (an image, or one temporal step of a video: transformers' `cu_seqlens` repeats
   h*w t times), L the longest frame of the batch;
+- Qwen3-VL only, `pos_index` int64 [N, 4] and `pos_weight` fp32 [N, 4]: each patch's bilinear taps into the
+  learned square position table (transformers' `get_vision_interpolation_indices_and_weights`);
 - 2.5-VL only, `window_index` [W, L_w] and `window_slot` [N], the same for the windowed blocks: a group per window
   of `window_size // patch_size // spatial_merge_size` merged tokens squared within a frame, its merge units in
   raster order (transformers' `get_vision_window_index`: windows partial at the right and bottom edges), L_w the
@@ -21,6 +23,7 @@ least.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,13 +32,17 @@ import torch
 
 from ..spec import CheckpointError
 
-QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
+QWEN2_VL, QWEN2_5_VL, QWEN3_VL = "qwen2_vl", "qwen2_5_vl", "qwen3_vl"
 # the vision config's model_type (transformers' class attribute) -> tower kind; the top-level types are accepted too
 MODEL_TYPES = {"qwen2_vl_vision": QWEN2_VL, "qwen2_vl": QWEN2_VL,
-               "qwen2_5_vl_vision": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL}
+               "qwen2_5_vl_vision": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL,
+               "qwen3_vl_vision": QWEN3_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe_vision": QWEN3_VL,
+               "qwen3_vl_moe": QWEN3_VL}
 POSITION_IDS, ATTN_INDEX, ATTN_SLOT = "position_ids", "attn_index", "attn_slot"
 WINDOW_INDEX, WINDOW_SLOT = "window_index", "window_slot"
-# graph inputs after `patches`, in order; Qwen2-VL (no windowed blocks) takes the first three (`aux_names`)
+POS_INDEX, POS_WEIGHT = "pos_index", "pos_weight"  # Qwen3-VL: the learned position table's bilinear taps
+# graph inputs after `patches`, in order; Qwen2-VL (no windowed blocks) takes the first three (`aux_names`),
+# Qwen3-VL those three and its position taps
 AUX_NAMES = (POSITION_IDS, ATTN_INDEX, ATTN_SLOT, WINDOW_INDEX, WINDOW_SLOT)
 PAD = -1  # an index's padding slots
 
@@ -53,7 +60,7 @@ def is_qwen_vision(vision_config: Any) -> bool:
 
 @dataclass(frozen=True)
 class TowerConfig:
-    kind: str  # QWEN2_VL or QWEN2_5_VL
+    kind: str  # QWEN2_VL, QWEN2_5_VL or QWEN3_VL
     depth: int
     width: int  # the blocks' hidden size
     heads: int
@@ -67,6 +74,8 @@ class TowerConfig:
     rope_theta: float
     window_size: int = 0  # pixels (2.5-VL)
     fullatt: tuple[int, ...] = ()  # 2.5-VL: the blocks with full attention; the others are windowed
+    pos_embeddings: int = 0  # Qwen3-VL: learned absolute position embeddings (a square grid), interpolated
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose outputs go through their own (DeepStack) mergers
 
     @classmethod
     def from_config(cls, vc: Any) -> "TowerConfig":
@@ -74,13 +83,18 @@ class TowerConfig:
             return vc
         kind = MODEL_TYPES.get(str(_get(vc, "model_type")))
         if kind is None:
-            raise CheckpointError(f"vision config model_type {_get(vc, 'model_type')!r} is not a Qwen2-VL or "
-                                  f"Qwen2.5-VL tower (one of {sorted(MODEL_TYPES)})")
+            raise CheckpointError(f"vision config model_type {_get(vc, 'model_type')!r} is not a Qwen2-VL, "
+                                  f"Qwen2.5-VL or Qwen3-VL tower (one of {sorted(MODEL_TYPES)})")
         rope = _get(vc, "rope_parameters") or {}
         common = dict(kind=kind, depth=int(_get(vc, "depth")), heads=int(_get(vc, "num_heads")),
                       in_channels=int(_get(vc, "in_channels", _get(vc, "in_chans", 3))),
                       patch=int(_get(vc, "patch_size")), temporal_patch=int(_get(vc, "temporal_patch_size")),
                       merge=int(_get(vc, "spatial_merge_size")), rope_theta=float(rope.get("rope_theta", 10000.0)))
+        if kind == QWEN3_VL:
+            return cls(width=int(_get(vc, "hidden_size")), mlp_hidden=int(_get(vc, "intermediate_size")),
+                       out_hidden=int(_get(vc, "out_hidden_size")), act=str(_get(vc, "hidden_act")),
+                       pos_embeddings=int(_get(vc, "num_position_embeddings")),
+                       deepstack=tuple(int(i) for i in _get(vc, "deepstack_visual_indexes") or ()), **common)
         if kind == QWEN2_VL:
             width = int(_get(vc, "embed_dim"))
             return cls(width=width, mlp_hidden=int(width * _get(vc, "mlp_ratio")),
@@ -124,9 +138,16 @@ class TowerConfig:
         return (1.0 / (self.rope_theta ** steps)).tolist()
 
 
+    @property
+    def side(self) -> int:
+        """Qwen3-VL: the learned position grid's side."""
+        return math.isqrt(self.pos_embeddings)
+
+
 def aux_names(vision_config: Any) -> tuple[str, ...]:
-    """The graph's inputs after `patches` for this tower, in order (a prefix of AUX_NAMES)."""
-    return AUX_NAMES if TowerConfig.from_config(vision_config).windowed else AUX_NAMES[:3]
+    """The graph's inputs after `patches` for this tower, in order."""
+    cfg = TowerConfig.from_config(vision_config)
+    return AUX_NAMES if cfg.windowed else AUX_NAMES[:3] + ((POS_INDEX, POS_WEIGHT) if cfg.pos_embeddings else ())
 
 
 # --- host side: the per-batch layout (numpy) ----------------------------------------------------------------
@@ -193,4 +214,11 @@ def tower_aux(grids: Sequence[Sequence[int]], vision_config: Any) -> dict[str, n
     out[ATTN_INDEX], out[ATTN_SLOT] = groups(np.concatenate(frames))
     if cfg.windowed:
         out[WINDOW_INDEX], out[WINDOW_SLOT] = groups(np.concatenate(windows), cfg.window_patches)
+    if cfg.pos_embeddings:  # transformers' own taps (`fast_pos_embed_interpolate`: bilinear, align_corners)
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights  # noqa: PLC0415
+
+        index, weight = get_vision_interpolation_indices_and_weights(
+            torch.tensor([list(g) for g in grids], dtype=torch.long), cfg.side, mode="bilinear", align_corners=True,
+            spatial_merge_size=cfg.merge)
+        out[POS_INDEX], out[POS_WEIGHT] = index.numpy().astype(np.int64), weight.numpy().astype(np.float32)
     return out

@@ -1,4 +1,5 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower as one static torch graph: exact against transformers, ONNX-exportable.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower as one static torch graph: exact against transformers,
+ONNX-exportable.
 
 transformers' towers (`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel`) compute
 their per-image layout inside `forward` with Python loops over `grid_thw` and split attention per image; no
@@ -14,6 +15,11 @@ exporter keeps that dynamic. Here the layout is host-side numpy (`qwen_layout.to
   what each gets alone;
 - norms in fp32 (LayerNorm for Qwen2-VL, RMSNorm as transformers computes it for 2.5-VL); the PatchMerger: each run
   of `spatial_merge_size**2` consecutive patches concatenated, then its MLP.
+
+Qwen3-VL (kind `qwen3_vl`): the patch embedding's bias; the learned position table, each patch's bilinear taps
+(`pos_index`, `pos_weight`, host-side: transformers' own) summed and added after the patch embedding; LayerNorm
+blocks with a `linear_fc1` / `linear_fc2` MLP; its mergers (`_StackMerger`: the main one, and one per DeepStack
+level with the norm after the 2x2 shuffle) whose outputs are concatenated: [tokens, out_hidden * (1 + levels)].
 
 2.5-VL's window permutation (transformers reorders the merge units window by window, runs the blocks and undoes
 it after the merger) is folded into the window groups: every op but attention is per patch and the merge units stay
@@ -39,11 +45,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..spec import CheckpointError
-from .qwen_layout import (ATTN_INDEX, ATTN_SLOT, AUX_NAMES, POSITION_IDS, QWEN2_5_VL, QWEN2_VL, WINDOW_INDEX,
-                          WINDOW_SLOT, TowerConfig, aux_names, is_qwen_vision, tower_aux)
+from .qwen_layout import (ATTN_INDEX, ATTN_SLOT, AUX_NAMES, POS_INDEX, POS_WEIGHT, POSITION_IDS, QWEN2_5_VL,
+                          QWEN2_VL, QWEN3_VL, WINDOW_INDEX, WINDOW_SLOT, TowerConfig, aux_names, is_qwen_vision,
+                          tower_aux)
 
 __all__ = ["AUX_NAMES", "PATCHES", "OUTPUT", "POSITION_IDS", "ATTN_INDEX", "ATTN_SLOT", "WINDOW_INDEX", "WINDOW_SLOT",
-           "QWEN2_VL", "QWEN2_5_VL", "TowerConfig", "QwenTowerGraph", "aux_names", "example_inputs",
+           "QWEN2_VL", "QWEN2_5_VL", "QWEN3_VL", "TowerConfig", "QwenTowerGraph", "aux_names", "example_inputs",
            "export_tower_onnx", "is_qwen_vision", "tower_aux"]
 PATCHES, OUTPUT = "patches", "encoder_output"
 OPSET = 17
@@ -131,11 +138,14 @@ class _Mlp(nn.Module):
         from transformers.activations import ACT2FN  # noqa: PLC0415 - transformers' exact activations
 
         self.act = ACT2FN[cfg.act]
-        self.gated = cfg.kind == QWEN2_5_VL
+        self.gated, self.linear = cfg.kind == QWEN2_5_VL, cfg.kind == QWEN3_VL
         if self.gated:
             self.gate_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
             self.up_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
             self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.width)
+        elif self.linear:  # Qwen3-VL's names
+            self.linear_fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
+            self.linear_fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
         else:
             self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
             self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
@@ -143,6 +153,8 @@ class _Mlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.linear:
+            return self.linear_fc2(self.act(self.linear_fc1(x)))
         return self.fc2(self.act(self.fc1(x)))
 
 
@@ -170,16 +182,35 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.hidden))
 
 
+class _StackMerger(nn.Module):
+    """Qwen3-VL's `Qwen3VLVisionPatchMerger`: LayerNorm over each patch (main) or over the merge unit's
+    concatenation (`postshuffle`, the DeepStack mergers), then linear_fc1, GELU, linear_fc2."""
+
+    def __init__(self, cfg: TowerConfig, postshuffle: bool):
+        super().__init__()
+        self.hidden, self.postshuffle = cfg.width * cfg.merge * cfg.merge, postshuffle
+        self.norm = _Norm(self.hidden if postshuffle else cfg.width, False)
+        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
+        self.act = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.hidden, cfg.out_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.hidden)) if self.postshuffle else self.norm(x).reshape(-1, self.hidden)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class _PatchEmbed(nn.Module):
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         kernel = (cfg.temporal_patch, cfg.patch, cfg.patch)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel_size=kernel, stride=kernel,
+                              bias=cfg.kind == QWEN3_VL)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """The Conv3d over one patch per row (kernel = stride = the patch) is a MatMul with the flat kernel."""
         w = self.proj.weight
-        return torch.matmul(patches.to(w.dtype), w.reshape(w.shape[0], -1).t())
+        y = torch.matmul(patches.to(w.dtype), w.reshape(w.shape[0], -1).t())
+        return y if self.proj.bias is None else y + self.proj.bias
 
 
 class QwenTowerGraph(nn.Module):
@@ -203,8 +234,12 @@ class QwenTowerGraph(nn.Module):
         self.inv_freq = cfg.inv_freq()
         with torch.device("meta"):  # no random init of weights that are overwritten next
             self.patch_embed = _PatchEmbed(cfg)
+            if cfg.pos_embeddings:
+                self.pos_embed = nn.Embedding(cfg.pos_embeddings, cfg.width)
             self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.depth))
-            self.merger = _Merger(cfg)
+            self.merger = _StackMerger(cfg, False) if cfg.kind == QWEN3_VL else _Merger(cfg)
+            if cfg.deepstack:
+                self.deepstack_merger_list = nn.ModuleList(_StackMerger(cfg, True) for _ in cfg.deepstack)
         self.to_empty(device="cpu")
         self._load(weights)
         self.set_attention(attention)
@@ -247,13 +282,20 @@ class QwenTowerGraph(nn.Module):
     def forward(self, patches: torch.Tensor, *aux: torch.Tensor) -> torch.Tensor:
         if len(aux) != len(self.aux_names):
             raise TypeError(f"QwenTowerGraph takes patches and {self.aux_names}, got {len(aux)} aux tensors")
-        cos, sin = self._rotary(aux[0])
-        full = _Groups.build(aux[1], aux[2], cos, sin)
-        window = _Groups.build(aux[3], aux[4], cos, sin) if self.config.windowed else full
+        a = dict(zip(self.aux_names, aux))
+        cos, sin = self._rotary(a[POSITION_IDS])
+        full = _Groups.build(a[ATTN_INDEX], a[ATTN_SLOT], cos, sin)
+        window = _Groups.build(a[WINDOW_INDEX], a[WINDOW_SLOT], cos, sin) if self.config.windowed else full
         x = self.patch_embed(patches)
+        if self.config.pos_embeddings:  # transformers' `fast_pos_embed_interpolate`: the taps' weighted sum
+            pos = (self.pos_embed(a[POS_INDEX]) * a[POS_WEIGHT][:, :, None]).sum(1)  # [N, width]
+            x = x + pos.to(x.dtype)
+        stack, levels = [], list(self.config.deepstack)
         for i, block in enumerate(self.blocks):
             x = block(x, full if i in self.full_blocks else window)
-        return self.merger(x)
+            if i in levels:
+                stack.append(self.deepstack_merger_list[levels.index(i)](x))
+        return torch.cat([self.merger(x)] + stack, dim=-1) if stack else self.merger(x)
 
 
 def example_inputs(graph: QwenTowerGraph, grids: Sequence[Sequence[int]], seed: int = 0) -> tuple[torch.Tensor, ...]:

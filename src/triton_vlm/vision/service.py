@@ -34,6 +34,7 @@ import torch
 
 from ..errors import Internal, InvalidArgument
 from ..families import ImageLayout, Packer, family_of
+from ..weight_source import TensorSource
 from .backends import BackendSettings, make_backend
 from .cache import EmbeddingCache
 from .encoder import VisionSettings, check_pixel_values
@@ -341,9 +342,10 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
     layout = family.layout(spec)
     whole = layout.whole_images  # native resolution (Qwen2-VL): image sizes of every kind, no fixed tile
     return VisionService(backend, layout.tile_hw if whole else spec.vision.image_size,
-                         layout.max_tokens if whole else spec.vision.num_image_tokens, spec.text.hidden_size,
+                         layout.max_tokens if whole else spec.vision.num_image_tokens,
+                         spec.text.hidden_size * (1 + family.text_rules(spec).deepstack_levels),  # + DeepStack
                          cache, out_dtype=getattr(torch, out_dtype), layout=layout,
-                         packer=family.packer(spec).to(backend.device))
+                         packer=family.packer(spec, TensorSource(model_dir)).to(backend.device))
 
 
 def choose_backend(name: str, device: str, explicit: set[str]) -> str:

@@ -102,8 +102,8 @@ class Forward:
     @classmethod
     def for_model(cls, model) -> Optional["Forward"]:
         lib, gk = _library(), gemv.kernel(_pack)
-        if lib is None or gk is None:
-            return None
+        if lib is None or gk is None or any(lay.q_norm is not None or lay.moe is not None for lay in model.layers):
+            return None  # (QK-norm, experts: layer by layer, the norms and experts in torch between the C kernels)
         lins = [[_lin(lin, gk) for lin in layer.linears()] for layer in model.layers]  # qkv, o, gate_up, down
         head = _lin(model.lm_head, gk)
         norms = [model.norm] + [t for layer in model.layers for t in (layer.input_norm, layer.post_norm)]

@@ -155,17 +155,87 @@ def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Te
     return masks
 
 
+class Experts:
+    """A sparse layer (transformers' `Qwen3VLMoeTextSparseMoeBlock`): the router's softmax over the experts (fp32),
+    the top k renormalised to sum to 1, each token through its k experts' SiLU-gated MLPs, weighted and summed.
+    The tokens are grouped by expert: one product per active expert over its tokens, the experts in ascending
+    order (transformers' order, so the same sums)."""
+
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int):
+        self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2 I, H], [E, H, I]
+        self.top_k = top_k
+        self.renormalize = True  # transformers' router always renormalises (a test turns it off as a control)
+
+    @classmethod
+    def of(cls, w: dict[str, torch.Tensor], i: int, top_k: int) -> Optional["Experts"]:
+        if f"layers.{i}.router" not in w:
+            return None
+        return cls(w[f"layers.{i}.router"], w[f"layers.{i}.experts.gate_up_proj"], w[f"layers.{i}.experts.down_proj"],
+                   top_k)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.router, self.gate_up, self.down]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])  # [T, H]
+        logits = F.linear(x, self.router)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            picks = order[start:start + n]  # flat (token, slot) picks of expert e
+            start += n
+            tokens = picks // self.top_k
+            gate, up = F.linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights.reshape(-1)[picks, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out.reshape(h.shape)
+
+
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0, packed: bool = False):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, eps: float, window: int = 0, packed: bool = False,
+                 top_k: int = 0):
         self.input_norm, self.post_norm, self.eps = w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"], eps
         self.window = window  # sliding attention window, 0 = full causal attention
         self.qkv_proj = Linear.fused(w, i, "qkv_proj", ("q_proj", "k_proj", "v_proj"), packed)  # [q + 2 kv, hidden]
         self.o_proj = Linear.fused(w, i, "o_proj", ("o_proj",), packed)
-        self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)  # [2 intermediate, hidden]
-        self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
+        self.moe = Experts.of(w, i, top_k)  # a sparse layer's router and experts (Qwen3-VL-MoE), else None
+        self.gate_up_proj = self.down_proj = None
+        if self.moe is None:
+            # [2 intermediate, hidden]
+            self.gate_up_proj = Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), packed)
+            self.down_proj = Linear.fused(w, i, "down_proj", ("down_proj",), packed)
+        # QK-norm (Qwen3): an RMSNorm [head_dim] over each head of q and of k, before the rotary embedding
+        self.q_norm, self.k_norm = w.get(f"layers.{i}.q_norm"), w.get(f"layers.{i}.k_norm")
 
     def linears(self) -> list[Linear]:
-        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+        dense = [] if self.moe is not None else [self.gate_up_proj, self.down_proj]
+        return [self.qkv_proj, self.o_proj] + dense
+
+    def mlp(self, h: torch.Tensor, adapters: Optional[AdapterBatch], act) -> torch.Tensor:
+        """h [rows, q_len, hidden] -> [rows, q_len, hidden]: the SiLU-gated MLP, or the experts."""
+        if self.moe is not None:
+            return self.moe(h)
+        return self.down_proj(act(self.gate_up_proj(h, adapters)), adapters)
+
+
+    def qk_norm(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """qkv [..., (heads + 2 kv) * hd] with q's and k's heads RMS-normed (Qwen3's q_norm / k_norm); as it is
+        without them."""
+        if self.q_norm is None:
+            return qkv
+        hd = self.q_norm.shape[0]
+        q, k, v = qkv.split((heads * hd, kv_heads * hd, kv_heads * hd), dim=-1)
+        q = rms_norm(q.unflatten(-1, (heads, hd)), self.q_norm, self.eps).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (kv_heads, hd)), self.k_norm, self.eps).flatten(-2)
+        return torch.cat((q, k, v), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -186,7 +256,8 @@ class LlamaModel:
         packed = gemm.packing_enabled(self.device, self.dtype)
         self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
         windows = c.layer_windows or (0,) * c.num_layers
-        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed) for i in range(c.num_layers)]
+        self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed, c.experts_per_token)
+                       for i in range(c.num_layers)]
         inv = rope_inv_freq(c.rope, c.head_dim)  # [head_dim / 2]
         freqs = torch.arange(c.max_position_embeddings, dtype=torch.float32)[:, None] * inv[None]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
@@ -194,6 +265,7 @@ class LlamaModel:
         sin, half = emb.sin().to(self.device, self.dtype), c.head_dim // 2
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [max_pos, head_dim] (`apply_rotary`)
         self.attention = attention.Attention(self.cos, self.sin_rot, c.num_heads, c.num_kv_heads)
+        self.deepstack_levels = 0  # DeepStack (Qwen3-VL): features per media token besides its embedding
         self._c_forward: Optional[cpu_forward.Forward] | bool = False  # False: not built yet (`c_forward`)
         self._c_forward_use: Optional[bool] = None  # whether decode steps take it, decided once (`c_forward`)
         if packed:  # built and checked at load, not inside the first request's step
@@ -210,7 +282,8 @@ class LlamaModel:
         """Every tensor the model holds (weights, rotary tables); a tied lm_head appears twice (packed: a copy)."""
         out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin_rot]
         for layer in self.layers:
-            out += [layer.input_norm, layer.post_norm]
+            out += [layer.input_norm, layer.post_norm] + [t for t in (layer.q_norm, layer.k_norm) if t is not None]
+            out += layer.moe.tensors() if layer.moe is not None else []
             for lin in layer.linears():
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
         return out
@@ -226,15 +299,18 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
                 adapters: Optional[AdapterBatch] = None, all_logits: bool = False, whole: bool = True,
-                rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rope: Optional[torch.Tensor] = None, deepstack: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [rows, q_len, hidden] -> fp32 logits [rows, vocab] of each row's last new token
         ([rows, q_len, vocab] with all_logits). The new tokens' K/V are written into `cache`. A decode step of
         1-4 rows on a CPU runs as one C call, LoRA rows included (`cpu_forward.py`; `whole=False`: layer by
         layer)."""
         # `rope`: rotary positions that are not the cache positions (M-RoPE, `mrope.py`): int64 [rows, q_len] (1-D:
         # decode steps after an image prompt) or [3, rows, q_len] (a prompt's 3-D positions: never the C kernels)
+        # `deepstack`: [levels, rows, q_len, hidden] added after the first `levels` layers (DeepStack: the vision
+        # features at the media positions, zeros elsewhere); prefill only (never the C kernels)
         rows, q_len, _ = x.shape
-        kernel = None if rope is not None and rope.dim() == 3 else self.attention.kernel_for(q_len)
+        kernel = None if (rope is not None and rope.dim() == 3) or deepstack is not None \
+            else self.attention.kernel_for(q_len)
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         one_call = (kernel is not None and whole and not all_logits and rows <= gemv.MAX_ROWS
                     and (adapters is None or isinstance(adapters, LoraBatch)) and self.c_forward() is not None)
@@ -258,12 +334,13 @@ class LlamaModel:
 
             def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, q_len, heads * hd]
                 return self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
-            logits = self._layers(x, attend, adapters, add_rms_norm, silu_mul, last)
+            logits = self._layers(x, attend, adapters, add_rms_norm, silu_mul, last, deepstack)
         return logits if all_logits else logits[:, 0]  # from [rows, q_len or 1, vocab]
 
     @torch.inference_mode()
     def forward_ragged(self, x: torch.Tensor, segments: list[Segment], cache: KVCache,
-                       adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
+                       adapters: Optional[AdapterBatch] = None,
+                       deepstack: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Several prompts' prefill chunks in one forward (vLLM's ragged batch): x [1, total, hidden], segment i
         the next `segments[i].length` tokens, its own single-row `AttentionBatch`. The projections, norms and the
         MLP run once over all the tokens (one pass over the weights); attention runs per segment over its own
@@ -285,24 +362,31 @@ class LlamaModel:
             return torch.cat(outs, dim=1)
         last = (ends - 1).to(x.device)
         return self._layers(x, attend, adapters, add_rms_norm, silu_mul,
-                            lambda t: t[0].index_select(0, last)[:, None])[:, 0]  # [segments, vocab]
+                            lambda t: t[0].index_select(0, last)[:, None], deepstack)[:, 0]  # [segments, vocab]
 
     def _layers(self, x: torch.Tensor, attend, adapters: Optional[AdapterBatch], add_norm, act,
-                last=None) -> torch.Tensor:
+                last=None, deepstack: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The decoder layers, the final norm and lm_head over x [rows, q_len, hidden] -> fp32 logits [rows', n,
         vocab]. `attend(i, layer, qkv)`: layer i's attention core; `add_norm`, `act`: the residual add + RMSNorm
         and the SiLU gate (torch's or the C kernels'); `last`: None (a decode step: the final residual add fused
         into the final norm), or which positions go to the lm_head (x [rows, q_len, hidden] -> [rows', n,
-        hidden])."""
+        hidden]); `deepstack` [levels, rows, q_len, hidden]: added to the hidden states after layer i < levels, as
+        transformers' `_deepstack_process` (the layer's output first, then the features)."""
+        c = self.config
+        levels = 0 if deepstack is None else deepstack.shape[0]
         x, h = add_norm(x, None, self.layers[0].input_norm, self.layers[0].eps)  # x, h [rows, q_len, hidden]
         for i, layer in enumerate(self.layers):
-            out = attend(i, layer, layer.qkv_proj(h, adapters))  # qkv [rows, q_len, (heads + 2 kv) * hd]
+            qkv = layer.qk_norm(layer.qkv_proj(h, adapters), c.num_heads, c.num_kv_heads)
+            out = attend(i, layer, qkv)  # qkv [rows, q_len, (heads + 2 kv) * hd]
             x, h = add_norm(x, layer.o_proj(out, adapters), layer.post_norm, layer.eps)
-            down = layer.down_proj(act(layer.gate_up_proj(h, adapters)), adapters)  # [rows, q_len, hidden]
+            down = layer.mlp(h, adapters, act)  # [rows, q_len, hidden]
+            if i < levels:  # the layer's output, then the DeepStack features at the media positions
+                x, down = x + down, None
+                x = x + deepstack[i].to(x.dtype)
             if i + 1 < len(self.layers):  # the residual add and the next layer's input norm
                 x, h = add_norm(x, down, self.layers[i + 1].input_norm, layer.eps)
             elif last is not None:  # the final norm over the positions that make logits
-                x, h = add_norm(last(x + down), None, self.norm, self.config.rms_norm_eps)
+                x, h = add_norm(last(x if down is None else x + down), None, self.norm, self.config.rms_norm_eps)
             else:
                 x, h = add_norm(x, down, self.norm, self.config.rms_norm_eps)
         return self.lm_head(h, adapters).float()
@@ -382,7 +466,8 @@ class LlamaModel:
         if rope is None:
             return self.attention.tables(batch.positions)
         if rope.dim() == 3:
-            return mrope.tables(self.cos, self.sin_rot, rope.to(self.device), self.config.mrope_section)
+            return mrope.tables(self.cos, self.sin_rot, rope.to(self.device), self.config.mrope_section,
+                                self.config.mrope_interleaved)
         return self.attention.tables(rope.to(self.device))
 
     def _decode_step(self, kernel, batch: AttentionBatch, masks: dict[int, torch.Tensor], cache: KVCache,

@@ -10,7 +10,8 @@ axis, where M-RoPE equals the ordinary 1-D rotary embedding (`rope_positions`). 
 delta 0 and needs nothing here.
 
 The rotary tables: `mrope_section` [s_t, s_h, s_w] (summing to head_dim / 2) says which frequencies take which
-axis: `tables` picks, for each frequency, the cos / sin row of that axis's position from the model's 1-D tables
+axis, in blocks or interleaved (`frequency_axes`; `mrope_interleaved`, Qwen3-VL): `tables` picks, for each
+frequency, the cos / sin row of that axis's position from the model's 1-D tables
 (the same values transformers computes: position x inv_freq, then cos / sin), in both halves of the head.
 """
 from __future__ import annotations
@@ -29,12 +30,15 @@ MAX_SECONDS = 3600.0  # a video's seconds per temporal patch
 
 @dataclass(frozen=True)
 class MRopeSpec:
+    """The family's M-RoPE rule, as data (`families.PositionRule` has these fields)."""
+
     section: tuple[int, ...]  # [3] frequencies per axis (time, height, width)
     image_token_id: int
     video_token_id: int
     merge: int  # spatial merge size (2x2 patches -> one token)
     tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
     max_position: int = 1 << 30  # positions must stay inside the rotary tables (the context length)
+    interleaved: bool = False  # frequencies T, H, W, T, H, W, ... (Qwen3-VL) instead of blocks
 
 
 @dataclass
@@ -101,12 +105,26 @@ def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRop
     return MRopePrompt(positions, delta)
 
 
+def frequency_axes(section: Sequence[int], interleaved: bool = False) -> torch.Tensor:
+    """[hd / 2] the axis (0 time, 1 height, 2 width) of each rotary frequency. Blocks (Qwen2-VL): the first s_t
+    frequencies take time, the next s_h height, the last s_w width. Interleaved (Qwen3-VL's
+    `apply_interleaved_mrope`): frequency i takes height where i % 3 == 1 and i < 3 s_h, width where i % 3 == 2
+    and i < 3 s_w, time elsewhere."""
+    if not interleaved:
+        return torch.cat([torch.full((s,), k % 3, dtype=torch.long) for k, s in enumerate(section)])
+    i = torch.arange(sum(section))
+    axis = torch.zeros_like(i)
+    axis[(i % 3 == 1) & (i < 3 * section[1])] = 1
+    axis[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    return axis
+
+
 def tables(cos: torch.Tensor, sin_rot: torch.Tensor, positions: torch.Tensor,
-           section: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+           section: Sequence[int], interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin_rot [max_pos, hd] (the model's 1-D tables), positions [3, rows, q_len] -> the M-RoPE rows
     [rows, q_len, 1, hd] for `attention.attend_torch`."""
     hd = cos.shape[-1]
-    axis = torch.cat([torch.full((s,), k % 3, dtype=torch.long) for k, s in enumerate(section)])  # [hd / 2]
+    axis = frequency_axes(section, interleaved)  # [hd / 2]
     axis = torch.cat([axis, axis]).to(cos.device)  # [hd]: both halves of the head
     cols = torch.arange(hd, device=cos.device)
     out = []
@@ -124,17 +142,14 @@ class PromptRope:
         self.spec, self.grid_of = spec, grid_of  # grid_of((height, width)) -> (t, h, w): the family's layout
 
     @classmethod
-    def for_checkpoint(cls, model_dir) -> Optional["PromptRope"]:
-        from ...families import family_of  # noqa: PLC0415
-        from ...spec import CheckpointSpec  # noqa: PLC0415
-
-        spec = CheckpointSpec.load(model_dir)
-        if not spec.text.mrope_section:
+    def from_rules(cls, rules) -> Optional["PromptRope"]:
+        """From the family's `families.TextRules` (its `position` rule and the layout's `grid_of`); None without
+        M-RoPE."""
+        rule = rules.position
+        if rule is None:
             return None
-        family = family_of(spec)
-        cfg = family.rope_config(spec)
-        return cls(MRopeSpec(spec.text.mrope_section, cfg["image_token_id"], cfg["video_token_id"], cfg["merge"],
-                             cfg["tokens_per_second"], spec.text.max_position_embeddings), family.layout(spec).grid)
+        return cls(MRopeSpec(tuple(rule.section), rule.image_token_id, rule.video_token_id, rule.merge,
+                             rule.tokens_per_second, rule.max_position, rule.interleaved), rules.grid_of)
 
     def __call__(self, input_ids: Sequence[int], image_sizes, grids=None, seconds=None) -> Optional[MRopePrompt]:
         """`grids` (t, h, w) per image / video when sent (`media_grids`), else from `image_sizes`; `seconds`: each

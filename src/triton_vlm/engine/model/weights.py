@@ -10,6 +10,8 @@ Accepted directories:
 - a plain Llama / Mistral / Qwen2 checkpoint: `model.layers.N...` + `lm_head.weight`.
 
 Biases: every projection whose checkpoint holds a `.bias` gets it (Qwen2: q/k/v; Llama with attention_bias).
+Mixture of experts (`TextSpec.sparse_layers`): a sparse layer's router and fused experts instead of its MLP.
+QK-norm: a layer whose checkpoint holds `self_attn.q_norm` / `k_norm` gets both (Qwen3: RMSNorm per head).
 
 Weights come through `weight_source.TensorSource` (safetensors, sharded or not, or `pytorch_model.bin`); the
 config is `spec.CheckpointSpec.load(model_dir).text`. The lm_head, as transformers 5 ties it: the checkpoint's
@@ -71,12 +73,39 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
         p = f"{layers}layers.{i}."
         out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-        for m in MODULES:
+        sparse = i in config.sparse_layers
+        if sparse:
+            out |= _experts(p, i, config, take)
+        for m in ATTN_MODULES if sparse else MODULES:
             group = "self_attn" if m in ATTN_MODULES else "mlp"
             out[f"layers.{i}.{m}"] = take(f"{p}{group}.{m}.weight")
             if f"{p}{group}.{m}.bias" in src:
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
+        norms = ("q_norm", "k_norm")  # QK-norm (Qwen3): both or neither, as the checkpoint holds them
+        if any(f"{p}self_attn.{n}.weight" in src for n in norms):
+            out |= {f"layers.{i}.{n}": take(f"{p}self_attn.{n}.weight") for n in norms}
     _check_shapes(out, config)
+    return out
+
+
+def _experts(p: str, i: int, c: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """A sparse layer's router [E, hidden] and fused experts, in transformers' in-memory layout: gate_up
+    [E, 2 I, hidden], down [E, hidden, I]. A file holding them transposed (the hub's [E, hidden, 2 I] /
+    [E, I, hidden]) is transposed on load, as transformers' `Transpose(1, 2, check_dims=True)` does: kept when
+    the shape is already the in-memory one."""
+    e, h, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    out = {f"layers.{i}.router": take(f"{p}mlp.gate.weight")}
+    for name, shape in (("gate_up_proj", (e, 2 * inter, h)), ("down_proj", (e, h, inter))):
+        t = take(f"{p}mlp.experts.{name}")
+        if tuple(t.shape) != shape:
+            t = t.transpose(1, 2).contiguous()
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"layer {i}: mlp.experts.{name} has shape {tuple(t.shape)}; the config implies "
+                                  f"{shape} (or its last two axes swapped)")
+        out[f"layers.{i}.experts.{name}"] = t
+    if tuple(out[f"layers.{i}.router"].shape) != (e, h):
+        raise CheckpointError(f"layer {i}: mlp.gate.weight has shape {tuple(out[f'layers.{i}.router'].shape)}; "
+                              f"the config implies {(e, h)}")
     return out
 
 
@@ -97,11 +126,16 @@ def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:
         want |= {
             f"layers.{i}.q_proj": (q, c.hidden_size), f"layers.{i}.k_proj": (kv, c.hidden_size),
             f"layers.{i}.v_proj": (kv, c.hidden_size), f"layers.{i}.o_proj": (c.hidden_size, q),
-            f"layers.{i}.gate_proj": (c.intermediate_size, c.hidden_size),
-            f"layers.{i}.up_proj": (c.intermediate_size, c.hidden_size),
-            f"layers.{i}.down_proj": (c.hidden_size, c.intermediate_size),
         }
+        if i not in c.sparse_layers:
+            want |= {
+                f"layers.{i}.gate_proj": (c.intermediate_size, c.hidden_size),
+                f"layers.{i}.up_proj": (c.intermediate_size, c.hidden_size),
+                f"layers.{i}.down_proj": (c.hidden_size, c.intermediate_size),
+            }
     want |= {f"{name}.bias": (want[name][0],) for name in list(want) if f"{name}.bias" in w}
+    want |= {f"layers.{i}.{n}": (c.head_dim,) for i in range(c.num_layers) for n in ("q_norm", "k_norm")
+             if f"layers.{i}.q_norm" in w or f"layers.{i}.k_norm" in w}
     for name, shape in want.items():
         if tuple(w[name].shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config implies {shape}")

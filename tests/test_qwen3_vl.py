@@ -1,0 +1,222 @@
+"""Qwen3-VL (dense) on a tiny random hub-layout checkpoint (sharded, the family's processor and chat template),
+against transformers' `Qwen3VLForConditionalGeneration` on the same files:
+- the vision tower + main and DeepStack mergers (`vision/qwen_tower.py`) equal transformers' tower;
+- in process, the engine's tokens equal `generate()`, and each new piece can fail: DeepStack off, or M-RoPE's
+  sections concatenated instead of interleaved, give other tokens;
+- through one live tritonserver (onnxruntime vision on the exported tower, our engine) and its OpenAI front end:
+  greedy and beam search with num_return_sequences over images of several sizes and several images per prompt,
+  sent at once so that vision and the engine batch them; seeded sampling; the OpenAI API with image_url parts.
+The reference passes `mm_token_type_ids` (without them `generate()` silently computes 1-D positions)."""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from qwen_vl_cases import NATIVE, Reference, pil, png
+
+NEW = 8
+SIZES = {"small": (100, 60), "wide": (240, 50), "tall": (40, 300), "tiny": (5, 3), "large": (640, 480)}
+IMAGES = {name: png(size, seed=130 + i) for i, (name, size) in enumerate(SIZES.items())}
+PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
+MULTI = f"<|im_start|>user\n{NATIVE}and <image> then compare them.<|im_end|>\n<|im_start|>assistant\n"
+TEXT = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from triton_vlm.demo.qwen3_checkpoint import build_qwen3_vl
+
+    torch.set_num_threads(1)
+    return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl") / "qwen3_vl", shards=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint):
+    return Reference(checkpoint)
+
+
+def _features(ref, images):
+    """(pixel_values, grids, our tower's features [tokens, hidden * (1 + levels)], transformers' the same)."""
+    from triton_vlm.vision.qwen_backends import load_graph
+    from triton_vlm.vision.qwen_layout import tower_aux
+
+    px = ref.image_processor([pil(b) for b in images], return_tensors="pt")
+    graph = load_graph(ref.model_dir)
+    aux = tower_aux(px["image_grid_thw"].tolist(), graph.config)
+    with torch.no_grad():
+        ours = graph(px["pixel_values"].float(), *(torch.from_numpy(aux[n]) for n in graph.aux_names))
+        out = ref.model.model.visual(px["pixel_values"], grid_thw=px["image_grid_thw"])
+    return px, ours, torch.cat([out.pooler_output] + list(out.deepstack_features), dim=-1)
+
+
+def test_tower_and_deepstack_mergers_equal_transformers(ref):
+    _, ours, want = _features(ref, [IMAGES[k] for k in SIZES])
+    levels = len(ref.model.config.vision_config.deepstack_visual_indexes)
+    assert levels == 2 and ours.shape == want.shape and ours.shape[1] == 3 * ref.model.config.text_config.hidden_size
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
+
+
+def test_engine_equals_generate_and_each_piece_matters(ref):
+    """DeepStack and interleaved M-RoPE each change the tokens: served without either, the answer differs."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    images = [IMAGES["small"], IMAGES["tall"]]
+    _, feats, _ = _features(ref, images)
+    ids = ref.inputs(MULTI, images)["input_ids"][0].tolist()
+    sizes = [(SIZES[k][1], SIZES[k][0]) for k in ("small", "tall")]
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=8, prefill_chunk=16,
+                                             enable_prefix_caching=False))  # each run computes its prompt
+
+    def run(rid, embeds):
+        req = GenerationRequest(request_id=rid, input_ids=ids, params=GenerationParams(max_tokens=12),
+                                image_embeds=embeds, image_sizes=sizes)
+        req.rope = eng.rope(ids, sizes)
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return last.sequences[0].token_ids
+
+    try:
+        want = ref.generate(MULTI, images, 12)[0]
+        assert run("full", feats) == want
+        hidden = ref.model.config.text_config.hidden_size
+        eng.model.deepstack_levels = 0  # the main embeddings only
+        no_stack = run("no-deepstack", feats[:, :hidden])
+        eng.model.deepstack_levels = 2
+        eng.model.config = dataclasses.replace(eng.model.config, mrope_interleaved=False)
+        blocks = run("blocks", feats)
+    finally:
+        eng.shutdown()
+    assert no_stack != want and blocks != want
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, checkpoint):
+    """(the OpenAI front end, the live server) on the checkpoint, shared by the tests below."""
+    from test_openai import serve_api
+
+    yield from serve_api(tmp_path_factory, checkpoint, "qwen3-vl-server")
+
+
+def _ask(server, prompt, images, **params):
+    from triton_vlm_client import VLMClient
+
+    with VLMClient(server.grpc_url, timeout=180) as c:
+        return c.generate(prompt, images, max_tokens=params.pop("max_tokens", NEW), **params)
+
+
+@pytest.mark.server
+def test_sizes_beams_and_several_images_equal_generate(served, ref):
+    server = served[1]
+    cases = [(PROMPT, [IMAGES[k]], 1 + i % 3) for i, k in enumerate(SIZES)]
+    cases += [(MULTI, [IMAGES["large"], IMAGES["tall"]], 2), (MULTI, [IMAGES["wide"], IMAGES["tiny"]], 1),
+              (TEXT, [], 2)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: vision and the engine batch them together
+        futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b,
+                               return_num_input_tokens=True) for p, imgs, b in cases]
+        results = [f.result() for f in futures]
+    for (prompt, images, beams), res in zip(cases, results):
+        assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams), \
+            (prompt[:30], [len(i) for i in images], beams)
+        assert res.num_input_tokens == ref.inputs(prompt, images)["input_ids"].shape[1]
+    assert len({tuple(r.output_ids[0]) for r in results[:len(SIZES)]}) > 2, "the answers depend on the image"
+
+
+@pytest.mark.server
+def test_seeded_sampling_equals_generate(served, ref):
+    images = [IMAGES["small"], IMAGES["wide"]]
+    got = _ask(served[1], MULTI, images, max_tokens=12, temperature=0.9, top_k=30, seed=11, num_return_sequences=2)
+    x = ref.inputs(MULTI, images)
+    torch.manual_seed(11)  # as the engine seeds its rows (the `hf` baseline backend does the same)
+    with torch.no_grad():
+        out = ref.model.generate(**x, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=30, top_p=1.0,
+                                 num_return_sequences=2, pad_token_id=0)
+    want = [row[:row.index(ref.eos) + 1] if ref.eos in row else row
+            for row in out[:, x["input_ids"].shape[1]:].tolist()]
+    assert got.output_ids == want
+
+
+@pytest.mark.server
+def test_openai_image_url_equals_generate(served, ref):
+    from test_openai import data_url
+
+    client = served[0].client(timeout=180)
+    names = ["large", "tall"]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[n])}} for n in names]
+    messages = [{"role": "user", "content": parts + [{"type": "text", "text": "Compare them."}]}]
+    r = client.chat.completions.create(model="qwen3_vl", messages=messages, max_tokens=NEW, temperature=0, n=1)
+    prompt = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}] * len(names) + [{"type": "text", "text": "Compare them."}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = ref.generate(prompt, [IMAGES[n] for n in names], NEW)[0]
+    assert r.choices[0].message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == ref.inputs(prompt, [IMAGES[n] for n in names])["input_ids"].shape[1]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-VL-MoE (layers 0 and 2 sparse, 2 of 4 experts per token, layer 1 dense), its experts in the
+    hub's transposed layout, and its reference."""
+    from triton_vlm.demo.qwen3_checkpoint import build_qwen3_vl
+
+    return Reference(build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl-moe") / "moe", shards=2, seed=5, experts=4))
+
+
+def test_moe_engine_equals_generate_renormalisation_matters_and_lora(moe, tmp_path):
+    """Greedy equals generate(); top-k without renormalisation gives other tokens; a PEFT LoRA on the
+    attention projections and the dense layer's MLP equals PEFT; adapters on the experts are refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.errors import InvalidArgument
+    from triton_vlm.lora.peft import load_peft
+    from triton_vlm.params import GenerationParams, GenerationRequest
+    from triton_vlm.spec import CheckpointSpec
+
+    assert CheckpointSpec.load(moe.model_dir).text.sparse_layers == (0, 2)
+    images = [IMAGES["small"], IMAGES["tall"]]
+    _, feats, want_feats = _features(moe, images)
+    torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+    ids = moe.inputs(MULTI, images)["input_ids"][0].tolist()
+    sizes = [(SIZES[k][1], SIZES[k][0]) for k in ("small", "tall")]
+    torch.manual_seed(2)
+    peft_model = get_peft_model(type(moe.model).from_pretrained(str(moe.model_dir)), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=r".*language_model\.layers\.(\d+\.self_attn\.(q_proj|v_proj)|1\.mlp\.down_proj)"))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    eng = Engine(moe.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=8, prefill_chunk=16,
+                                             enable_prefix_caching=False))
+
+    def run(rid, beams=1, adapter=None):
+        req = GenerationRequest(request_id=rid, input_ids=ids, image_embeds=feats, image_sizes=sizes, adapter=adapter,
+                                params=GenerationParams(max_tokens=20, beam_width=beams, num_return_sequences=beams))
+        req.rope = eng.rope(ids, sizes)
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [s.token_ids for s in last.sequences]
+
+    try:
+        want = moe.generate(MULTI, images, 20)
+        assert run("greedy") == want
+        lora = moe.generate(MULTI, images, 20, model=peft_model.eval())
+        assert lora != want, "the adapter must change the answer"
+        assert run("lora", adapter=load_peft(tmp_path / "adapter", eng.model_config, "a")) == lora
+        for layer in eng.model.layers:
+            if layer.moe is not None:
+                layer.moe.renormalize = False
+        assert run("raw-top-k") != want
+    finally:
+        eng.shutdown()
+    for key, what in (("layers.0.mlp.experts", "mixture-of-experts weights"), ("layers.2.mlp.up_proj", "layer 2")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+        prefix = f"base_model.model.model.language_model.{key}"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 64), f"{prefix}.lora_B.weight": torch.zeros(48, 2)},
+                  str(bad / "adapter_model.safetensors"))
+        with pytest.raises(InvalidArgument, match=f"{what}.*LoRA on the experts is not served"):
+            load_peft(bad, CheckpointSpec.load(moe.model_dir).text, "bad")
