@@ -10,8 +10,8 @@ deep enough nesting would end the process.
 `request(key, done)` calls `done(grammar, None)` or `done(None, InvalidArgument)` exactly once: at once on a
 cache hit, else when the compile ends or when the request's time limit (`GuideLimits.compile_timeout_s`,
 counted from the request) passes, whichever comes first. Compiles run on `GuideLimits.compile_workers` threads
-at a lower priority (nice +10: serving first; xgrammar's compiler releases the GIL, so the engine's steps go on
-meanwhile); a guide already compiling is not
+that run only on CPU time serving leaves (SCHED_IDLE; xgrammar's compiler releases the GIL, so the engine's steps
+go on meanwhile); a guide already compiling is not
 compiled again: later requests for it wait on the same compile (single flight; `compiles` counts the compiles
 started). A compile cannot be stopped once it runs: one that outlives its requests' limits runs to its end on its
 worker, and its grammar is cached then, so the next request for it is served at once; a queued compile whose
@@ -25,11 +25,11 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept at most (LRU), besides the bytes bound
 ANY_OBJECT = '{"type": "object"}'  # guide type `json`: any JSON object
-COMPILE_NICE = 10  # nice increment of the compile workers
 MAX_NESTING = 128  # brackets / parentheses open at once in a guide
 Key = tuple[str, str]  # (guide type, canonical guide)
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -70,11 +69,17 @@ def nesting(text: str) -> int:
 
 
 def _yield_cpu() -> None:
-    """(a compile worker, once) Run at a lower priority (nice +COMPILE_NICE, Linux: per thread, inherited by the
-    threads xgrammar starts from it), so that a long compile takes what CPU serving leaves."""
+    """(a compile worker, once) Run only on CPU time serving leaves: Linux's SCHED_IDLE for this thread (per
+    thread, inherited by threads it starts), else the lowest nice value."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority as the rest
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):  # not allowed: the same priority as the rest
         pass
 
 
@@ -134,7 +139,7 @@ class GuideCompiler:
     """Compiles guides for one tokenizer; thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = CACHE_SIZE,
-                 limits: Optional[GuideLimits] = None, compile_threads: int = 2):
+                 limits: Optional[GuideLimits] = None, compile_threads: int = 1):
         self.vocab_size = int(vocab_size)
         self.limits = limits or GuideLimits()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
@@ -147,8 +152,11 @@ class GuideCompiler:
         self._bytes = 0
         self._flights: dict[Key, _Flight] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(self.limits.compile_workers, thread_name_prefix="guide-compile",
-                                        initializer=_yield_cpu)
+        self._jobs: "queue.SimpleQueue[Optional[tuple[Key, _Flight]]]" = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"guide-compile-{i}", daemon=True)
+                         for i in range(self.limits.compile_workers)]  # daemons: a compile never holds up an exit
+        for w in self._workers:
+            w.start()
         self._deadlines: list[tuple[float, int, _Waiter, Key]] = []  # heap
         self._seq = itertools.count()
         self._timer = threading.Condition(self._lock)
@@ -174,7 +182,7 @@ class GuideCompiler:
                 if flight is None:
                     flight = self._flights[key] = _Flight()
                     self.compiles += 1
-                    self._pool.submit(self._run, key, flight)
+                    self._jobs.put((key, flight))
                 waiter = _Waiter(done, time.monotonic() + self.limits.compile_timeout_s)
                 flight.waiters.append(waiter)
                 self._arm(waiter, key)
@@ -202,7 +210,9 @@ class GuideCompiler:
         return self._bytes
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """The workers end once the compiles queued before are done."""
+        for _ in self._workers:
+            self._jobs.put(None)
 
     # --- the cache (under the lock) -------------------------------------------------------------------------
     def _get(self, key: Key) -> Optional[xgr.CompiledGrammar]:
@@ -223,6 +233,17 @@ class GuideCompiler:
             self._bytes -= dropped
 
     # --- the workers ----------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        _yield_cpu()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run(*job)
+            except Exception:  # noqa: BLE001 - a worker never dies
+                log.exception("guide compile worker failed")
+
     def _run(self, key: Key, flight: _Flight) -> None:
         with self._lock:
             if all(w.fired for w in flight.waiters):  # every request for it gave up while it was queued
