@@ -149,3 +149,17 @@ def test_text_made_on_the_delivery_thread_equals_the_text_made_in_the_step(demo_
             eng.shutdown()
     assert out[True] == out[False]
     assert all("".join(pieces) == final for pieces, final in out[True].values())
+
+
+def test_a_queued_compile_nobody_waits_for_is_dropped(tokenizer):
+    c = compiler(tokenizer, compile_workers=1)
+    gate = gated(c)
+    answers: list = []
+    c.request(c.key(GuidedDecoding("regex", "a+")), lambda g, e: answers.append("a"))  # holds the one worker
+    wait = c.request(c.key(GuidedDecoding("regex", "b+")), lambda g, e: answers.append("b"))  # queued behind it
+    c.forget(wait)  # its request was cancelled
+    gate.set()
+    deadline = time.monotonic() + 30
+    while c.skipped == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c.skipped == 1 and answers == ["a"] and c.cached(("regex", "b+")) is None

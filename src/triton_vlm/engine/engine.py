@@ -207,6 +207,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
         self._compiling: dict[str, Active] = {}  # request id -> a request waiting for its grammar
+        self._waits: dict = {}  # request id -> its wait in the compiler (`GuideCompiler.forget`)
         self.delivery = Delivery()  # runs the callbacks (on its thread once started)
         self._cancels: set[str] = set()
         self._ids: set[str] = set()  # submitted and not yet finished
@@ -331,7 +332,10 @@ class Engine:
             else:
                 self._compiling[req.request_id] = active
         if active.decoder is None:
-            compiler.request(guide, lambda g, error: self._grammar_ready(active, g, error))
+            wait = compiler.request(guide, lambda g, error: self._grammar_ready(active, g, error))
+            with self._cond:
+                if self._compiling.get(req.request_id) is active:
+                    self._waits[req.request_id] = wait
 
     def _decoder(self, req: GenerationRequest, grammar) -> Decoder:
         return Decoder(req.params, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)),
@@ -352,6 +356,7 @@ class Engine:
         with self._cond:
             if self._compiling.pop(active.id, None) is not active:
                 return
+            self._waits.pop(active.id, None)
             if error is None and self._closed:
                 error = Unavailable("the engine is shut down")
             if error is None:
@@ -365,6 +370,10 @@ class Engine:
         with self._cond:
             ids = [only] if only is not None else list(self._compiling)
             ended = [a for a in (self._compiling.pop(i, None) for i in ids) if a is not None]
+            waits = [self._waits.pop(a.id, None) for a in ended]
+        if self._guides is not None:
+            for w in waits:
+                self._guides.forget(w)
         return [o for a in ended for o in self.scheduler.output.fail(a, error_of(a))]
 
     def guide_compiler(self) -> GuideCompiler:

@@ -173,8 +173,10 @@ class GuideCompiler:
         with self._lock:
             return self._get(key)
 
-    def request(self, key: Key, done: Done) -> None:
-        """`done(grammar, None)` or `done(None, error)` once: now on a hit, else from a worker or the watchdog."""
+    def request(self, key: Key, done: Done) -> Optional[_Waiter]:
+        """`done(grammar, None)` or `done(None, error)` once: now on a hit, else from a worker or the watchdog;
+        -> the wait, for `forget` (None on a hit)."""
+        waiter = None
         with self._lock:
             hit = self._get(key)
             if hit is None:
@@ -188,6 +190,14 @@ class GuideCompiler:
                 self._arm(waiter, key)
         if hit is not None:
             done(hit, None)
+        return waiter
+
+    def forget(self, waiter: Optional[_Waiter]) -> None:
+        """The request behind `waiter` ended (cancelled): `done` is not called, and a compile still queued that no
+        other request waits for is dropped before it starts."""
+        if waiter is not None:
+            with self._lock:
+                waiter.fired = True
 
     def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
         """The grammar of `guided`, waiting for it (the time limit applies); raises InvalidArgument."""
