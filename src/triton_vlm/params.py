@@ -66,6 +66,48 @@ class GuidedDecoding:
 
 
 @dataclass(frozen=True)
+class GuideLimits:
+    """How the llm compiles guides (llm parameters, declared here once; `from_parameters` reads config.pbtxt's):
+    `guide_compile_timeout_s`, how long a request waits for its grammar before it fails with InvalidArgument (the
+    compile goes on in its worker and its grammar is cached when done); `guide_compile_workers`, the threads that
+    compile (xgrammar releases the GIL); `guide_cache_mb`, the compiled grammars kept (bytes, LRU)."""
+
+    compile_timeout_s: float = 5.0
+    compile_workers: int = 2
+    cache_mb: int = 256
+
+    PARAMETERS = {"guide_compile_timeout_s": "compile_timeout_s", "guide_compile_workers": "compile_workers",
+                  "guide_cache_mb": "cache_mb"}
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> "GuideLimits":
+        """From the llm's parameters (absent or empty: the default); a bad value raises InvalidArgument naming it."""
+        values: dict[str, Any] = {}
+        for name, attr in cls.PARAMETERS.items():
+            text = str(params.get(name, "") or "").strip()
+            if not text:
+                continue
+            kind = float if attr == "compile_timeout_s" else int
+            try:
+                values[attr] = kind(text)
+            except ValueError:
+                raise InvalidArgument(f"llm parameter {name} must be a number, got {text!r}") from None
+        limits = cls(**values)
+        limits.validate()
+        return limits
+
+    def validate(self) -> None:
+        if not 0 < self.compile_timeout_s <= 3600:
+            raise InvalidArgument(f"llm parameter guide_compile_timeout_s must be in (0, 3600] seconds, got "
+                                  f"{self.compile_timeout_s}")
+        if not 1 <= self.compile_workers <= 64:
+            raise InvalidArgument(f"llm parameter guide_compile_workers must be in [1, 64], got "
+                                  f"{self.compile_workers}")
+        if self.cache_mb < 1:
+            raise InvalidArgument(f"llm parameter guide_cache_mb must be >= 1, got {self.cache_mb}")
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int
     beam_width: int = 1

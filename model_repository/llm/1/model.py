@@ -32,6 +32,7 @@ class TritonPythonModel:
             context = backend.model.config.text_config.max_position_embeddings
         elif kind == "engine":
             from triton_vlm.engine.engine import Engine, EngineConfig
+            from triton_vlm.params import GuideLimits
 
             cfg = EngineConfig(device=device, dtype=dtype, max_rows=config.parse_int(p, "max_rows", 64),
                                kv_cache_tokens=config.parse_int(p, "kv_cache_tokens", 0),
@@ -47,7 +48,7 @@ class TritonPythonModel:
                                cuda_graphs=config.parse_int(p, "cuda_graphs", 1) != 0,
                                cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
                                scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict",
-                               spare_cpus=_spare_cpus(llm_cpus))
+                               spare_cpus=_spare_cpus(llm_cpus), guides=GuideLimits.from_parameters(p))
             backend = Engine(model_dir, cfg)  # sizes its KV cache from a worst-case profile (engine/profile.py)
             if p.get("kv_events_endpoint"):  # the prefix cache's events for llm-d's KV-cache indexer
                 from triton_vlm.engine.kv import kv_events

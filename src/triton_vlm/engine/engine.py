@@ -2,8 +2,9 @@
 
 Threads: `submit()` and `cancel()` are thread-safe and return at once (Triton's python backend calls them from
 `execute()`); requests land in an inbox. `start()` runs a background thread that calls `step()` whenever
-there is work and otherwise sleeps on a condition variable (no busy spin); callbacks run on that thread, so
-they must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
+there is work and otherwise sleeps on a condition variable (no busy spin), and a delivery thread
+(`delivery.py`, `config.delivery_thread`) that makes the results' text (detokenization) and runs the callbacks,
+in order, while the next step runs; callbacks must be quick (send a response, set an event). Tests drive `step()` directly instead of `start()`.
 What one step does (admission, prefill, decode, results) is in `scheduler.py`; memory in `kv_cache.py`. The
 KV cache's size is planned at start from a worst-case profile (`profile.py`; the plan is `Engine.memory`): a
 budget that cannot hold one request at the full context refuses to start, naming the numbers.
@@ -30,8 +31,12 @@ Validation at `submit()` (raises `InvalidArgument` synchronously): `GenerationRe
 prompt of in-vocabulary ids, prompt + max_tokens <= the context length, end ids, bad/stop words, beam width vs
 vocabulary), then the engine's capacity: rows <= max_rows, worst-case KV blocks <= the whole cache, a LoRA
 adapter that fits the device level (`adapter_slots`), a request id not in use.
-Guided decoding (`params.guided`): the grammar is compiled at `submit()` (`guided.GuideCompiler`, LRU-cached by
-guide); a guide the library cannot compile raises `InvalidArgument` with its message.
+Guided decoding (`params.guided`): `submit()` checks the guide and finds its canonical form on the caller's
+thread (our own refusals raise `InvalidArgument` there); a grammar not in the cache is compiled on the compiler's
+pool (`guide_compiler.GuideCompiler`) while the request waits outside the queue (`_compiling`, vLLM v1's
+WAITING_FOR_FSM): other requests are admitted meanwhile. It enters the queue when its grammar is ready, or ends
+with a final result carrying `InvalidArgument` when the library cannot compile the guide or the compile outlasts
+`config.guides.compile_timeout_s`. Cancelling it, shutting down or a CUDA error end it there like a queued one.
 A full queue (`max_queue`) or a shut-down engine raises `Unavailable`. Image placeholder/feature count
 mismatches surface at prefill as a final result with `error=InvalidArgument`.
 """
@@ -46,14 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import InvalidArgument, Unavailable
-from ..params import GenerationParams, GenerationRequest, GenerationResult, ModelLimits
+from ..errors import Cancelled, InvalidArgument, Unavailable
+from ..params import GenerationParams, GenerationRequest, GenerationResult, GuideLimits, ModelLimits
 from .cpu import spare
+from .delivery import Delivery
 from .lora.adapter_slots import DeviceAdapters
 from .model.cuda_graph import DecodeGraphs
 from .search.decoder import Decoder
-from .model.faults import Backoff, is_device_fault
-from .search.guided import GuideCompiler
+from .model.faults import Backoff, as_error, is_device_fault
+from .search.guide_compiler import GuideCompiler
 from .search.detok import IncrementalDetokenizer
 from .kv.kv_cache import blocks_needed
 from .model import mrope
@@ -101,8 +107,14 @@ class EngineConfig:
     # CPUs beside the engine's that lend the steps intra-op threads while idle (`cpu/spare.py`; the launcher's
     # layout passes its rest); () = none
     spare_cpus: tuple[int, ...] = ()
+    # results' text (detokenization) made and their callbacks run on a thread of their own once started (False:
+    # on the engine's thread, inside the step, as before; `delivery.py`)
+    delivery_thread: bool = True
+    # guided decoding's compiles: time limit, workers, cache (llm parameters guide_*, `params.GuideLimits`)
+    guides: GuideLimits = dataclasses.field(default_factory=GuideLimits)
 
     def validate(self) -> None:
+        self.guides.validate()
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.scheduler_policy not in POLICIES:
@@ -144,6 +156,12 @@ class EngineStats:
     decode_rows: int = 0
     decode_seconds: float = 0.0
     spare_steps: int = 0  # steps that ran with threads borrowed from the spare CPUs (`cpu/spare.py`)
+    # guided decoding (`search/guide_compiler.py`): requests waiting for their grammar (also in waiting_requests),
+    # compiles started and requests failed by the compile time limit (cumulative), compiled grammars' bytes cached
+    grammar_waiting: int = 0
+    guide_compiles: int = 0
+    guide_compile_timeouts: int = 0
+    guide_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +208,9 @@ class Engine:
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
+        self._compiling: dict[str, Active] = {}  # request id -> a request waiting for its grammar
+        self._waits: dict = {}  # request id -> its wait in the compiler (`GuideCompiler.forget`)
+        self.delivery = Delivery()  # runs the callbacks (on its thread once started)
         self._cancels: set[str] = set()
         self._ids: set[str] = set()  # submitted and not yet finished
         self._thread: Optional[threading.Thread] = None
@@ -221,8 +242,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            inbox = len(self._inbox)
+            compiling = len(self._compiling)
+            inbox = len(self._inbox) + compiling
         sched = self.scheduler
+        guides = self._guides
         running = list(sched.running)
         preempted = sum(1 for a in list(sched.waiting) if a.preemptions)
         return EngineStats(
@@ -233,7 +256,10 @@ class Engine:
             lora_running_adapters=len({id(a.req.adapter) for a in running if a.req.adapter is not None}),
             lora_device_adapters=len(self.lora_slots), lora_device_bytes=self.lora_slots.used_bytes,
             preemptions=sched.preemptions, preempted_requests=preempted, **dataclasses.asdict(sched.times),
-            spare_steps=self.spare.lent_steps if self.spare is not None else 0)
+            spare_steps=self.spare.lent_steps if self.spare is not None else 0, grammar_waiting=compiling,
+            guide_compiles=guides.compiles if guides is not None else 0,
+            guide_compile_timeouts=guides.timeouts if guides is not None else 0,
+            guide_cache_bytes=guides.cached_bytes if guides is not None else 0)
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""
@@ -241,7 +267,7 @@ class Engine:
 
     def lora_info(self) -> LoraInfo:
         with self._cond:
-            inbox = [a.req.adapter for a in self._inbox]
+            inbox = [a.req.adapter for a in self._inbox + list(self._compiling.values())]
         running = [a.req.adapter for a in list(self.scheduler.running)]
         waiting = inbox + [a.req.adapter for a in list(self.scheduler.waiting)]
         return LoraInfo(running=tuple(sorted({x.name for x in running if x is not None})),
@@ -282,12 +308,15 @@ class Engine:
         if req.adapter is not None:
             self.lora_slots.check(req.adapter)  # larger than the whole device level: it could never run
         p = req.params
-        grammar = None if p.guided is None else self.guide_compiler().compile(p.guided)  # here, not in a step
-        decoder = Decoder(
-            p, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)), vocab_size=self.model_config.vocab_size,
-            bad_words_ids=req.bad_words_ids, stop_words_ids=req.stop_words_ids, grammar=grammar)
-        active = Active(req=req, on_result=on_result, decoder=decoder, width=self.rows_for(p), kv=KVState(worst=need),
+        guide = grammar = None
+        if p.guided is not None:  # checked and made canonical here; compiled off this thread when not cached
+            compiler = self.guide_compiler()
+            guide = compiler.key(p.guided)
+            grammar = compiler.cached(guide)
+        active = Active(req=req, on_result=on_result, decoder=None, width=self.rows_for(p), kv=KVState(worst=need),
                         make_detok=self._make_detok if p.stream else None)
+        if grammar is not None or guide is None:
+            active.decoder = self._decoder(req, grammar)
         if self.config.enable_prefix_caching:  # hashed here, on the caller's thread, not the engine's
             active.kv.hasher = request_hasher(req, self.config.block_size, self.model_config.placeholder_ids)
         with self._cond:
@@ -295,21 +324,74 @@ class Engine:
                 raise Unavailable("the engine is shut down")
             if req.request_id in self._ids:
                 raise InvalidArgument(f"request_id {req.request_id!r} is already in use")
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_queue:
+            waiting = len(self._inbox) + len(self._compiling) + len(self.scheduler.waiting)
+            if waiting >= self.config.max_queue:
                 raise Unavailable(f"the request queue is full ({self.config.max_queue} waiting); retry later")
             self._ids.add(req.request_id)
-            self._inbox.append(active)
-            self._cond.notify_all()
+            if active.decoder is not None:
+                self._inbox.append(active)
+                self._cond.notify_all()
+            else:
+                self._compiling[req.request_id] = active
+        if active.decoder is None:
+            wait = compiler.request(guide, lambda g, error: self._grammar_ready(active, g, error))
+            with self._cond:
+                if self._compiling.get(req.request_id) is active:
+                    self._waits[req.request_id] = wait
+
+    def _decoder(self, req: GenerationRequest, grammar) -> Decoder:
+        return Decoder(req.params, list(req.input_ids), eos_ids=list(req.end_ids(self.limits)),
+                       vocab_size=self.model_config.vocab_size, bad_words_ids=req.bad_words_ids,
+                       stop_words_ids=req.stop_words_ids, grammar=grammar)
+
+    def _grammar_ready(self, active: Active, grammar, error: Optional[Exception]) -> None:
+        """(a compile worker or the time limit's thread) The request's grammar, or why there is none: into the
+        queue, or its final result. Nothing when it was cancelled or ended meanwhile."""
+        with self._cond:
+            if self._compiling.get(active.id) is not active:
+                return
+        if error is None:
+            try:
+                active.decoder = self._decoder(active.req, grammar)
+            except Exception as e:  # noqa: BLE001 - that request's failure only
+                error = e if isinstance(e, InvalidArgument) else as_error(e, f"while setting up request {active.id}")
+        with self._cond:
+            if self._compiling.pop(active.id, None) is not active:
+                return
+            self._waits.pop(active.id, None)
+            if error is None and self._closed:
+                error = Unavailable("the engine is shut down")
+            if error is None:
+                self._inbox.append(active)
+                self._cond.notify_all()
+                return
+        self._deliver(self.scheduler.output.fail(active, error))
+
+    def _end_compiling(self, error_of: Callable[[Active], Exception], only: Optional[str] = None) -> list[Output]:
+        """Take requests waiting for their grammar (all, or the one id `only`) out; -> their final results."""
+        with self._cond:
+            ids = [only] if only is not None else list(self._compiling)
+            ended = [a for a in (self._compiling.pop(i, None) for i in ids) if a is not None]
+            waits = [self._waits.pop(a.id, None) for a in ended]
+        if self._guides is not None:
+            for w in waits:
+                self._guides.forget(w)
+        return [o for a in ended for o in self.scheduler.output.fail(a, error_of(a))]
 
     def guide_compiler(self) -> GuideCompiler:
         """Guided decoding's grammar compiler for the checkpoint's tokenizer (built once, on first use)."""
         with self._guides_lock:
             if self._guides is None:
-                self._guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+                self._guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                             limits=self.config.guides)
             return self._guides
 
     def cancel(self, request_id: str) -> None:
         """The request frees its rows and cache at the next step and gets a final result with errors.Cancelled."""
+        ended = self._end_compiling(lambda a: Cancelled(f"request {a.id} was cancelled"), only=request_id)
+        if ended:
+            self._deliver(ended)
+            return
         with self._cond:
             if request_id in self._ids:
                 self._cancels.add(request_id)
@@ -367,12 +449,14 @@ class Engine:
             self._cond.notify_all()
         for a in inbox:
             self.scheduler.add(a)
-        self._deliver(self.scheduler.fail_all(Unavailable(
-            f"the llm engine stopped after a CUDA error ({type(error).__name__}: {error}); it restarts, retry")))
+        down = Unavailable(f"the llm engine stopped after a CUDA error ({type(error).__name__}: {error}); it "
+                           "restarts, retry")
+        self._deliver(self.scheduler.fail_all(down) + self._end_compiling(lambda a: down))
 
     def _report_fatal(self, error: BaseException) -> None:
         if self.on_fatal is None:
             return
+        self.delivery.wait_idle()  # every final result handed over before the caller ends the process
         try:
             self.on_fatal(error)
         except Exception:  # noqa: BLE001
@@ -383,11 +467,7 @@ class Engine:
             for _, res in outputs:
                 if res.final:
                     self._ids.discard(res.request_id)
-        for callback, res in outputs:
-            try:
-                callback(res)
-            except Exception:  # noqa: BLE001 - a client's callback must not kill the loop
-                log.exception("result callback of request %s failed", res.request_id)
+        self.delivery.deliver(outputs)
 
     def start(self) -> None:
         with self._cond:
@@ -395,6 +475,8 @@ class Engine:
                 return
             self._closed = False
             self._started.clear()
+            if self.config.delivery_thread:
+                self.delivery.start()
             self._thread = threading.Thread(target=self._loop, name="triton-vlm-engine", daemon=True)
             self._thread.start()
         if not self._started.wait(60):  # its OpenMP workers exist once it returns (the launcher's layout moves
@@ -461,7 +543,9 @@ class Engine:
                 self._cancels.clear()
             for a in inbox:
                 self.scheduler.add(a)
-            self._deliver(self.scheduler.fail_all(Unavailable("the engine was shut down")))
+            down = Unavailable("the engine was shut down")
+            self._deliver(self.scheduler.fail_all(down) + self._end_compiling(lambda a: down))
+        self.delivery.stop(timeout)  # what is queued is delivered first
 
     # --- convenience -----------------------------------------------------------------------------------------
     def generate(self, reqs: list[GenerationRequest]) -> dict[str, list[GenerationResult]]:
@@ -488,5 +572,9 @@ class Engine:
         else:
             while not done.is_set():
                 if not self.step() and not done.is_set():
+                    with self._cond:
+                        if self._compiling or self._inbox:  # grammars compiling: wait for one
+                            self._cond.wait(0.05)
+                            continue
                     raise RuntimeError("engine idle with requests unfinished")  # a bug, never expected
         return results

@@ -5,12 +5,14 @@
   `step_samples` do the same for several requests at once (`decoder.step_greedy`, `decoder.step_beams`,
   `decoder.step_samples`).
 - `stream(active)`: for a request with `params.stream`, the new tokens of `Decoder.stream_prefixes()` (one
-  per sequence_index) as non-final results, with their text from a per-sequence `IncrementalDetokenizer`. For
+  per sequence_index) as non-final results, with their text from a per-sequence `IncrementalDetokenizer`
+  (made where the result is delivered: `delivery.Deferred`, not in the step). For
   beam search that is one prefix, the part every hypothesis still in the running shares, so nothing streamed is
   ever retracted and the pieces concatenate to the final best sequence; sampling streams each of its
   num_return_sequences sequences under its own index.
 - `complete(active)`: the final result (ranked `Decoder.finalize()` sequences, text =
-  `tokenizer.decode(ids, skip_special_tokens=True)`), after the rest of every streamed sequence.
+  `tokenizer.decode(ids, skip_special_tokens=True)`, made where it is delivered), after the rest of every
+  streamed sequence.
 - `fail(active, error)`: the final result carrying the error.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 import torch
 
 from ..params import GenerationResult, RequestStats, Sequence_
+from .delivery import Deferred
 from .search.decoder import step_beams, step_greedy, step_samples
 from .state import Active, Output, StreamState
 
@@ -72,13 +75,18 @@ class OutputProcessor:
     def complete(self, a: Active) -> list[Output]:
         out: list[Output] = []
         seqs = a.decoder.finalize()
-        for s in seqs:
-            s.text = self.decode_text(s.token_ids)
         if a.req.params.stream:  # the rest of every sequence that was being streamed
             for j in sorted(a.streams):
                 self._piece(a, j, seqs[j].token_ids, out, flush=True)
-        out.append((a.on_result, GenerationResult(a.id, seqs, final=True, stats=_stats(a),
-                                                  cached_tokens=a.kv.cached)))
+        decode = self.decode_text
+
+        def fill(res: GenerationResult) -> str:
+            for s in res.sequences:
+                s.text = decode(s.token_ids)
+            return "final"
+
+        out.append((Deferred(a.on_result, fill), GenerationResult(a.id, seqs, final=True, stats=_stats(a),
+                                                                  cached_tokens=a.kv.cached)))
         return out
 
     def fail(self, a: Active, error: Exception) -> list[Output]:
@@ -95,20 +103,24 @@ class OutputProcessor:
         if not getattr(a.decoder, "append_only", False) and tokens[:n] != st.sent:  # O(n): beams only
             return
         new = list(tokens[n:])
-        text = st.detok.push(new) if new else ""
-        if flush and hasattr(st.detok, "flush"):
-            text += st.detok.flush()
-        if not new and not text:
-            return
-        piece = Sequence_(token_ids=new, text=text)
+        detok = st.detok
+
+        def fill(res: GenerationResult) -> str:  # on the delivery thread, in order (`delivery.py`)
+            text = detok.push(new) if new else ""
+            if flush and hasattr(detok, "flush"):
+                text += detok.flush()
+            res.sequences[0].text = text
+            return text
+
+        piece = Sequence_(token_ids=new, text="")
         p = a.req.params
         if new and (p.return_log_probs or p.top_log_probs):  # greedy / sampling know them already
             info = a.decoder.token_info(j, n, n + len(new))
             if info is not None:
                 piece.log_probs, piece.top_log_probs, piece.top_ids = info
         st.sent.extend(new)
-        out.append((a.on_result, GenerationResult(a.id, [piece], final=False, sequence_index=j,
-                                                  cached_tokens=a.kv.cached)))
+        out.append((Deferred(a.on_result, fill, skip_empty=not new),
+                    GenerationResult(a.id, [piece], final=False, sequence_index=j, cached_tokens=a.kv.cached)))
 
 
 def _count_step(a: Active) -> None:

@@ -20,7 +20,7 @@ per request: several -> 400 naming them.
 What only the library can judge (an invalid schema or regex) comes back from the engine as INVALID_ARG with
 xgrammar's message: a 400 with that message (`errors.from_triton`). The engine refuses the keywords xgrammar
 0.2.8 does not enforce and compiles bounded strings as control-character-free patterns
-(`engine.guided_schema`, for every entry point); this module calls the same functions first, so an OpenAI
+(`engine.guided_schema`, up to maxLength 64, for every entry point); this module calls the same functions first, so an OpenAI
 client gets a 400 naming the keyword and where it is (code `unsupported_schema_keyword`) before anything is
 sent, and sends the rewritten schema. `oneOf` is accepted (xgrammar enforces disjoint branches).
 """

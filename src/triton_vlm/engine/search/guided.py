@@ -1,9 +1,10 @@
 """Grammar-constrained decoding with xgrammar (the library vLLM, SGLang and TensorRT-LLM use).
 
-`GuideCompiler` turns a request's `GuidedDecoding` into an xgrammar `CompiledGrammar` for the checkpoint's
-tokenizer (its `TokenizerInfo` built once, with the model's vocabulary size, which may exceed the tokenizer's).
-Compilation runs at `Engine.submit`, on the caller's thread, never on the engine's step; compiled grammars are
-kept in an LRU cache keyed by (guide_type, guide). A json_schema (and each json_schema content of a structural tag)
+`GuideCompiler` (`guide_compiler.py`) turns a request's `GuidedDecoding` into an xgrammar `CompiledGrammar` for
+the checkpoint's tokenizer (its `TokenizerInfo` built once, with the model's vocabulary size, which may exceed the
+tokenizer's). Compilation runs on a small pool of its own, never on the engine's step nor on the caller's thread:
+a request waits for its grammar outside the engine's queue (vLLM v1's WAITING_FOR_FSM) within a time limit;
+compiled grammars are kept in a byte-bounded LRU cache keyed by the canonical guide, single-flight. A json_schema (and each json_schema content of a structural tag)
 goes through `guided_schema.enforceable` first: keywords xgrammar 0.2.8 would not enforce are refused with
 `InvalidArgument` naming the keyword and where it is, and bounded strings are compiled as control-character-free
 patterns, for every entry point alike. JSON (`json`: any object, `json_schema`) is compact: no
@@ -38,103 +39,14 @@ steps, penalties, no-repeat-ngram, bad words and beam sampling included (the per
 """
 from __future__ import annotations
 
-import json
-import re
 import threading
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 import xgrammar as xgr
 
-from ... import names as N
-from ...errors import InvalidArgument
-from ...params import GuidedDecoding
-from .guided_schema import UnenforcedKeyword, enforceable_tag, enforceable_text
-
-CACHE_SIZE = 256  # compiled grammars kept (LRU)
-ANY_OBJECT = '{"type": "object"}'  # guide type `json`: any JSON object
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-def library_message(e: Exception) -> str:
-    """xgrammar's error without its C++ source location."""
-    return _LOCATION.sub("", str(e).strip()).strip()
-
-
-def choice_grammar(guide: str) -> str:
-    """vLLM's guided_choice: an EBNF grammar of the alternatives (the guide a JSON list of strings)."""
-    try:
-        choices = json.loads(guide)
-    except ValueError as e:
-        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a JSON list of strings: {e}")
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} of type 'choice' must be a non-empty JSON list of "
-                              f"non-empty strings, got {guide[:200]!r}")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
-
-
-def _enforceable_tag_text(guide: str) -> str:
-    """A structural tag's json_schema contents as `guided_schema.enforceable` (text that is not JSON is left to
-    the library's parser)."""
-    try:
-        tag = json.loads(guide)
-    except ValueError:
-        return guide
-    return json.dumps(enforceable_tag(tag), ensure_ascii=False)
-
-
-class GuideCompiler:
-    """Compiles guides for one tokenizer; thread-safe (submit() runs on the callers' threads)."""
-
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = CACHE_SIZE):
-        self.vocab_size = int(vocab_size)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=[int(i) for i in stop_ids])
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # our LRU is the cache
-        self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
-        key = (guided.guide_type, "" if guided.guide_type == "json" else guided.guide)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile(*key)  # outside the lock: a long compile does not hold up cached ones
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, guide_type: str, guide: str) -> xgr.CompiledGrammar:
-        c = self.compiler
-        try:
-            if guide_type == "json":
-                return c.compile_json_schema(ANY_OBJECT, any_whitespace=False)
-            if guide_type == "json_schema":
-                return c.compile_json_schema(enforceable_text(guide), any_whitespace=False)
-            if guide_type == "regex":
-                return c.compile_regex(guide)
-            if guide_type == "ebnf_grammar":
-                return c.compile_grammar(guide)
-            if guide_type == "structural_tag":
-                return c.compile_structural_tag(_enforceable_tag_text(guide))
-            if guide_type == "choice":
-                return c.compile_grammar(choice_grammar(guide))
-        except InvalidArgument:
-            raise
-        except UnenforcedKeyword as e:
-            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE}: the JSON schema keyword {e} is not supported "
-                                  "(xgrammar, the guided decoding library, does not enforce it)") from None
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
-            raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE} is not a valid {guide_type}: "
-                                  f"{library_message(e)}") from None
-        raise InvalidArgument(f"{N.GUIDED_DECODING_GUIDE_TYPE} must be one of {', '.join(N.GUIDE_TYPES)}, "
-                              f"got {guide_type!r}")
+from .guide_compiler import (ANY_OBJECT, CACHE_SIZE, GuideCompiler, choice_grammar,  # noqa: F401 - re-exported
+                             library_message)
 
 
 _local = threading.local()

@@ -11,9 +11,13 @@ gets the same schema semantics; the OpenAI front end calls the same functions to
   looks constrained but can break the schema would be worse than an error. `oneOf` is accepted: xgrammar enforces
   disjoint branches exactly and reads overlapping ones as `anyOf`.
 - xgrammar compiles a string's `minLength` / `maxLength` to "any characters but `"`, `\\` and newlines", which lets
-  raw control characters into the string (invalid JSON; seen live: `"tag": "( red\x1f"`). Such a string is
-  compiled as the equivalent `pattern` `^[^"\\\x00-\x1f]{min,max}$` (`string_lengths_as_patterns`): the same
-  lengths, no control characters; the answers are a subset of the schema's (no escape sequences).
+  raw control characters into the string (invalid JSON; seen live: `"tag": "( red\x1f"`). Such a string with
+  bounds up to `PATTERN_MAX_LENGTH` is compiled as the equivalent `pattern` `^[^"\\\x00-\x1f]{min,max}$`
+  (`string_lengths_as_patterns`): the same lengths, no control characters; the answers are a subset of the
+  schema's (no escape sequences). Longer bounds keep xgrammar's own lengths: as a pattern, every decode step's
+  token-mask fill inside the string costs 20-40 ms from `maxLength` 256 on (vs 3-85 us natively; 8,192-token
+  vocabulary, docs/performance.md), on the engine's thread, for every guided row; the price is that such a
+  string may hold raw control characters.
 """
 from __future__ import annotations
 
@@ -64,9 +68,17 @@ def _is_string(schema: dict) -> bool:
     return t == "string" or (isinstance(t, list) and "string" in t)
 
 
+PATTERN_MAX_LENGTH = 64  # string bounds rewritten as patterns up to this (see the module doc)
+
+
+def _short(schema: dict) -> bool:
+    bounds = [schema.get(k) for k in ("minLength", "maxLength") if k in schema]
+    return all(isinstance(b, int) and b <= PATTERN_MAX_LENGTH for b in bounds)
+
+
 def string_lengths_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` where each string's minLength / maxLength is the equivalent pattern without control
-    characters, quotes or backslashes (see the module's doc). Idempotent."""
+    """A copy of `schema` where each string's minLength / maxLength (up to PATTERN_MAX_LENGTH) is the equivalent
+    pattern without control characters, quotes or backslashes (see the module's doc). Idempotent."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -80,7 +92,7 @@ def string_lengths_as_patterns(schema: Any) -> Any:
         if isinstance(out.get(k), list):
             out[k] = [string_lengths_as_patterns(v) for v in out[k]]
     if _is_string(out) and ("minLength" in out or "maxLength" in out) and "pattern" not in out \
-            and "format" not in out:
+            and "format" not in out and _short(out):
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
         out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (low, "" if high is None else int(high))
     return out
