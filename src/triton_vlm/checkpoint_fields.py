@@ -40,6 +40,7 @@ Check = tuple[Callable[[Any], bool], str]  # (value accepted?, what is supported
 
 TEXT_HARMLESS = COMMON_HARMLESS | {
     "pretraining_tp",  # transformers 5's Llama no longer reads it: one matmul per projection, as the engine
+    "output_router_logits", "router_aux_loss_coef",  # MoE training losses: no effect on the tokens
 }
 TEXT_IMPLEMENTED = {
     "vocab_size": "spec.TextSpec", "hidden_size": "spec.TextSpec", "intermediate_size": "spec.TextSpec",
@@ -52,6 +53,10 @@ TEXT_IMPLEMENTED = {
     "sliding_window": "spec._layer_windows", "use_sliding_window": "spec._layer_windows (Qwen2's sliding_window)",
     "max_window_layers": "spec._layer_windows (Qwen2: through layer_types)",
     "quantization_config": "quant.config (a plain text model's config)",
+    # Qwen3-VL-MoE's sparse layers (engine/model: router softmax, top-k renormalised, experts grouped by expert)
+    "num_experts": "spec._moe", "num_local_experts": "spec._moe (transformers' name behind num_experts)",
+    "num_experts_per_tok": "spec._moe", "moe_intermediate_size": "spec._moe",
+    "decoder_sparse_step": "spec._moe", "mlp_only_layers": "spec._moe",
 }
 TEXT_CHECKED: dict[str, Check] = {
     "hidden_act": (lambda v: v in (None, "silu"), "'silu'"),
@@ -88,7 +93,7 @@ VISION_IMPLEMENTED = {
     "mlp_ratio": "qwen_tower", "num_heads": "qwen_tower", "spatial_merge_size": "qwen_tower",
     "temporal_patch_size": "qwen_tower", "out_hidden_size": "qwen_tower", "window_size": "qwen_tower",
     "fullatt_block_indexes": "qwen_tower", "tokens_per_second": "engine.model.mrope (video time positions)",
-    # Qwen3-VL's tower (its family's issue): a qwen3_vl checkpoint is refused by model type until it is served
+    # Qwen3-VL's tower (vision/qwen_tower.py, kind qwen3_vl): DeepStack mergers, learned position table
     "deepstack_visual_indexes": "the Qwen3-VL tower", "num_position_embeddings": "the Qwen3-VL tower",
 }
 VISION_CHECKED: dict[str, Check] = {

@@ -445,3 +445,24 @@ def test_guided_requests_with_penalties_equal_hf(ckpt, eng, reference_compiler, 
         ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)[:, ids.shape[1]:].tolist()
     ref = [row[:next((i + 1 for i, t in enumerate(row) if t == EOS), len(row))] for row in ref]
     assert got == ref and all(len(t) == 14 for t in got)
+
+
+def test_an_ended_beams_row_allows_only_its_stop_tokens(ckpt, reference_compiler):
+    """transformers' beam search carries an ended beam (its last token a stop token, score -1e9) as a running row
+    when fewer live candidates than beams remain; its matcher has terminated. Masking such a row, and replaying a
+    row that continues past its stop token, allow only the stop tokens instead of raising the library's
+    "GrammarMatcher has terminated" (a guided beam request failed with it)."""
+    model, tok, _ = ckpt
+    V = model.config.text_config.vocab_size
+    compiled = reference_compiler.compile_grammar('root ::= "ab"')
+    guide = GrammarGuide(compiled, prompt_len=0, end_ids=[EOS], vocab_size=V)
+    ids = tok("ab", add_special_tokens=False)["input_ids"]
+    ended = tuple(ids) + (EOS,)
+    rows = [(), ended, ended + (5,)]  # a row at the start, an ended one, one continued past its stop token
+    scores = torch.randn(3, V)
+    guide.rows = rows
+    masked = guide(torch.zeros(3, 0, dtype=torch.long), scores)
+    for r in (1, 2):
+        allowed = torch.isfinite(masked[r]).nonzero().flatten().tolist()
+        assert allowed == [EOS] and masked[r, EOS] == scores[r, EOS]
+    assert torch.isfinite(masked[0]).sum() >= 1 and not torch.isfinite(masked[0, EOS])  # "ab" must come first

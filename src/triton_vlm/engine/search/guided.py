@@ -64,15 +64,28 @@ def mask_rows(scores: torch.Tensor, rows: Sequence[int], matchers: Sequence[xgr.
               vocab_size: int) -> torch.Tensor:
     """What matchers[j] forbids set to -inf in row rows[j] of scores [R, V], the other rows untouched: one bitmask
     [R, ceil(V / 32)] filled for every constrained row in one call, applied in one masked fill. Returns a new
-    tensor (the caller's scores, e.g. the raw logits the log probs come from, stay as they were)."""
-    bitmask = xgr.allocate_token_bitmask(scores.shape[0], vocab_size)
-    _batch_matcher().batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+    tensor (the caller's scores, e.g. the raw logits the log probs come from, stay as they were).
+
+    A matcher that has accepted a stop token (a beam that ended but is still carried as a running row with a
+    score of -1e9, as transformers' beam search does when fewer live candidates than beams remain) allows only
+    its stop tokens: the library refuses to fill a terminated matcher's mask."""
+    live = [(r, m) for r, m in zip(rows, matchers) if not m.is_terminated()]
+    ended = [(r, m) for r, m in zip(rows, matchers) if m.is_terminated()]
     scores = scores.contiguous().clone()
-    if scores.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab_size, indices=list(rows), backend="cpu")
-    else:  # plain torch ops: no kernel compiled at run time, no device assert
-        xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True), vocab_size=vocab_size,
-                                        indices=list(rows), backend="torch_native")
+    if live:
+        bitmask = xgr.allocate_token_bitmask(scores.shape[0], vocab_size)
+        _batch_matcher().batch_fill_next_token_bitmask([m for _, m in live], bitmask, [r for r, _ in live])
+        indices = [r for r, _ in live]
+        if scores.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab_size, indices=indices, backend="cpu")
+        else:  # plain torch ops: no kernel compiled at run time, no device assert
+            xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True),
+                                            vocab_size=vocab_size, indices=indices, backend="torch_native")
+    for r, m in ended:
+        stops = [t for t in m.stop_token_ids if 0 <= t < scores.shape[-1]]
+        keep = scores[r, stops].clone()
+        scores[r].fill_(float("-inf"))
+        scores[r, stops] = keep
     return scores
 
 
@@ -109,6 +122,8 @@ class GrammarGuide:
         else:
             m, todo = parent.fork(), gen[-1:]
         for t in todo:
+            if m.is_terminated():  # an ended beam's row: what follows its stop token is not the grammar's
+                break
             accept(m, t)
         return m
 
