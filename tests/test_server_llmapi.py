@@ -208,7 +208,7 @@ def test_stop_ends_a_running_request(server):
     s = Stream(server.grpc_url)
     try:
         # negative penalties make the answer repeat itself and never choose the end id: it runs to max_tokens
-        s.send(dict(text_input=PROMPT, image_url=[data_url(IMG_A)], streaming=True, sampling_param_max_tokens=400,
+        s.send(dict(text_input=PROMPT, image_url=[data_url(IMG_A)], streaming=True, sampling_param_max_tokens=460,
                     sampling_param_frequency_penalty=-2.0, sampling_param_presence_penalty=-2.0,
                     return_finish_reason=True), "run-1")
         first = s.responses.get(timeout=60)
