@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -204,13 +205,23 @@ def test_http_generate_and_generate_stream(server):
     assert status == 400 and "file:// URLs are refused" in err["error"]
 
 
+def cancelled_in_llm(server) -> float:
+    """The llm's requests that ended cancelled (its metric)."""
+    with urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^triton_vlm_requests_total\{[^}]*outcome="cancelled"[^}]*\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_stop_ends_a_running_request(server):
+    long = dict(text_input=PROMPT, image_url=[data_url(IMG_A)], sampling_param_max_tokens=460,
+                sampling_param_temperature=50.0, sampling_param_seed=9, return_finish_reason=True)
+    # this seed's sample never draws the end id: it runs to max_tokens (about 0.5 s alone on 2 cores)
+    assert llmapi(server, **long).final["finish_reason"] == ["length"]
+    before = cancelled_in_llm(server)
     s = Stream(server.grpc_url)
     try:
-        # negative penalties make the answer repeat itself and never choose the end id: it runs to max_tokens
-        s.send(dict(text_input=PROMPT, image_url=[data_url(IMG_A)], streaming=True, sampling_param_max_tokens=460,
-                    sampling_param_frequency_penalty=-2.0, sampling_param_presence_penalty=-2.0,
-                    return_finish_reason=True), "run-1")
+        s.send(dict(streaming=True, **long), "run-1")
         first = s.responses.get(timeout=60)
         assert first[1] is None and first[0].get_response().id == "run-1"
         stopped = grpc_generate(server.grpc_url, dict(text_input="", stop=True), request_id="run-1")
@@ -224,6 +235,10 @@ def test_stop_ends_a_running_request(server):
     # the stop request itself is answered as TensorRT-LLM answers it; the running one ends at once, cancelled
     assert "Request cancelled by client" in stopped.error.message()
     assert result.as_numpy("finish_reason").reshape(-1)[0] == b"cancelled"
+    deadline = time.monotonic() + 10
+    while cancelled_in_llm(server) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled_in_llm(server) >= before + 1  # the generation itself was cancelled in the engine
     after = llmapi(server, text_input=PROMPT, image_url=[data_url(IMG_A)], sampling_param_max_tokens=12)
     assert after.text == ensemble(server, PROMPT, [IMG_A], max_tokens=12).texts[0]  # the server goes on
 
