@@ -160,9 +160,37 @@ def demo_adapters(demo_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, demo_model, demo_adapters):
-    """The model repository as shipped (our engine), serving the demo model and its LoRA adapters."""
-    server = _start_server(tmp_path_factory, demo_model, {"*": {"lora_dir": str(demo_adapters)}}, "server")
+def image_host(tmp_path_factory):
+    """A local http server for image URLs: (its base URL, the folder it serves)."""
+    import functools
+    import http.server
+    import threading
+
+    folder = tmp_path_factory.mktemp("images")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", folder
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="session")
+def lora_root(tmp_path_factory) -> Path:
+    """The folder the shared server reads `lora_path` adapters from (tests put adapters in it)."""
+    return tmp_path_factory.mktemp("lora-root")
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, demo_model, demo_adapters, image_host, lora_root):
+    """The model repository as shipped (our engine), serving the demo model and its LoRA adapters; the
+    `tensorrt_llm` model reads `lora_path` under `lora_root` and image URLs of the local `image_host`."""
+    port = image_host[0].rsplit(":", 1)[1]
+    params = {"*": {"lora_dir": str(demo_adapters), "lora_root": str(lora_root)},
+              "tensorrt_llm": {"allowed_image_domains": "127.0.0.1", "allowed_image_ports": port,
+                               "allow_private_image_hosts": "1"}}
+    server = _start_server(tmp_path_factory, demo_model, params, "server")
     yield server
     _stop_server(server)
 

@@ -287,3 +287,28 @@ def test_top_log_probs_only_when_asked_padded_and_not_repeated_after_streaming()
     svc = service(backend, [gen()])
     [(resp, _)] = run(svc, backend, [GenerationResult("r0", [a], final=True)])
     assert N.OUTPUT_TOP_LOG_PROBS not in resp and N.OUTPUT_TOP_LOG_PROB_IDS not in resp
+
+
+def test_a_stop_request_cancels_the_running_request_of_its_triton_id():
+    """tensorrt_llm's `stop` reaches the engine: a request to llm with `stop` true and a running request's Triton
+    request id cancels that request's rows; the stop request gets an empty final response."""
+    from triton_vlm.errors import Cancelled
+    from triton_vlm.triton.llm import _StopAsked
+
+    backend = FakeBackend()
+    svc = service(backend, [gen("r0"), _StopAsked("llmapi-7"), _StopAsked("other")])
+
+    class Named(FakeRequest):
+        def request_id(self):
+            return "llmapi-7"
+
+    running, stop, unknown = Named(), FakeRequest(), FakeRequest()
+    svc.execute([running])
+    svc.execute([stop])
+    assert backend.cancelled == ["r0"] and stop.sender.sent == [({}, 1)]
+    svc.execute([unknown])  # an id that names no running request: nothing else cancelled
+    assert backend.cancelled == ["r0"] and unknown.sender.sent == [({}, 1)]
+    backend.submitted["r0"](GenerationResult("r0", [], final=True, error=Cancelled("cancelled")))
+    assert running.sender.done.wait(5)
+    assert svc._by_triton_id == {}  # forgotten once it ended
+    svc.shutdown()

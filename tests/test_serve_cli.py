@@ -111,10 +111,10 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
             new = [p for p in procs.children(proc.pid) if p.argv and p.argv[0].endswith("tritonserver")]
             time.sleep(0.2)
         assert new and new[0].pid != server.pid
-        while time.monotonic() < deadline and len(procs.stubs_of(new[0].pid)) < 3:
+        while time.monotonic() < deadline and len(procs.stubs_of(new[0].pid)) < 4:
             time.sleep(0.2)
         stubs = procs.stubs_of(new[0].pid)
-        assert sorted(stubs.values()) == ["llm", "preprocess", "vision"], stubs
+        assert sorted(stubs.values()) == ["llm", "preprocess", "tensorrt_llm", "vision"], stubs
         _wait_for_line(proc, lines, "serving again", 60)
         # the OpenAI front end: a dead one is restarted too, and it answers again
         [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
@@ -143,7 +143,7 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
 
 @pytest.mark.parametrize("setting,message", [
     ("vision.vision_backnd=onnxruntime", "model 'vision' declares no parameter 'vision_backnd'. Parameters: llm:"),
-    ("visio.vision_backend=onnxruntime", "there is no model 'visio'; models: ensemble, llm, preprocess, vision"),
+    ("visio.vision_backend=onnxruntime", "there is no model 'visio'; models: ensemble, llm, preprocess, tensorrt_llm, vision"),
     ("no_such_key=1", "any model declares no parameter 'no_such_key'"),
 ])
 def test_launcher_refuses_a_setting_no_model_declares(setting, message):

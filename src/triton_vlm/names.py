@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Triton data types as the client names them; `config.pbtxt` uses "TYPE_" + these, except BYTES -> TYPE_STRING.
-BYTES, BOOL, INT32, UINT64, FP16, FP32 = "BYTES", "BOOL", "INT32", "UINT64", "FP16", "FP32"
+BYTES, BOOL, INT32, INT64, UINT64, FP16, FP32 = "BYTES", "BOOL", "INT32", "INT64", "UINT64", "FP16", "FP32"
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,94 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
                doc="prompt tokens whose KV came from the prefix cache, not computed (with return_num_input_tokens)"),
 )
 
+# --- TensorRT-LLM's `llmapi` model (`tensorrt_llm`: the interface that replaced its engine backend in 2026) ---------
+IMAGE_URL = "image_url"
+STREAMING = "streaming"
+SP_BEST_OF = "sampling_param_best_of"
+SP_TEMPERATURE = "sampling_param_temperature"
+SP_TOP_K = "sampling_param_top_k"
+SP_TOP_P = "sampling_param_top_p"
+SP_FREQUENCY_PENALTY = "sampling_param_frequency_penalty"
+SP_PRESENCE_PENALTY = "sampling_param_presence_penalty"
+SP_MAX_TOKENS = "sampling_param_max_tokens"
+SP_STOP = "sampling_param_stop"
+SP_SEED = "sampling_param_seed"
+SP_EXCLUDE_INPUT = "sampling_param_exclude_input_from_output"
+SP_RETURN_PERF_METRICS = "sampling_param_return_perf_metrics"
+RETURN_FINISH_REASON = "return_finish_reason"
+RETURN_STOP_REASON = "return_stop_reason"
+RETURN_CUMULATIVE_LOGPROB = "return_cumulative_logprob"
+STOP_REQUEST = "stop"  # true: cancel the running request with this request's id
+LORA_ID = "lora_id"
+LORA_PATH = "lora_path"
+LORA_CKPT_SOURCE = "lora_ckpt_source"
+
+FINISH_REASON = "finish_reason"
+STOP_REASON = "stop_reason"
+CUMULATIVE_LOGPROB = "cumulative_logprob"
+KV_CACHE_REUSED_BLOCK = "kv_cache_reused_block"
+KV_CACHE_MISSED_BLOCK = "kv_cache_missed_block"
+KV_CACHE_ALLOC_NEW_BLOCKS = "kv_cache_alloc_new_blocks"
+KV_CACHE_ALLOC_TOTAL_BLOCKS = "kv_cache_alloc_total_blocks"
+KV_CACHE_HIT_RATE = "kv_cache_hit_rate"
+ARRIVAL_TIME_NS = "arrival_time_ns"
+FIRST_SCHEDULED_TIME_NS = "first_scheduled_time_ns"
+FIRST_TOKEN_TIME_NS = "first_token_time_ns"
+LAST_TOKEN_TIME_NS = "last_token_time_ns"
+ACCEPTANCE_RATE = "acceptance_rate"
+TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"
+TOTAL_DRAFT_TOKENS = "total_draft_tokens"
+
+LLMAPI_INPUTS: tuple[TensorSpec, ...] = (
+    _in(TEXT_INPUT, BYTES, (-1,), optional=False, doc="the prompt (one); <image> markers place the images, else "
+                                                      "one marker per image_url is put before the text"),
+    _in(IMAGE_URL, BYTES, (-1,), doc="one per image: data: URIs, or http(s) URLs of allowed hosts (local paths "
+                                     "and file:// refused)"),
+    _in(STREAMING, BOOL, default=False, doc="stream the new text of each step (decoupled responses)"),
+    _in(SP_BEST_OF, INT32, default=1, doc="greedy: beam search of this width, the best beam returned; sampling: "
+                                          "this many samples, the one of highest cumulative log prob returned"),
+    _in(SP_TEMPERATURE, FP32, default=None, doc="sampling temperature (none of temperature/top_k/top_p: greedy)"),
+    _in(SP_TOP_K, INT32, default=None, doc="sampling: keep the k most likely tokens (1 = greedy)"),
+    _in(SP_TOP_P, FP32, default=None, doc="sampling: nucleus probability mass"),
+    _in(SP_FREQUENCY_PENALTY, FP32, default=0.0, doc="OpenAI's frequency penalty (-2.0..2.0)"),
+    _in(SP_PRESENCE_PENALTY, FP32, default=0.0, doc="OpenAI's presence penalty (-2.0..2.0)"),
+    _in(SP_MAX_TOKENS, INT32, default=32, doc="maximum new tokens (TensorRT-LLM's SamplingParams default 32)"),
+    _in(SP_STOP, BYTES, (-1,), doc="stop strings: a sequence ends with the first one it generates (kept in "
+                                   "the text, named by stop_reason)"),
+    _in(SP_SEED, UINT64, default=None, doc="sampling seed"),
+    _in(SP_EXCLUDE_INPUT, BOOL, default=False, doc="text_output without the prompt (default: with it, as "
+                                                   "TensorRT-LLM's model; streamed responses never repeat it)"),
+    _in(SP_RETURN_PERF_METRICS, BOOL, default=False, doc="add the kv_cache_* and *_time_ns outputs"),
+    _in(RETURN_FINISH_REASON, BOOL, default=False, doc="add finish_reason"),
+    _in(RETURN_STOP_REASON, BOOL, default=False, doc="add stop_reason"),
+    _in(RETURN_CUMULATIVE_LOGPROB, BOOL, default=False, doc="add cumulative_logprob"),
+    _in(STOP_REQUEST, BOOL, default=False, doc="cancel the running request of the same request id"),
+    _in(LORA_ID, UINT64, default=None, doc="the adapter's cache key (with lora_path)"),
+    _in(LORA_NAME, BYTES, default=None, doc="with lora_path: a label; alone: an adapter of the registry by name"),
+    _in(LORA_PATH, BYTES, default=None, doc="a PEFT adapter folder under one of the server's lora_root folders"),
+    _in(LORA_CKPT_SOURCE, BYTES, default="hf", doc="the adapter's format: hf (PEFT) only"),
+)
+PERF_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(KV_CACHE_REUSED_BLOCK, INT32, (-1,), doc="prompt KV blocks found in the prefix cache"),
+    TensorSpec(KV_CACHE_MISSED_BLOCK, INT32, (-1,), doc="prompt KV blocks not found (computed)"),
+    TensorSpec(KV_CACHE_ALLOC_NEW_BLOCKS, INT32, (-1,), doc="KV blocks newly allocated for the request"),
+    TensorSpec(KV_CACHE_ALLOC_TOTAL_BLOCKS, INT32, (-1,), doc="KV blocks the request held (reused + new)"),
+    TensorSpec(KV_CACHE_HIT_RATE, FP32, (-1,), doc="reused / (reused + missed)"),
+    TensorSpec(ARRIVAL_TIME_NS, INT64, (1,), doc="the engine received the request (ns since the epoch)"),
+    TensorSpec(FIRST_SCHEDULED_TIME_NS, INT64, (1,), doc="first admitted to a batch (ns since the epoch)"),
+    TensorSpec(FIRST_TOKEN_TIME_NS, INT64, (1,), doc="first new token (ns since the epoch)"),
+    TensorSpec(LAST_TOKEN_TIME_NS, INT64, (1,), doc="last new token (ns since the epoch)"),
+    TensorSpec(ACCEPTANCE_RATE, FP32, (1,), doc="speculative decoding: 0 (none yet)"),
+    TensorSpec(TOTAL_ACCEPTED_DRAFT_TOKENS, INT32, (1,), doc="speculative decoding: 0 (none yet)"),
+    TensorSpec(TOTAL_DRAFT_TOKENS, INT32, (1,), doc="speculative decoding: 0 (none yet)"),
+)
+LLMAPI_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec(TEXT_OUTPUT, BYTES, (-1,), doc="the text (streaming: the new piece)"),
+    TensorSpec(FINISH_REASON, BYTES, (-1,), doc="stop, length or cancelled (with return_finish_reason)"),
+    TensorSpec(STOP_REASON, BYTES, (-1,), doc="the stop string that ended it, else None (with return_stop_reason)"),
+    TensorSpec(CUMULATIVE_LOGPROB, FP32, (-1,), doc="sum of the token log probs (with return_cumulative_logprob)"),
+) + PERF_OUTPUTS
+
 # --- per model ------------------------------------------------------------------------------------------
 PREPROCESS_INPUTS: tuple[TensorSpec, ...] = (
     _in(TEXT_INPUT, BYTES, optional=False),
@@ -256,14 +344,20 @@ LLM_INPUTS: tuple[TensorSpec, ...] = (
     _in(IMAGE_SIZES, INT32, (-1, 2)),  # optional; M-RoPE checkpoints (Qwen2-VL): each image's grid follows from it
     _in(MEDIA_GRIDS, INT32, (-1, 3)),  # optional; M-RoPE: each image's / video's grid (else from image_sizes)
     _in(MEDIA_SECONDS, FP32, (-1,)),  # optional; Qwen2.5-VL's video time positions
-) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS
-LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS
+) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS + (
+    _in(LORA_PATH, BYTES),  # optional; a PEFT folder under lora_root, cached under lora_task_id (tensorrt_llm's)
+    _in(STOP_REQUEST, BOOL),  # optional; true: cancel the running request of this request's id (tensorrt_llm's)
+)
+# llm inputs the ensemble does not wire: only the tensorrt_llm model sends them
+NOT_IN_ENSEMBLE = frozenset({LORA_PATH, STOP_REQUEST})
+LLM_OUTPUTS: tuple[TensorSpec, ...] = ENSEMBLE_OUTPUTS + PERF_OUTPUTS  # the perf ones on final responses only
 
 MODELS: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {
     "ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS),
     "preprocess": (PREPROCESS_INPUTS, PREPROCESS_OUTPUTS),
     "vision": (VISION_INPUTS, VISION_OUTPUTS),
     "llm": (LLM_INPUTS, LLM_OUTPUTS),
+    "tensorrt_llm": (LLMAPI_INPUTS, LLMAPI_OUTPUTS),
 }
 
 

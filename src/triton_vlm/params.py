@@ -352,6 +352,23 @@ class Sequence_:
 
 
 @dataclass(frozen=True)
+class KVUsage:
+    """One request's KV-cache blocks (TensorRT-LLM's per-request KV metrics): its prompt's full blocks found in the
+    prefix cache (reused) and not (missed); the distinct blocks its rows held when it finished (total), of which
+    new = those not reused."""
+
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    new_blocks: int = 0
+    total_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / seen if seen else 0.0
+
+
+@dataclass(frozen=True)
 class RequestStats:
     """Where one request's time went inside the engine (seconds from its submission); on final results."""
 
@@ -360,6 +377,10 @@ class RequestStats:
     queue_s: float  # submitted -> admitted (rows and KV blocks reserved)
     ttft_s: Optional[float]  # submitted -> first new token (None if it never got one)
     e2e_s: float  # submitted -> finished
+    # ns since the epoch on the engine's clock: arrival (submitted), first scheduled (admitted), first and last new
+    # token (0: never reached)
+    times_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+    kv: KVUsage = field(default_factory=KVUsage)
 
     @property
     def tpot_s(self) -> Optional[float]:

@@ -350,3 +350,33 @@ def test_chat_turn_reuse_on_cuda_matches_caching_off(ckpt):
     t2 = req("t2", p1 + got1[0] + prompt(9, 6)[1:], max_tokens=10, beam_width=2)
     got2, cached2 = run(on, t2)
     assert cached2 == 32 and got2 == run(off, t2)[0]
+
+
+def test_per_request_kv_counts_and_times(ckpt):
+    """A result's own KV counts (TensorRT-LLM's kv_cache_* outputs): a repeated prompt reuses its full blocks with
+    caching on and none with it off; its timestamps are ordered on the wall clock."""
+    import time
+
+    _, path = ckpt
+    on, off = make_engine(path), make_engine(path, caching=False)
+    ids, blocks = prompt(21, 6), -(-21 // BS)
+
+    def final(eng, rid):
+        res = eng.generate([req(rid, ids, max_tokens=6, min_tokens=6)])[rid][-1]
+        assert res.final and res.error is None, res.error
+        return res.stats
+
+    t0 = time.time_ns()
+    first = final(on, "k1")
+    t1 = time.time_ns()
+    assert t0 <= first.times_ns[0] <= first.times_ns[1] <= first.times_ns[2] <= first.times_ns[3] <= t1
+    kv = first.kv
+    assert (kv.reused_blocks, kv.missed_blocks, kv.hit_rate) == (0, blocks, 0.0)
+    assert kv.total_blocks == kv.new_blocks >= blocks
+    again = final(on, "k2").kv
+    reused = (21 - 1) // BS  # full blocks, the last prompt token always computed
+    assert (again.reused_blocks, again.missed_blocks) == (reused, blocks - reused)
+    assert again.new_blocks == kv.new_blocks - reused and again.hit_rate == reused / blocks
+    for rid in ("o1", "o2"):
+        k = final(off, rid).kv
+        assert (k.reused_blocks, k.missed_blocks, k.new_blocks) == (0, blocks, kv.new_blocks)

@@ -107,5 +107,8 @@ def _adapter_cache(model_dir, p, dtype: str):
     registry = Registry(p.get("lora_dir") or None, spec)
     import torch
 
+    from triton_vlm.lora.paths import parse_roots
+
     return AdapterCache(spec, registry, max_bytes=config.parse_int(p, "lora_cache_host_mb", 1024) * 2**20,
-                        max_rank=config.parse_int(p, "max_lora_rank", 64), wire_dtype=getattr(torch, dtype))
+                        max_rank=config.parse_int(p, "max_lora_rank", 64), wire_dtype=getattr(torch, dtype),
+                        path_roots=parse_roots(p.get("lora_root")))

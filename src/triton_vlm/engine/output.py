@@ -22,15 +22,20 @@ from typing import Callable
 
 import torch
 
-from ..params import GenerationResult, RequestStats, Sequence_
+from ..params import GenerationResult, KVUsage, RequestStats, Sequence_
 from .delivery import Deferred
 from .search.decoder import step_beams, step_greedy, step_samples
 from .state import Active, Output, StreamState
 
 
+# the engine's clock (monotonic) -> ns since the epoch, for the timing outputs (TensorRT-LLM's `*_time_ns`)
+_EPOCH_NS = time.time_ns() - time.monotonic_ns()
+
+
 class OutputProcessor:
-    def __init__(self, decode_text: Callable[[list[int]], str]):
+    def __init__(self, decode_text: Callable[[list[int]], str], block_size: int = 0):
         self.decode_text = decode_text
+        self.block_size = block_size  # KV block size (0: no per-request KV counts)
 
     def step(self, a: Active, logits: torch.Tensor):
         res = a.decoder.step(logits)
@@ -85,7 +90,8 @@ class OutputProcessor:
                 s.text = decode(s.token_ids)
             return "final"
 
-        out.append((Deferred(a.on_result, fill), GenerationResult(a.id, seqs, final=True, stats=_stats(a),
+        out.append((Deferred(a.on_result, fill), GenerationResult(a.id, seqs, final=True,
+                                                                  stats=_stats(a, self.block_size),
                                                                   cached_tokens=a.kv.cached)))
         return out
 
@@ -125,13 +131,32 @@ class OutputProcessor:
 
 def _count_step(a: Active) -> None:
     a.timing.steps += 1
+    a.timing.last_token = time.monotonic()
     if a.timing.first_token is None:
-        a.timing.first_token = time.monotonic()
+        a.timing.first_token = a.timing.last_token
 
 
-def _stats(a: Active) -> RequestStats:
+def _epoch_ns(t: float | None) -> int:
+    return 0 if t is None else int(t * 1e9) + _EPOCH_NS
+
+
+def _kv_usage(a: Active, block_size: int) -> KVUsage:
+    """Its prompt's blocks found in the prefix cache (reused) or not (missed), and the blocks it held at the end
+    (total) of which the reused ones were not new; TensorRT-LLM's per-request KV-cache counts."""
+    if block_size <= 0:
+        return KVUsage()
+    reused = a.kv.cached // block_size
+    missed = max(0, -(-a.prompt_len // block_size) - reused)
+    total = max(a.kv.held_blocks, reused)
+    return KVUsage(reused_blocks=reused, missed_blocks=missed, new_blocks=total - reused, total_blocks=total)
+
+
+def _stats(a: Active, block_size: int = 0) -> RequestStats:
     now, t = time.monotonic(), a.timing
     return RequestStats(prompt_tokens=a.prompt_len, generated_tokens=t.steps,
                         queue_s=(t.admitted if t.admitted is not None else now) - t.submitted,
                         ttft_s=None if t.first_token is None else t.first_token - t.submitted,
-                        e2e_s=now - t.submitted)
+                        e2e_s=now - t.submitted,
+                        times_ns=(_epoch_ns(t.submitted), _epoch_ns(t.admitted), _epoch_ns(t.first_token),
+                                  _epoch_ns(t.last_token)),
+                        kv=_kv_usage(a, block_size))

@@ -67,7 +67,7 @@ class Scheduler:
         # stacked copies of adapters get the device level's budget again (the adapters themselves use the first)
         self.runner.lora_stacks.max_bytes = adapters.max_bytes
         adapters.on_evict = self.runner.lora_stacks.drop  # an evicted adapter's stacks go with it
-        self.output = OutputProcessor(decode_text)
+        self.output = OutputProcessor(decode_text, cache.block_size)
         self.fault: Optional[BaseException] = None  # the first CUDA error seen: the engine stops on it
         self.times = StepTimes()
 
@@ -200,6 +200,8 @@ class Scheduler:
             res = self.output.step(a, logits)
         if len(res.parents) > a.width:
             raise Internal(f"decoder asked for {len(res.parents)} rows, more than the {a.width} reserved")
+        if res.done:  # its per-request KV counts, before its rows go
+            a.kv.held_blocks = len({b for r in a.kv.rows for b in r.blocks})
         self.runner.reorder(a, res.parents)
         a.kv.next_tokens = list(res.tokens)
         if res.done:

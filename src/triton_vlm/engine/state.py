@@ -43,6 +43,7 @@ class KVState:
     resume_ids: Optional[list[int]] = None
     resume_hashes: list = field(default_factory=list)
     resume_rows: list[list[int]] = field(default_factory=list)
+    held_blocks: int = 0  # distinct KV blocks its rows held when it finished (set just before they are freed)
 
 
 @dataclass(eq=False)
@@ -56,6 +57,7 @@ class Timing:
     submitted: float = field(default_factory=time.monotonic)
     admitted: Optional[float] = None
     first_token: Optional[float] = None
+    last_token: Optional[float] = None
     steps: int = 0  # decoder steps run (new tokens)
 
 

@@ -11,11 +11,18 @@ the wire can never take the place of a registry adapter (`request.parse_request`
 a registry id; should a folder appear later under an id that was uploaded earlier, the registry's adapter wins).
 Wire ids themselves are shared by every client, as in TensorRT-LLM: weights sent again under a wire id replace
 that adapter for every later request; an adapter that must not be replaceable belongs in the registry.
+
+A third namespace, folders (`tensorrt_llm`'s `lora_id` + `lora_path`, `resolve_path`): the first request binds its
+`lora_id` to the folder's real path for the server's lifetime; a request sending another folder under that id is
+refused (no client can change what another's id resolves to), as are ids of the registry or of uploaded
+weights. The adapter is cached like the others (same budget, same LRU) and read again from its folder after an
+eviction.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -23,6 +30,8 @@ import torch
 from ..errors import InvalidArgument
 from ..spec import TextSpec
 from .format import MAX_RANK, Adapter
+from .paths import resolve_lora_path
+from .peft import load_peft
 from .registry import Registry
 from .request import LoraRequest
 
@@ -46,6 +55,8 @@ class AdapterCache:
     # ("registry", name) or ("wire", task id) -> adapter, least recently used first
     _items: "OrderedDict[tuple[str, object], Adapter]" = field(default_factory=OrderedDict)
     used_bytes: int = 0
+    path_roots: tuple[Path, ...] = ()  # lora_root: the folders `lora_path` may name (none: lora_path refused)
+    _bound: dict[int, Path] = field(default_factory=dict)  # lora_id -> the folder it was first sent with
 
     def __len__(self) -> int:
         return len(self._items)
@@ -57,11 +68,47 @@ class AdapterCache:
         if req is None:
             return None
         if req.wire is not None:
+            if req.task_id in self._bound:
+                raise InvalidArgument(f"lora_task_id {req.task_id} is bound to an adapter folder (lora_path); send "
+                                      "your weights under another lora_task_id")
             self._put(("wire", req.task_id), req.task_id, req.wire)
             return req.wire
         return self._get_or_load(req.task_id, req.name)
 
+    def resolve_path(self, lora_id: Optional[int], path: str) -> Adapter:
+        """The adapter of the PEFT folder `path` (under `path_roots`), cached under `lora_id`, which is bound to
+        that folder from its first use on; another folder under a bound id is refused, as are ids the registry
+        or uploaded weights hold."""
+        if lora_id is None:
+            raise InvalidArgument(f"lora_path {path!r} needs a lora_id to cache the adapter under")
+        real = resolve_lora_path(path, self.path_roots)
+        bound = self._bound.get(lora_id)
+        if bound is not None and bound != real:
+            raise InvalidArgument(f"lora_id {lora_id} is bound to another adapter folder; a lora_id keeps the "
+                                  "folder it was first sent with: send this folder under another lora_id")
+        owner = self.registry.find_id(lora_id)
+        if owner is not None or ("wire", lora_id) in self._items:
+            what = f"the registry adapter {owner!r}" if owner is not None else "adapter weights sent with lora_weights"
+            raise InvalidArgument(f"lora_id {lora_id} belongs to {what}; send this folder under another lora_id")
+        key = ("path", lora_id)
+        adapter = self._items.get(key)
+        if adapter is not None:
+            self._items.move_to_end(key)
+            self.stats.hits += 1
+            return adapter
+        self.stats.misses += 1
+        adapter = load_peft(real, self.spec, f"lora_id {lora_id}")
+        if adapter.max_rank > self.max_rank:
+            raise InvalidArgument(f"lora_path {path!r} has rank {adapter.max_rank}; Invalid low_rank (r): must be "
+                                  f"<= {self.max_rank} (max_lora_rank)")
+        self.stats.registry_loads += 1
+        self._put(key, lora_id, adapter)
+        self._bound.setdefault(lora_id, real)  # bound once it loaded (a broken folder binds nothing)
+        return adapter
+
     def _get_or_load(self, task_id: int, name: Optional[str]) -> Adapter:
+        if name is None and task_id in self._bound:  # an id bound to a folder, sent alone
+            return self.resolve_path(task_id, str(self._bound[task_id]))
         key = ("wire", task_id) if name is None else ("registry", name)
         adapter = self._items.get(key)
         if adapter is not None:

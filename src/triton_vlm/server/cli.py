@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-dir", default=os.environ.get("LORA_DIR"),
                     help="LoRA adapter registry: one adapter per subfolder (PEFT, or TensorRT-LLM's .npy pair);\n"
                          "clients select one with lora_name (or its task id)")
+    ap.add_argument("--llmapi-model-name", default=os.environ.get("LLMAPI_MODEL_NAME") or "tensorrt_llm",
+                    help="the name TensorRT-LLM's llmapi interface is served under (default tensorrt_llm)")
     ap.add_argument("--log-verbose", type=int, default=0)
     ap.add_argument("--log-file", default=os.environ.get("TRITON_VLM_LOG"),
                     help="tritonserver's log (default: <run dir>/tritonserver.log; '-' = this terminal)")
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     log_file = None if args.log_file == "-" else Path(args.log_file or run_dir / "tritonserver.log")
     server = TritonServer(str(model), args.http_port, args.grpc_port, args.metrics_port, params, run_dir=run_dir,
                           log_file=log_file, log_verbose=args.log_verbose, tritonserver=args.tritonserver,
-                          cuda_pool_mb=args.cuda_pool_mb, api_key=args.api_key or None, host=args.host)
+                          cuda_pool_mb=args.cuda_pool_mb, api_key=args.api_key or None, host=args.host,
+                          renames={} if args.llmapi_model_name == "tensorrt_llm" else
+                          {"tensorrt_llm": args.llmapi_model_name})
     print(f"triton-vlm: starting tritonserver on {model}" + (f" (log: {log_file})" if log_file else ""),
           flush=True)
     stopping = threading.Event()

@@ -60,6 +60,7 @@ class TritonServer:
     params: dict[str, dict[str, str]] = field(default_factory=dict)
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     models: tuple[str, ...] | None = None
+    renames: dict[str, str] = field(default_factory=dict)  # model -> served name (`repository.rename_model`)
     run_dir: Path | None = None  # None: a new `rundir` folder, removed by close()
     log_file: Path | None = None
     log_verbose: int = 0
@@ -136,7 +137,8 @@ class TritonServer:
             self.run_dir, self._own_run_dir = rundir.create(), True
         self.run_dir = Path(self.run_dir)
         params = self.model_params()
-        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models)
+        repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models,
+                                        self.renames)
         procs.remove_stale_shm()
         self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = self.command(binary, tree, repo, params)

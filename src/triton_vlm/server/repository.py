@@ -46,9 +46,11 @@ def check_parameters(params: dict[str, dict[str, str]], src: Path = DEFAULT_MODE
 
 
 def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src: Path = DEFAULT_MODEL_REPOSITORY,
-                             models: tuple[str, ...] | None = None) -> Path:
+                             models: tuple[str, ...] | None = None, renames: dict[str, str] | None = None) -> Path:
     """Copy the model repository to `dest`, filling parameters per model (`params[model][key] = value`;
-    `params["*"]` applies to every model that declares the key). A key no model declares is refused."""
+    `params["*"]` applies to every model that declares the key). A key no model declares is refused. `renames`:
+    model -> the name it is served under (e.g. `tensorrt_llm` under another name; the others call no renamed
+    model, so only a model no other model calls may be renamed: `tensorrt_llm`)."""
     check_parameters(params, src)
     if dest.exists():
         shutil.rmtree(dest)
@@ -63,7 +65,24 @@ def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src:
         if model in ("vision", "llm"):
             text = embeds_dtype(text, {**params.get("*", {}), **params.get("llm", {})}.get("dtype", "float32"))
         cfg.write_text(text)
+    for model, name in (renames or {}).items():
+        rename_model(dest, model, name)
     return dest
+
+
+RENAMEABLE = ("tensorrt_llm",)  # called by no other model
+
+
+def rename_model(repo: Path, model: str, name: str) -> None:
+    if model not in RENAMEABLE:
+        raise ValueError(f"only {', '.join(RENAMEABLE)} can be served under another name, not {model!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or (repo / name).exists():
+        raise ValueError(f"model name {name!r} must be letters, digits, '_', '.', '-' and not another model's")
+    cfg = repo / model / "config.pbtxt"
+    if not cfg.exists():
+        return  # not served (models=...)
+    cfg.write_text(re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', cfg.read_text(), count=1, flags=re.M))
+    (repo / model).rename(repo / name)
 
 
 _EMBEDS_TYPE = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}

@@ -44,6 +44,8 @@ log = logging.getLogger("triton_vlm")
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _OUT = {s.name: s for s in N.LLM_OUTPUTS}
 _SALT = N.spec(N.CACHE_SALT, N.LLM_INPUTS)
+_LORA_PATH = N.spec(N.LORA_PATH, N.LLM_INPUTS)
+_STOP = N.spec(N.STOP_REQUEST, N.LLM_INPUTS)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Live:
 
     rows: list[_Row]
     outputs: Optional[frozenset[str]] = None  # the outputs the request asked for (None: all)
+    triton_id: str = ""  # the Triton request id it was sent with (a `stop` request names it)
 
     def __post_init__(self):
         self.by_id = {r.gen.request_id: r for r in self.rows}
@@ -91,6 +94,7 @@ class LLMService:
         self._error = make_error or error_response
         self._ids = itertools.count()
         self._batches: dict[str, list[str]] = {}  # key -> row ids, for requests of several rows
+        self._by_triton_id: dict[str, str] = {}  # Triton request id -> key, for `stop` requests
         self.adapters = adapters  # lora.cache.AdapterCache, or None when the backend applies no adapters
         self.metrics = LLMMetrics(enabled=False)  # the real ones are created once, in start()
         self.responder = Responder(self._build, self._error, self._cancel, tick=self._tick)
@@ -136,6 +140,9 @@ class LLMService:
             sender = tensors.ResponseSender(request.get_response_sender())
             try:
                 gens = self.parse(request)
+            except _StopAsked as stop:
+                self._stop(stop.triton_id, sender)
+                continue
             except Exception as e:  # noqa: BLE001 - one bad request never affects the others
                 self.metrics.outcome(getattr(e, "code", "INTERNAL"))
                 sender.send(self._error(e), flags=FINAL)  # never opened: this thread is its only owner
@@ -143,8 +150,11 @@ class LLMService:
             key = request_key(gens[0].request_id)
             if len(gens) > 1:
                 self._batches[key] = [g.request_id for g in gens]
-            live = _Live([_Row(g, i) for i, g in enumerate(gens)], tensors.requested_outputs(request))
+            live = _Live([_Row(g, i) for i, g in enumerate(gens)], tensors.requested_outputs(request),
+                         _triton_id(request))
             self.responder.open(key, sender, live)
+            if live.triton_id:
+                self._by_triton_id[live.triton_id] = key
             for i, gen in enumerate(gens):
                 try:
                     self.backend.submit(gen, self._on_result)
@@ -156,8 +166,20 @@ class LLMService:
                     self.responder.fail(key, tensors.in_row(e, i, len(gens)))
                     break
 
+    def _stop(self, triton_id: str, sender) -> None:
+        """`stop` true: the running request sent with this Triton request id is cancelled (the engine frees its rows
+        at its next step and it ends CANCELLED); the stop request gets an empty final response."""
+        key = self._by_triton_id.get(triton_id) if triton_id else None
+        if key is not None:
+            for row_id in self._batches.get(key, [key]):
+                self.backend.cancel(row_id)
+        sender.send(self._response({}), flags=FINAL)
+
     def parse(self, request) -> list[GenerationRequest]:
-        """The request's rows (one for a single prompt), each validated on its own."""
+        """The request's rows (one for a single prompt), each validated on its own; `_StopAsked` for a `stop`
+        request."""
+        if tensors.scalar(request, _STOP):
+            raise _StopAsked(_triton_id(request))
         rows = tensors.batch_size(request, [s.name for s in N.LLM_INPUTS])
         key = f"r{next(self._ids)}"
         gens = tensors.per_row(rows, lambda row: self._parse_row(request, row, key if row is None
@@ -214,11 +236,18 @@ class LLMService:
     def _adapter(self, request, row=None):
         """The LoRA adapter the request asks for (task id, wire tensors, or a registry name), or None."""
         inputs = tensors.lora_inputs(request, row)
-        if inputs is None:
+        path = tensors.scalar(request, _LORA_PATH, row)
+        if inputs is None and not path:
             return None
         if self.adapters is None:
             raise InvalidArgument("this llm backend does not apply LoRA adapters (use backend 'engine')")
         cache = self.adapters
+        if path:  # a PEFT folder under lora_root, cached under lora_task_id (the tensorrt_llm model's lora_path)
+            task_id, weights, _, name = inputs or (None, None, None, None)
+            if weights is not None or name is not None:
+                raise InvalidArgument(f"{N.LORA_PATH} selects an adapter folder; send neither lora_weights nor "
+                                      "lora_name with it")
+            return cache.resolve_path(task_id, path)
         return cache.resolve(parse_request(*inputs, cache.spec, cache.registry, cache.max_rank, cache.wire_dtype))
 
     # --- results (the responder's thread) ------------------------------------------------------------------
@@ -228,6 +257,9 @@ class LLMService:
     def _build(self, key: str, live: _Live, result: GenerationResult):
         """-> (response, final) for one backend result of one of the request's rows."""
         row = live.by_id[result.request_id]
+        if result.final and (result.error is not None or len(live.pending()) <= 1):
+            if self._by_triton_id.get(live.triton_id) == key:
+                self._by_triton_id.pop(live.triton_id, None)
         if result.final:
             self.metrics.outcome("success" if result.error is None else getattr(result.error, "code", "INTERNAL"))
             self.metrics.finished(result.stats)
@@ -340,6 +372,7 @@ class LLMService:
             N.DROPPED_IMAGES: (_OUT[N.DROPPED_IMAGES], [gen.dropped_images]),
             **self._counts(row, new_tokens, result.cached_tokens),
             **self._top(row, tops, top_ids),
+            **_perf(result),
         }
 
     def prompt_text(self, ids: list[int]) -> str:
@@ -356,6 +389,41 @@ class LLMService:
             prev_img = is_img
         parts.append(self.tokenizer.decode(cur, skip_special_tokens=True))
         return "".join(parts)
+
+
+class _StopAsked(Exception):
+    """A `stop` request: cancel the running request of `triton_id`."""
+
+    def __init__(self, triton_id: str):
+        super().__init__(triton_id)
+        self.triton_id = triton_id
+
+
+def _triton_id(request) -> str:
+    get = getattr(request, "request_id", None)  # the unit tests' fakes have none
+    return (get() or "") if get is not None else ""
+
+
+def _perf(result: GenerationResult) -> dict:
+    """TensorRT-LLM's per-request perf outputs (final responses): the prefix cache's KV counts and the engine's
+    timestamps (ns since the epoch; 0 where the backend keeps none); no speculative decoding yet (0)."""
+    st = result.stats
+    kv = st.kv if st is not None else None
+    times = st.times_ns if st is not None else (0, 0, 0, 0)
+    out = {}
+    if kv is not None:
+        for name, v in ((N.KV_CACHE_REUSED_BLOCK, kv.reused_blocks), (N.KV_CACHE_MISSED_BLOCK, kv.missed_blocks),
+                        (N.KV_CACHE_ALLOC_NEW_BLOCKS, kv.new_blocks),
+                        (N.KV_CACHE_ALLOC_TOTAL_BLOCKS, kv.total_blocks)):
+            out[name] = (_OUT[name], [v])
+        out[N.KV_CACHE_HIT_RATE] = (_OUT[N.KV_CACHE_HIT_RATE], [kv.hit_rate])
+    for name, v in zip((N.ARRIVAL_TIME_NS, N.FIRST_SCHEDULED_TIME_NS, N.FIRST_TOKEN_TIME_NS, N.LAST_TOKEN_TIME_NS),
+                       times):
+        out[name] = (_OUT[name], [v])
+    out[N.ACCEPTANCE_RATE] = (_OUT[N.ACCEPTANCE_RATE], [0.0])
+    for name in (N.TOTAL_ACCEPTED_DRAFT_TOKENS, N.TOTAL_DRAFT_TOKENS):
+        out[name] = (_OUT[name], [0])
+    return out
 
 
 def unpad_images(emb, lens: np.ndarray):

@@ -20,9 +20,9 @@ except ImportError:  # pragma: no cover - unit tests import this module outside 
 
 from ..errors import InvalidArgument, VLMError
 from .. import names as N
-from ..names import BOOL, BYTES, FP32, INT32, UINT64, TensorSpec
+from ..names import BOOL, BYTES, FP32, INT32, INT64, UINT64, TensorSpec
 
-_NUMPY = {BOOL: np.bool_, BYTES: np.object_, FP32: np.float32, INT32: np.int32, UINT64: np.uint64}
+_NUMPY = {BOOL: np.bool_, BYTES: np.object_, FP32: np.float32, INT32: np.int32, INT64: np.int64, UINT64: np.uint64}
 T = TypeVar("T")
 
 

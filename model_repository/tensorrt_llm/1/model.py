@@ -1,0 +1,25 @@
+"""tensorrt_llm (decoupled): TensorRT-LLM's `llmapi` Triton model interface on the ensemble's pipeline.
+
+Thin adapter: the logic is `triton_vlm.triton.llmapi.LlmapiService` (BLS to preprocess, vision and llm) and
+`triton_vlm.llmapi` (the tensors' meaning).
+"""
+from triton_vlm.triton import lifeline
+
+lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
+
+from triton_vlm.triton import config
+from triton_vlm.triton.llmapi import LlmapiService, settings_from
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config.setup_logging()
+        p = config.model_parameters(args)
+        self.service = LlmapiService(settings_from(p), workers=config.parse_int(p, "max_concurrency", 64))
+
+    def execute(self, requests):
+        self.service.execute(requests)
+        return None
+
+    def finalize(self):
+        self.service.shutdown()
