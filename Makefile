@@ -26,16 +26,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
 bench: $(STAMP)
-	$(PY) -m bench.throughput
+	$(PY) -m bench.server.throughput
 
 # NVIDIA's perf_analyzer against the ensemble (starts its own server; URL=host:port for a running one)
 loadtest: $(STAMP)
-	$(PY) -m bench.loadtest $(if $(URL),--url $(URL),)
+	$(PY) -m bench.server.loadtest $(if $(URL),--url $(URL),)
 
 # the OpenAI front end next to the same chats over gRPC straight to the ensemble, concurrency 1 and 16 (starts its
 # own server and front ends; AIPERF=/path/to/aiperf adds NVIDIA aiperf's measurement of the front end)
 loadtest-openai: $(STAMP)
-	$(PY) -m bench.openai_load $(if $(AIPERF),--aiperf $(AIPERF),)
+	$(PY) -m bench.server.openai_load $(if $(AIPERF),--aiperf $(AIPERF),)
 
 # 2,000 mixed requests (gRPC streamed and not, HTTP, beams 1-4, 0-2 images), every answer checked
 soak: $(STAMP)
@@ -50,7 +50,7 @@ clean:
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 .PHONY: gpu-check
 gpu-check:
-	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH),) $(GPU_CHECK_PY) -m bench.gpu_check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
+	PYTHONUNBUFFERED=1 PYTHONPATH=src$(if $(PYTHONPATH),:$(PYTHONPATH),) $(GPU_CHECK_PY) -m bench.gpu.check $(if $(OUT),--out $(OUT)/gpu_check.md,) $(ARGS)
 
 # what a bare GPU machine (PyTorch, transformers) lacks of the project's imports, as cp312 x86-64 wheels in .whl/ (the
 # versions the 2026-11-27 H200 check ran with): there `python3 -m pip install --no-index --no-deps --target /tmp/site
@@ -68,4 +68,4 @@ gpu-wheels:
 # by `vllm bench serve` (one 64x64 image + 16 tokens, 32 out), concurrency 1 and 16 -> bench/results/peer.{md,json}
 .PHONY: bench-peers
 bench-peers: $(STAMP)
-	$(PY) -m bench.peer $(ARGS)
+	$(PY) -m bench.peers.side_by_side $(ARGS)

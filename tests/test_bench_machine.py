@@ -1,10 +1,10 @@
 """Every throughput results file names the machine it was measured on: CPU model, ISA, measured bandwidth and
-the C kernels' switches and races (`bench/machine.py`)."""
+the C kernels' switches and races (`bench/common/machine.py`)."""
 from __future__ import annotations
 
 import json
 
-from bench import machine, report
+from bench.common import machine, report
 
 
 def test_results_name_the_cpu_its_isa_the_bandwidth_and_the_kernel_races(tmp_path, monkeypatch):

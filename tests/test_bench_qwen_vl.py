@@ -1,4 +1,4 @@
-"""`bench.qwen_vl` (Qwen2-VL vs llava-1.5 images on one text model) without running the servers: the two
+"""`bench.vision.qwen_vl` (Qwen2-VL vs llava-1.5 images on one text model) without running the servers: the two
 checkpoints it builds (small shapes here) take the image tokens the table states, as transformers' own processors
 count them; the images are distinct per request; the vision share read off Triton's counters served over HTTP;
 the medians over rounds and the table with the machine line."""
@@ -11,7 +11,8 @@ import threading
 import pytest
 from PIL import Image
 
-from bench import machine, qwen_vl
+from bench.common import machine
+from bench.vision import qwen_vl
 
 SMALL_TEXT = dict(text_hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_position_embeddings=1024)
 SMALL_TOWER = dict(vision_hidden=32, vision_layers=1, vision_heads=2)
@@ -112,7 +113,7 @@ def test_medians_over_rounds_and_the_table(tmp_path):
     r = qwen_vl.result("qwen2-vl", Info(), rounds)
     assert r["image_tokens"] == [64, 128, 256] and r["images_encoded"] == 75 and r["cache_hits"] == 0
     assert (r["ttft_p50_s"], r["vision_request_ms"], r["tokens_per_s"]) == (0.2, 30.0, 60.0)
-    meta = {"command": "python -m bench.qwen_vl --quick", "date": "d", "machine": machine.describe(),
+    meta = {"command": "python -m bench.vision.qwen_vl --quick", "date": "d", "machine": machine.describe(),
             "kernel_races": {}}
     md = qwen_vl.markdown([r], meta)
     assert ("| qwen2-vl | 64 / 128 / 256 | 200 / 400 ms | 200 / 200 / 600 ms | 6 (3%) / 30 (15%) / 60 (10%) | 20% | "

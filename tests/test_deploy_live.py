@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from triton_vlm.server.frontend import OpenAIFrontend
 from triton_vlm.server.process import free_port
 
-from bench.routing import KVIndex, Subscriber, run_chats
+from bench.server.routing import KVIndex, Subscriber, run_chats
 from deploy_support import (EndpointMetrics, Spec, epp_config, extract, one, parse_prometheus, pick, render,
                             score, server_container)
 

@@ -1,4 +1,4 @@
-"""The GPU check (`bench/gpu_check.py`) rehearsed on the CPU, so that it cannot rot before a GPU runs it: every step
+"""The GPU check (`bench/gpu/check.py`) rehearsed on the CPU, so that it cannot rot before a GPU runs it: every step
 with its numbers in one results file, fp32 tokens identical to transformers, no import the GPU machine lacks
 (tritonclient, pytriton, the OpenAI front end's packages are blocked in the subprocess), a failing step recorded
 while the check goes on, and a hung step ended by the watchdog with the results written."""
@@ -35,7 +35,7 @@ def _env(tmp_path: Path) -> dict:
 
 def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
     out = tmp_path / "res" / "gpu_check.md"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--tiny", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.check", "--device", "cpu", "--tiny", "--out", str(out),
                            "--budget-s", "150"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,7 +71,7 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
 
 
 def test_a_failing_step_is_recorded_and_the_check_goes_on(tmp_path):
-    from bench.gpu_report import Check
+    from bench.gpu.report import Check
 
     check = Check(device=torch.device("cpu"), tiny=True, out=tmp_path / "r.md", budget_s=60, tmp=str(tmp_path),
                   big_dtype="float32", command="test")
@@ -91,7 +91,7 @@ def test_a_failing_step_is_recorded_and_the_check_goes_on(tmp_path):
 def test_the_watchdog_writes_the_results_and_ends_a_hung_check(tmp_path):
     script = textwrap.dedent(f"""
         import time, torch
-        from bench.gpu_report import Check
+        from bench.gpu.report import Check
         check = Check(device=torch.device("cpu"), tiny=True, out=__import__("pathlib").Path({str(tmp_path)!r}) / "w.md",
                       budget_s=1.0, tmp={str(tmp_path)!r}, big_dtype="float32", command="test",
                       min_step_s=0.0)

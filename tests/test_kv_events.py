@@ -1,6 +1,6 @@
 """KV-cache events (engine/kv/kv_events.py): the prefix cache's blocks stored / removed / cleared, published on ZMQ
 in vLLM's layout and decoded here positionally as llm-d-kv-cache's vLLM adapter decodes them; an llm-d-style
-index fed by them (bench.routing.KVIndex: its own keys recomputed from the events' token ids) finds a chat's next
+index fed by them (bench.server.routing.KVIndex: its own keys recomputed from the events' token ids) finds a chat's next
 turn on the engine that holds its blocks; a dead or failing subscriber never blocks or stops the engine."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from bench.routing import KVIndex, decode_batch, engine_key
+from bench.server.routing import KVIndex, decode_batch, engine_key
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine.kv import kv_events
 from triton_vlm.engine.engine import Engine, EngineConfig

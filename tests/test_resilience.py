@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench import queue_stall, traffic
+from bench.server import queue_stall, traffic
 from triton_vlm.server import procs
 
 pytestmark = pytest.mark.server
@@ -71,7 +71,7 @@ def test_soak_mixed_traffic(triton_server):
 # --- hostile input --------------------------------------------------------------------------------------------
 def test_no_queue_policy_on_dynamically_batched_models():
     # a queue policy turns off the dynamic batcher's prefetching: requests arriving while the instance is busy
-    # then wait for the next arrival or 500 ms (bench/queue_stall.py: p99 505 ms with max_queue_size 1024)
+    # then wait for the next arrival or 500 ms (bench/server/queue_stall.py: p99 505 ms with max_queue_size 1024)
     repo = Path(__file__).resolve().parent.parent / "model_repository"
     for cfg in sorted(repo.glob("*/config.pbtxt")):
         text = "\n".join(line.split("#", 1)[0] for line in cfg.read_text().splitlines())  # comments out

@@ -3,7 +3,7 @@
 vLLM's CPU backend binds its model worker's threads to their own cores and keeps the rest for everything else
 (`reserve_cpu_num`). Without a layout, our llm stub's decode thread shares every core with tritonserver, the
 other stubs, the OpenAI front end and a local client, and is preempted in the middle of its steps. Measured on a
-2-core machine (`bench.peer_ab`, concurrency 16, `vllm bench serve`, alternating on one server): the llm stub alone
+2-core machine (`bench.peers.affinity_ab`, concurrency 16, `vllm bench serve`, alternating on one server): the llm stub alone
 on the first core, everything else on the other, 1.37x the tokens/s of no layout (docs/performance.md).
 
 `plan(mode, device, threads)` -> `CpuLayout` or None:

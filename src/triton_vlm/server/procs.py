@@ -125,7 +125,7 @@ def _ppid(pid: str) -> int | None:
 def children(pid: int) -> list[Proc]:
     """The live children of `pid`: one read (stat) of every process for its parent, the rest read only for the
     children. The supervisor asks this every 0.5 s, where reading three files of every process on the machine cost
-    ~7.6 ms of CPU a scan (bench.peer's measurement at 89 processes)."""
+    ~7.6 ms of CPU a scan (bench.peers.side_by_side's measurement at 89 processes)."""
     kids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p.name) == pid]
     return [p for k in kids if (p := read_proc(k)) is not None and p.ppid == pid]
 

@@ -12,7 +12,7 @@ SIGSEGV (`TRITONBACKEND_ResponseFactoryIsCancelled`). So a request's whole lifet
   to the server (queued to the stub's stub-to-parent thread, answered by the server's message thread; about
   50 us on an idle 2-core machine, 150-300 us on a busy one), so it never runs on the thread that sends: asked
   there, a sweep of 1,024 live requests took 40-55 ms, every 50 ms, and every response waited behind it
-  (`bench/cancel_poll.py`). The poller works in sweeps: each asks every request live when it starts,
+  (`bench/server/cancel_poll.py`). The poller works in sweeps: each asks every request live when it starts,
   `ceil(live * poll_s / sweep_s)` of them (at most `max_batch`) every `poll_s`. So a cancellation is seen within
   `sweep_s` up to `max_batch * sweep_s / poll_s` live requests (640 by default) and within 0.85 s at the default
   limits (1,088 live: `max_queue` 1,024 waiting + `max_rows` 64 running); the round trips are bounded by

@@ -17,7 +17,7 @@ tiles' float32 bytes, their shape and the image's size), so the cached features 
 pixels, whoever sent them (the model is callable directly, so a key sent with pixels could name another tenant's
 image; issue 24). Hashing costs about 0.9 ms per 336x336 tile (1.35 MB) on one core with SHA-NI; the tiles of
 one `execute()` are hashed on up to `HASH_THREADS` threads (hashlib releases the GIL), and nothing is hashed
-without a cache. Figures beside the encoder's time: `bench/cache_trust.py`.
+without a cache. Figures beside the encoder's time: `bench/vision/cache_trust.py`.
 """
 from __future__ import annotations
 
@@ -349,7 +349,7 @@ def build(model_dir, params: dict, explicit: set[str] = frozenset(), out_dtype: 
 
 
 def choose_backend(name: str, device: str, explicit: set[str]) -> str:
-    """"auto": onnxruntime on a CPU (as fast as torch or faster: `bench/vision.py`), torch on a GPU or when a
+    """"auto": onnxruntime on a CPU (as fast as torch or faster: `bench/vision/encoder.py`), torch on a GPU or when a
     torch-only setting (vision_bits, ...) is given; tensorrt only when asked for (it needs TensorRT)."""
     if name != "auto":
         return name

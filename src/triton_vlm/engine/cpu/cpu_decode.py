@@ -18,7 +18,7 @@ kilobytes (a rotary lookup, index_copy x 2, the index_select gathers of the row'
 attention, transposes; `torch.rms_norm` x 2, itself ~8-17 us for 512 values; slices, silu, mul, adds). The
 kernel also reads the keys where they are instead of gathering a copy first (the KV-gather-free attention of
 vLLM's paged attention, on a CPU), so a decode step's activations no longer grow with rows x context
-(`profile.py` measures this). `python -m bench.profile_engine` shows the step.
+(`profile.py` measures this). `python -m bench.engine.profile_engine` shows the step.
 
 Numerics: scores, the weighted sum, the norm's sum of squares and the exponentials (a Cephes polynomial,
 relative error ~1e-7) are fp32 in another order than torch's (ulp-level, as a different batch size already

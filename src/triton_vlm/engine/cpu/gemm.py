@@ -3,7 +3,7 @@
 Every `Linear` of the decoder computes `y = x @ W^T (+ b)`. `F.linear` on a CPU calls MKL's sgemm, which on
 the AMD EPYC machines this project runs on takes its generic (non-AVX-512) path: measured with one thread,
 fp32, cold weights (a microbenchmark cycling through more weights than the L3 holds; in the engine,
-`python -m bench.profile_engine` shows the step):
+`python -m bench.engine.profile_engine` shows the step):
 
     shape (rows x in -> out)      F.linear (MKL)         oneDNN, prepacked
     1 x 512 -> 1408               200 us  14 GB/s        93-127 us  23-31 GB/s   (a decode step of one stream)

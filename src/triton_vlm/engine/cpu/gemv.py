@@ -4,7 +4,7 @@ Why: a one-stream decode step makes 33 projection calls (q/k/v, o, gate/up, down
 runs each in ~11 us of fixed cost before it reads a byte (primitive lookup, memory descriptors: measured on a
 16 x 16 weight) and reaches 23-33 GB/s on the small matrices (o: 1 MB, q/k/v: 2 MB), against ~37 GB/s one
 core streams. For 1 to 4 rows a product is a pure read of the weight, so a kernel that streams the weight once
-and calls in ~2 us gets closer to the memory: `python -m bench.profile_engine` shows the step.
+and calls in ~2 us gets closer to the memory: `python -m bench.engine.profile_engine` shows the step.
 
 The layout. `gemm.pack` leaves each weight in the blocked layout oneDNN picks for the machine; on the AVX-512
 machines this project runs on it is `[ceil(N / 64)][Kp][64]`: for each block of 64 outputs, K rows of 64

@@ -8,7 +8,7 @@ their ranks) and so are the B matrices (`B_cat` [out, R]); one forward then take
     y += h @ B_cat^T                     # [rows, q_len, out], one addmm_ into the base output
 
 (the idea of punica's SGMV / BGMV kernels, as dense GEMMs with a mask on the CPU). Measured on the benchmark
-model, 16 requests with 4 adapters of ranks 8 / 16 mixed in every batch (`bench/lora_overhead.py`): 8% faster
+model, 16 requests with 4 adapters of ranks 8 / 16 mixed in every batch (`bench/engine/lora_overhead.py`): 8% faster
 than grouping rows by adapter (index_select + two GEMMs + index_copy per adapter) at beam 1, 20% at beam 4,
 where the grouped form pays per-group overheads on many small GEMMs (one A GEMM for q/k/v together was tried
 too: no measurable gain, so not kept). A GPU deployment should use the punica

@@ -13,7 +13,7 @@ Two implementations of the same computation:
   compiled on CUDA.
 
 The backend is chosen at load (`Attention.__init__`, logged with its reason) by `TRITON_VLM_ATTENTION`:
-`auto` (default): SDPA, on every device. On an H200 (bench/gpu_runs/2026-11-27-h200.md) the paged flex
+`auto` (default): SDPA, on every device. On an H200 (bench/gpu/runs/2026-11-27-h200.md) the paged flex
 path, though its kernel won a one-layer decode race (`race`: 0.247 vs 0.274 ms, 32 rows x 512 keys), served the
 7B-shaped model slower end to end: greedy at 64 concurrent 421 vs 755 tok/s, TTFT 98 vs 54 ms, one stream 145 vs
 151 tok/s (the race leaves out the per-forward block mask, compiles at new shapes and the prefill kernel; which

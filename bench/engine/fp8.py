@@ -1,0 +1,115 @@
+"""One-stream decode rate and resident memory: the benchmark model's fp32 weights against the same weights quantized
+to block-wise FP8 (Qwen's `-FP8` layout, [128, 128] blocks).
+
+    python -m bench.engine.fp8                   # both, 3 greedy requests of 64 tokens each, JSON + one line each
+
+Each side runs in its own process (so its resident memory is its own): `triton_vlm.engine.Engine` on the
+checkpoint, driven directly (no Triton), greedy requests one at a time with random image features; the rate is
+decoded tokens (all but the first, which the prefill gives) / the time after the first token; memory is the
+process's peak resident set (`ru_maxrss`) and the bytes of the engine's weight tensors.
+
+Today the FP8 checkpoint is dequantized once at load (`quant/dequant.py`), so both sides compute and hold fp32
+weights: the figures measure that the FP8 path costs nothing at decode, and are the baseline of an FP8-in-memory
+kernel (issue 38's target: >= 1.5x the rate, <= 0.35x the memory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BLOCK = (128, 128)
+
+
+def fp8_bench_model() -> tuple[Path, Path]:
+    """(the fp32 benchmark model, its block-wise FP8 copy), built and cached."""
+    from bench.common.model import ensure_bench_model
+    from triton_vlm.demo.fp8_checkpoint import quantize_checkpoint
+
+    base = ensure_bench_model(verbose=False)
+    out = base.with_name(base.name + "-fp8-block128")
+    if not (out / "model.safetensors").is_file():
+        quantize_checkpoint(base, out, "fp8-block", BLOCK)
+    return base, out
+
+
+def measure(model_dir: Path, requests: int, tokens: int) -> dict:
+    """One side, in this process (see the module docstring)."""
+    from bench.engine.profile_engine import make_engine, prompt_ids, _ENGINE_DIRS
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    torch.set_num_threads(1)
+    engine = make_engine(model_dir, max_rows=4, kv_tokens=4096)
+    _ENGINE_DIRS[id(engine)] = model_dir
+    ids = prompt_ids(engine)
+    n_img, hidden = ids.count(engine.image_token_id), engine.model_config.hidden_size
+    params = GenerationParams(max_tokens=tokens, min_tokens=tokens, stream=True)
+    rates = []
+    for i in range(requests + 1):  # the first warms up
+        stamps: list[float] = []
+        done = [False]
+
+        def on_result(res) -> None:
+            stamps.append(time.perf_counter())
+            done[0] = done[0] or res.final
+
+        emb = torch.randn(1, n_img, hidden, generator=torch.Generator().manual_seed(i)) * 0.02
+        engine.submit(GenerationRequest(f"r{i}", list(ids), params, image_embeds=emb), on_result)
+        while not done[0]:
+            engine.step()
+        if i:
+            rates.append((tokens - 1) / (stamps[-1] - stamps[0]))
+    return {"model": str(model_dir), "tok_s": sorted(rates)[len(rates) // 2], "rates": rates,
+            "weight_bytes": weight_bytes(model_dir), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the language model's weights as the engine loads them (fp32: an FP8 checkpoint dequantized)."""
+    from triton_vlm.engine.model.weights import load_config, load_weights
+
+    weights = load_weights(model_dir, load_config(model_dir))
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
+
+
+def file_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this checkpoint only
+    a = ap.parse_args(argv)
+    if a.one:
+        print(json.dumps(measure(Path(a.one), a.requests, a.tokens)))
+        return 0
+    fp32, fp8 = fp8_bench_model()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = {}
+    for name, path in (("fp32", fp32), ("fp8", fp8)):
+        proc = subprocess.run([sys.executable, "-m", "bench.engine.fp8", "--one", str(path), "--requests", str(a.requests),
+                               "--tokens", str(a.tokens)], env=env, capture_output=True, text=True, check=True)
+        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["ratio"] = {"tok_s": out["fp8"]["tok_s"] / out["fp32"]["tok_s"],
+                    "max_rss": out["fp8"]["max_rss_bytes"] / out["fp32"]["max_rss_bytes"],
+                    "weight_bytes": out["fp8"]["weight_bytes"] / max(1, out["fp32"]["weight_bytes"])}
+    out["checkpoint_bytes"] = {"fp32": file_bytes(fp32), "fp8": file_bytes(fp8)}
+    out["load_average"] = os.getloadavg()
+    print(json.dumps(out, indent=2))
+    for name in ("fp32", "fp8"):
+        r = out[name]
+        print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB, "
+              f"weights {r['weight_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
