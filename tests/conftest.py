@@ -129,13 +129,20 @@ def demo_model() -> Path:
     return ensure_demo_model()
 
 
-def _start_server(tmp_path_factory, model: Path, params: dict, name: str):
+# what a test server serves unless it asks for more: the ensemble and its three steps. The `tensorrt_llm` model (one
+# more python stub per server) is served by the session's `triton_server`, the launcher's tests and the servers
+# built with `TritonServer` directly, which serve the whole repository.
+ENSEMBLE_MODELS = ("ensemble", "preprocess", "vision", "llm")
+
+
+def _start_server(tmp_path_factory, model: Path, params: dict, name: str,
+                  models: tuple[str, ...] | None = ENSEMBLE_MODELS):
     from triton_vlm.server.process import TritonServer, free_port
     from triton_vlm.server.supervisor import Supervisor
 
     run_dir = tmp_path_factory.mktemp(name)
     server = TritonServer(str(model), free_port(), free_port(), free_port(), params=params, run_dir=run_dir,
-                          log_file=run_dir / "server.log", exit_timeout=10)
+                          log_file=run_dir / "server.log", exit_timeout=10, models=models)
     server.start()
     try:
         server.wait_ready(300)
@@ -190,7 +197,7 @@ def triton_server(tmp_path_factory, demo_model, demo_adapters, image_host, lora_
     params = {"*": {"lora_dir": str(demo_adapters), "lora_root": str(lora_root)},
               "tensorrt_llm": {"allowed_image_domains": "127.0.0.1", "allowed_image_ports": port,
                                "allow_private_image_hosts": "1"}}
-    server = _start_server(tmp_path_factory, demo_model, params, "server")
+    server = _start_server(tmp_path_factory, demo_model, params, "server", models=None)  # the whole repository
     yield server
     _stop_server(server)
 

@@ -156,7 +156,7 @@ def test_every_stub_of_a_killed_server_exits_through_the_lifeline(tmp_path_facto
     try:
         server.wait_ready(300)
         stubs = procs.stubs_of(server.proc.pid)
-        assert sorted(stubs.values()) == ["llm", "preprocess", "vision"], stubs
+        assert sorted(stubs.values()) == ["llm", "preprocess", "tensorrt_llm", "vision"], stubs
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         deadline = time.monotonic() + 5
