@@ -11,6 +11,14 @@ process's peak resident set (`ru_maxrss`) and the bytes of the engine's weight t
 Today the FP8 checkpoint is dequantized once at load (`quant/dequant.py`), so both sides compute and hold fp32
 weights: the figures measure that the FP8 path costs nothing at decode, and are the baseline of an FP8-in-memory
 kernel (issue 38's target: >= 1.5x the rate, <= 0.35x the memory).
+
+    python -m bench.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
+
+`--kernels` times the projection products of one one-stream decode step of the benchmark model's shapes (per
+layer the C forward's fused qkv, o, fused gate_up and down; the lm_head, left unquantized by the checkpoint, in
+fp32 on both sides) by `engine/cpu/gemv.py` on fp32 weights and by `engine/cpu/gemv_fp8.py` on e4m3 bytes with
+[128, 128] block scales, alternating, and the bytes each side holds: the ceiling the FP8 kernel gives a decode
+step once the engine keeps the weights in FP8 (the rest of a step, attention and norms, is the same on both).
 """
 from __future__ import annotations
 
@@ -78,6 +86,45 @@ def weight_bytes(model_dir: Path) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
 
 
+def kernel_step(rounds: int = 30) -> dict:
+    """One decode step's projection products at the benchmark model's shapes, fp32 gemv vs FP8 gemv (doc)."""
+    from bench.model import BENCH_SPEC
+    from triton_vlm.engine.cpu import gemm, gemv, gemv_fp8
+
+    torch.set_num_threads(1)
+    fp32k, fp8k = gemv.kernel(gemm.pack), gemv_fp8.kernel()
+    if fp32k is None or fp8k is None:
+        raise SystemExit("a gemv kernel does not run here (see the log)")
+    h, inter, hd = BENCH_SPEC["text_hidden"], BENCH_SPEC["intermediate"], BENCH_SPEC["text_hidden"] // BENCH_SPEC["heads"]
+    qkv = h + 2 * BENCH_SPEC["kv_heads"] * hd
+    shapes = [(qkv, h), (h, h), (2 * inter, h), (h, inter)] * BENCH_SPEC["layers"]  # [N, K] per product
+    g = torch.Generator().manual_seed(0)
+    qs = [(torch.randn(n, k, generator=g) * 50).clamp(-440, 440).to(torch.float8_e4m3fn) for n, k in shapes]
+    scales = [torch.rand(-(-n // BLOCK[0]), -(-k // BLOCK[1]), generator=g) * 1e-2 for n, k in shapes]
+    w8 = [gemv_fp8.pack(q, s, BLOCK) for q, s in zip(qs, scales)]
+    dense = [gemm.pack(q.float()) for q in qs]
+    lays = [fp32k.layout(w) for w in dense]
+    head = fp32k.layout(head_w := gemm.pack(torch.randn(BENCH_SPEC["vocab_size"], h, generator=g)))
+    xs = {k: torch.randn(1, k, generator=g) for k in {k for _, k in shapes}}
+
+    def step(fp8: bool) -> float:
+        t0 = time.perf_counter()
+        for i, (n, k) in enumerate(shapes):
+            fp8k.run(xs[k], w8[i]) if fp8 else fp32k.run(xs[k], lays[i], None)
+        fp32k.run(xs[h], head, None)
+        return time.perf_counter() - t0
+
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for fp8 in (False, True):
+            times[fp8].append(step(fp8))
+    med = {fp8: sorted(t)[len(t) // 2] for fp8, t in times.items()}
+    del head_w
+    return {"step_ms": {"fp32": med[False] * 1e3, "fp8": med[True] * 1e3}, "speedup": med[False] / med[True],
+            "projection_bytes": {"fp32": sum(n * k * 4 for n, k in shapes), "fp8": sum(w.nbytes for w in w8)},
+            "lm_head_bytes_fp32": BENCH_SPEC["vocab_size"] * h * 4, "fp8_race": vars(fp8k.race) if fp8k.race else None}
+
+
 def file_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
@@ -86,10 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--kernels", action="store_true", help="time one decode step's products only (doc)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this checkpoint only
     a = ap.parse_args(argv)
     if a.one:
         print(json.dumps(measure(Path(a.one), a.requests, a.tokens)))
+        return 0
+    if a.kernels:
+        out = kernel_step()
+        out["load_average"] = os.getloadavg()
+        print(json.dumps(out, indent=2))
+        print(f"one decode step's products: fp32 gemv {out['step_ms']['fp32']:.2f} ms, fp8 gemv "
+              f"{out['step_ms']['fp8']:.2f} ms ({out['speedup']:.2f}x); projection weights "
+              f"{out['projection_bytes']['fp32'] / 2**20:.1f} vs {out['projection_bytes']['fp8'] / 2**20:.1f} MiB")
         return 0
     fp32, fp8 = fp8_bench_model()
     env = dict(os.environ, OMP_NUM_THREADS="1")
