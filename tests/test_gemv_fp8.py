@@ -7,6 +7,7 @@ import ctypes
 
 import pytest
 import torch
+from conftest import KERNEL_SKIP
 
 from triton_vlm.engine.cpu import cbuild, gemm, gemv, gemv_fp8
 from triton_vlm.quant.dequant import block_dequantize, channel_dequantize
@@ -19,10 +20,10 @@ def fp8k() -> gemv_fp8.Kernel:
     try:
         k = gemv_fp8.Kernel(ctypes.CDLL(str(cbuild.build("gemv_fp8", "gemv_fp8.c"))))
     except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the server keeps the dequantized path
-        pytest.skip(f"fp8 gemv kernel cannot build here: {type(e).__name__}: {e}")
+        pytest.skip(f"{KERNEL_SKIP}: fp8 gemv: {type(e).__name__}: {e}")
     reason = k.check()
     if reason is not None:
-        pytest.skip(f"fp8 gemv kernel fails its check here: {reason}")
+        pytest.skip(f"{KERNEL_SKIP}: fp8 gemv fails its check here: {reason}")
     return k
 
 
@@ -30,7 +31,7 @@ def fp8k() -> gemv_fp8.Kernel:
 def fp32k() -> gemv.Kernel:
     k = gemv.kernel(gemm.pack)
     if k is None:
-        pytest.skip("the fp32 gemv kernel does not run here (see its log line): nothing to compare bits with")
+        pytest.skip(f"{KERNEL_SKIP}: the fp32 gemv does not run here: nothing to compare bits with")
     return k
 
 

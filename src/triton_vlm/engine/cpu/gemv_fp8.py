@@ -59,6 +59,12 @@ class PackedFp8:
     def nbytes(self) -> int:
         return self.data.numel() + self.scale.numel() * 4
 
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] fp32: float(q) * s, each scale over its block (`quant/dequant.py`'s values, bit for bit)."""
+        q = self.data.transpose(1, 2).reshape(-1, self.k)[: self.n].view(E4M3)  # [N, K]
+        s = self.scale.repeat_interleave(self.bm, 0)[: self.n].repeat_interleave(self.bn, 1)[:, : self.k]
+        return q.to(torch.float32) * s
+
 
 def pack(q: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]]) -> PackedFp8:
     """q [N, K] float8_e4m3fn, scale fp32 ([N / bm, K / bn] blocks with `block` = (bm, bn); [N, 1] per channel;
