@@ -93,3 +93,33 @@ def test_pack_refuses_what_it_cannot_read_exactly():
         gemv_fp8.pack(bad, torch.ones(1, 1), None)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         gemv_fp8.pack(q.float(), torch.ones(1, 1), None)
+
+
+@pytest.mark.parametrize("fmt,kept", [("fp8-block", True), ("ct-channel", False)])
+def test_engine_keeps_fp8_projections_equal_to_the_dequantized_weights(fp8k, monkeypatch, fmt, kept):
+    """The engine on a block-wise FP8 checkpoint holds its projections as e4m3 (1 byte a weight) whose values are
+    the dequantized weights bit for bit, and products on them equal F.linear on those weights closely (the bits
+    are `gemv.c`'s order, checked above). compressed-tensors with bf16 scales (the fixture's) is dequantized at
+    load: its product is rounded in bf16, which `float(q) * s` in fp32 is not."""
+    from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
+    from triton_vlm.engine.model.model import LlamaModel
+    from triton_vlm.weight_source import TensorSource
+
+    monkeypatch.setenv(gemv_fp8.ENV, "1")
+    gemv_fp8._once.reset()
+    try:
+        path = ensure_fp8_checkpoint("llava", fmt)
+        model, src = LlamaModel.from_pretrained(path), TensorSource(path)
+    finally:
+        gemv_fp8._once.reset()
+    prefix = next(k for k in src.quant.scales).split("layers.")[0]
+    for i, layer in enumerate(model.layers):
+        for lin in layer.linears():
+            assert (lin.fp8_packed is not None and lin.weight.dtype == torch.uint8) == kept, (i, lin.module)
+            group = "self_attn" if lin.module in ("qkv_proj", "o_proj") else "mlp"
+            want = torch.cat([src.get(f"{prefix}layers.{i}.{group}.{m}.weight") for m, _ in lin.parts])
+            assert torch.equal(lin.dense_weight(), want), (i, lin.module)
+            x = torch.randn(1, 1, want.shape[1])
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, want, lin.bias), rtol=1e-5, atol=1e-5)
+            x6 = torch.randn(6, 1, want.shape[1])  # more rows than the kernel takes: the dequantized weight
+            torch.testing.assert_close(lin(x6), torch.nn.functional.linear(x6, want, lin.bias), rtol=1e-5, atol=1e-5)
