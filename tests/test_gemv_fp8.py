@@ -95,12 +95,13 @@ def test_pack_refuses_what_it_cannot_read_exactly():
         gemv_fp8.pack(q.float(), torch.ones(1, 1), None)
 
 
-@pytest.mark.parametrize("fmt,kept", [("fp8-block", True), ("ct-channel", False)])
-def test_engine_keeps_fp8_projections_equal_to_the_dequantized_weights(fp8k, monkeypatch, fmt, kept):
+@pytest.mark.parametrize("base,fmt,kept", [("llava", "fp8-block", True), ("qwen2_5_vl", "fp8-block", True),
+                                           ("llava", "ct-channel", False)])
+def test_engine_keeps_fp8_projections_equal_to_the_dequantized_weights(fp8k, monkeypatch, base, fmt, kept):
     """The engine on a block-wise FP8 checkpoint holds its projections as e4m3 (1 byte a weight) whose values are
     the dequantized weights bit for bit, and products on them equal F.linear on those weights closely (the bits
     are `gemv.c`'s order, checked above). compressed-tensors with bf16 scales (the fixture's) is dequantized at
-    load: its product is rounded in bf16, which `float(q) * s` in fp32 is not."""
+    load: its product is rounded in bf16, which `float(q) * s` in fp32 is not. Qwen2.5-VL: q/k/v with biases."""
     from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
     from triton_vlm.engine.model.model import LlamaModel
     from triton_vlm.weight_source import TensorSource
@@ -108,7 +109,7 @@ def test_engine_keeps_fp8_projections_equal_to_the_dequantized_weights(fp8k, mon
     monkeypatch.setenv(gemv_fp8.ENV, "1")
     gemv_fp8._once.reset()
     try:
-        path = ensure_fp8_checkpoint("llava", fmt)
+        path = ensure_fp8_checkpoint(base, fmt)
         model, src = LlamaModel.from_pretrained(path), TensorSource(path)
     finally:
         gemv_fp8._once.reset()

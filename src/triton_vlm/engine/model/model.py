@@ -57,6 +57,13 @@ class AdapterBatch(Protocol):
         when no row adapts this module)."""
 
 
+def _zeros(weight) -> torch.Tensor:
+    """[out] zeros: the bias of a part without one (an FP8 weight's bias is fp32, as its products)."""
+    if isinstance(weight, Fp8Weight):
+        return torch.zeros(weight.shape[0], dtype=torch.float32)
+    return weight.new_zeros(weight.shape[0])
+
+
 class Linear:
     """y = x @ W^T (+ b) (+ the adapter batch's per-row delta for this layer/module). With `packed`, the weight
     is kept in oneDNN's blocked layout (`gemm.py`: where that is faster than `F.linear`).
@@ -80,7 +87,7 @@ class Linear:
         weights = [w[f"layers.{i}.{m}"] for m in modules]  # each [out_m, in]
         bias = None
         if any(f"layers.{i}.{m}.bias" in w for m in modules):
-            bias = torch.cat([w.get(f"layers.{i}.{m}.bias", weights[j].new_zeros(weights[j].shape[0]))
+            bias = torch.cat([w.get(f"layers.{i}.{m}.bias", _zeros(weights[j]))
                               for j, m in enumerate(modules)])
         parts = tuple((m, t.shape[0]) for m, t in zip(modules, weights))
         if any(isinstance(t, Fp8Weight) for t in weights):
