@@ -60,7 +60,7 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
     ids = prompt_ids(engine)
     n_img, hidden = ids.count(engine.image_token_id), engine.model_config.hidden_size
     params = GenerationParams(max_tokens=tokens, min_tokens=tokens, stream=True)
-    rates = []
+    rates, firsts = [], []  # decode rates; prefill (submit to the first token) seconds
     for i in range(requests + 1):  # the first warms up
         stamps: list[float] = []
         done = [False]
@@ -70,12 +70,15 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
             done[0] = done[0] or res.final
 
         emb = torch.randn(1, n_img, hidden, generator=torch.Generator().manual_seed(i)) * 0.02
+        t_submit = time.perf_counter()
         engine.submit(GenerationRequest(f"r{i}", list(ids), params, image_embeds=emb), on_result)
         while not done[0]:
             engine.step()
         if i:
             rates.append((tokens - 1) / (stamps[-1] - stamps[0]))
+            firsts.append(stamps[0] - t_submit)
     return {"model": str(model_dir), "tok_s": sorted(rates)[len(rates) // 2], "rates": rates,
+            "prompt_tokens": len(ids), "first_token_s": sorted(firsts)[len(firsts) // 2],
             "weight_bytes": weight_bytes(engine), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("fp32", "fp8"):
         r = out[name]
         print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB, "
-              f"weights {r['weight_bytes'] / 2**20:.1f} MiB")
+              f"weights {r['weight_bytes'] / 2**20:.1f} MiB, prefill of {r['prompt_tokens']} tokens "
+              f"{r['first_token_s'] * 1e3:.0f} ms")
     return 0
 
 

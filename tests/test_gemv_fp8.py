@@ -52,6 +52,7 @@ def test_block_fp8_equals_fp32_gemv_of_dequantized_weight_bitwise(fp8k, fp32k, n
     assert lay is not None
     w8 = gemv_fp8.pack(q, s, block)
     assert w8.data.numel() == -(-n // 64) * 64 * k and w8.data.dtype == torch.uint8  # 1 byte a weight
+    assert torch.equal(fp8k.dequantize_t(w8)[:, :n], dense.T)  # prefill's weight, converted by the kernel
     bias = torch.randn(n, generator=g)
     for rows in range(1, gemv_fp8.MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=g)

@@ -103,6 +103,9 @@ class Kernel(cbuild.Chosen):
         self._fn = lib.triton_vlm_gemv_fp8
         self._fn.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, p, p, i64]
         self._fn.restype = ctypes.c_int
+        self._deq = lib.triton_vlm_fp8_dequantize_t
+        self._deq.argtypes = [p, i64, i64, p, i64, i64, p]
+        self._deq.restype = None
         self._table = lib.triton_vlm_e4m3_table
         self._table.argtypes = [p]
         self._table.restype = None
@@ -118,6 +121,13 @@ class Kernel(cbuild.Chosen):
         if rc != 0:
             raise ValueError(f"fp8 gemv kernel: {rows} rows, 1 to {MAX_ROWS}")
         return y
+
+    def dequantize_t(self, w: PackedFp8) -> torch.Tensor:
+        """The dequantized weight transposed, [K, ceil(N / 64) * 64] fp32 (outputs past N zero): a prefill
+        product's weight for one call (`x @ it`), its values `PackedFp8.dequantize()`'s bit for bit."""
+        out = torch.empty(w.k, w.data.shape[0] * BLOCK, dtype=torch.float32)
+        self._deq(w.data.data_ptr(), w.k, w.n, w.scale.data_ptr(), w.bm, w.bn, out.data_ptr())
+        return out
 
     def table(self) -> torch.Tensor:
         out = torch.empty(256, dtype=torch.float32)
@@ -143,6 +153,8 @@ class Kernel(cbuild.Chosen):
                 want = x.double() @ dense.double().T + b.double()
                 if not torch.allclose(self.run(x, pack(q, s, block), b).double(), want, rtol=1e-4, atol=1e-3):
                     return f"results differ from a dense product ({rows}x{k} @ {k}x{n})"
+            if not torch.equal(self.dequantize_t(pack(q, s, block))[:, :n], dense.T):
+                return f"its dequantized {n}x{k} weight differs from torch's"
         return None
 
 

@@ -112,3 +112,26 @@ void triton_vlm_e4m3_table(float *out) {
         memcpy(out + c, &f, sizeof(vf));
     }
 }
+
+/* out[k][n] = float(q[n][k]) * s (the dequantized weight transposed, [K][ceil(N / 64) * 64], padded outputs 0):
+   the prefill products' weight for one call, converted here at the kernel's speed (torch's e4m3 cast is scalar) */
+void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
+                                 int64_t bn, float *out) {
+    int64_t nblocks = (N + BLOCK - 1) / BLOCK, scols = (K + bn - 1) / bn, ld = nblocks * BLOCK;
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t s = 0; s < BLOCK; s += VW) {
+            int64_t n0 = nb * BLOCK + s;
+            for (int64_t kb = 0; kb < scols; kb++) {
+                float lane[VW];
+                for (int i = 0; i < VW; i++)
+                    lane[i] = n0 + i < N ? scale[((n0 + i) / bm) * scols + kb] : 0.0f;
+                vf sv;
+                memcpy(&sv, lane, sizeof(vf));
+                int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;
+                for (int64_t k = kb * bn; k < kend; k++) {
+                    vf v = e4m3_to_f32(w + nb * K * BLOCK + k * BLOCK + s) * sv;
+                    memcpy(out + k * ld + n0, &v, sizeof(vf));
+                }
+            }
+        }
+}
