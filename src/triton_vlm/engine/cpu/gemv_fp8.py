@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
