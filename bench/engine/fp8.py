@@ -8,9 +8,18 @@ checkpoint, driven directly (no Triton), greedy requests one at a time with rand
 decoded tokens (all but the first, which the prefill gives) / the time after the first token; memory is the
 process's peak resident set (`ru_maxrss`) and the bytes of the engine's weight tensors.
 
-Today the FP8 checkpoint is dequantized once at load (`quant/dequant.py`), so both sides compute and hold fp32
-weights: the figures measure that the FP8 path costs nothing at decode, and are the baseline of an FP8-in-memory
-kernel (issue 38's target: >= 1.5x the rate, <= 0.35x the memory).
+Where the FP8 gemv (`engine/cpu/gemv_fp8.py`) builds and wins its race, the FP8 checkpoint's projections stay
+e4m3 in memory and decode reads them by that kernel; elsewhere they are dequantized once at load (`quant/
+dequant.py`), as before (then 19.8 vs 20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x
+the memory.
+
+    python -m bench.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
+
+`--kernels` times the projection products of one one-stream decode step of the benchmark model's shapes (per
+layer the C forward's fused qkv, o, fused gate_up and down; the lm_head, left unquantized by the checkpoint, in
+fp32 on both sides) by `engine/cpu/gemv.py` on fp32 weights and by `engine/cpu/gemv_fp8.py` on e4m3 bytes with
+[128, 128] block scales, alternating, and the bytes each side holds: the ceiling the FP8 kernel gives a decode
+step once the engine keeps the weights in FP8 (the rest of a step, attention and norms, is the same on both).
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
     ids = prompt_ids(engine)
     n_img, hidden = ids.count(engine.image_token_id), engine.model_config.hidden_size
     params = GenerationParams(max_tokens=tokens, min_tokens=tokens, stream=True)
-    rates = []
+    rates, firsts = [], []  # decode rates; prefill (submit to the first token) seconds
     for i in range(requests + 1):  # the first warms up
         stamps: list[float] = []
         done = [False]
@@ -61,21 +70,63 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
             done[0] = done[0] or res.final
 
         emb = torch.randn(1, n_img, hidden, generator=torch.Generator().manual_seed(i)) * 0.02
+        t_submit = time.perf_counter()
         engine.submit(GenerationRequest(f"r{i}", list(ids), params, image_embeds=emb), on_result)
         while not done[0]:
             engine.step()
         if i:
             rates.append((tokens - 1) / (stamps[-1] - stamps[0]))
+            firsts.append(stamps[0] - t_submit)
     return {"model": str(model_dir), "tok_s": sorted(rates)[len(rates) // 2], "rates": rates,
-            "weight_bytes": weight_bytes(model_dir), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "prompt_tokens": len(ids), "first_token_s": sorted(firsts)[len(firsts) // 2],
+            "weight_bytes": weight_bytes(engine), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def weight_bytes(model_dir: Path) -> int:
-    """Bytes of the language model's weights as the engine loads them (fp32: an FP8 checkpoint dequantized)."""
-    from triton_vlm.engine.model.weights import load_config, load_weights
+def weight_bytes(engine) -> int:
+    """Bytes of the language model's tensors as the engine holds them (fp32 packed weights; an FP8 checkpoint's
+    projections as e4m3 bytes + fp32 scales where the FP8 gemv is chosen, else dequantized)."""
+    from triton_vlm.engine.cpu import gemm
 
-    weights = load_weights(model_dir, load_config(model_dir))
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
+    return sum(gemm.nbytes(t) for t in {id(t): t for t in engine.model.tensors()}.values())
+
+
+def kernel_step(rounds: int = 30) -> dict:
+    """One decode step's projection products at the benchmark model's shapes, fp32 gemv vs FP8 gemv (doc)."""
+    from bench.model import BENCH_SPEC
+    from triton_vlm.engine.cpu import gemm, gemv, gemv_fp8
+
+    torch.set_num_threads(1)
+    fp32k, fp8k = gemv.kernel(gemm.pack), gemv_fp8.kernel()
+    if fp32k is None or fp8k is None:
+        raise SystemExit("a gemv kernel does not run here (see the log)")
+    h, inter, hd = BENCH_SPEC["text_hidden"], BENCH_SPEC["intermediate"], BENCH_SPEC["text_hidden"] // BENCH_SPEC["heads"]
+    qkv = h + 2 * BENCH_SPEC["kv_heads"] * hd
+    shapes = [(qkv, h), (h, h), (2 * inter, h), (h, inter)] * BENCH_SPEC["layers"]  # [N, K] per product
+    g = torch.Generator().manual_seed(0)
+    qs = [(torch.randn(n, k, generator=g) * 50).clamp(-440, 440).to(torch.float8_e4m3fn) for n, k in shapes]
+    scales = [torch.rand(-(-n // BLOCK[0]), -(-k // BLOCK[1]), generator=g) * 1e-2 for n, k in shapes]
+    w8 = [gemv_fp8.pack(q, s, BLOCK) for q, s in zip(qs, scales)]
+    dense = [gemm.pack(q.float()) for q in qs]
+    lays = [fp32k.layout(w) for w in dense]
+    head = fp32k.layout(head_w := gemm.pack(torch.randn(BENCH_SPEC["vocab_size"], h, generator=g)))
+    xs = {k: torch.randn(1, k, generator=g) for k in {k for _, k in shapes}}
+
+    def step(fp8: bool) -> float:
+        t0 = time.perf_counter()
+        for i, (n, k) in enumerate(shapes):
+            fp8k.run(xs[k], w8[i]) if fp8 else fp32k.run(xs[k], lays[i], None)
+        fp32k.run(xs[h], head, None)
+        return time.perf_counter() - t0
+
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for fp8 in (False, True):
+            times[fp8].append(step(fp8))
+    med = {fp8: sorted(t)[len(t) // 2] for fp8, t in times.items()}
+    del head_w
+    return {"step_ms": {"fp32": med[False] * 1e3, "fp8": med[True] * 1e3}, "speedup": med[False] / med[True],
+            "projection_bytes": {"fp32": sum(n * k * 4 for n, k in shapes), "fp8": sum(w.nbytes for w in w8)},
+            "lm_head_bytes_fp32": BENCH_SPEC["vocab_size"] * h * 4, "fp8_race": vars(fp8k.race) if fp8k.race else None}
 
 
 def file_bytes(model_dir: Path) -> int:
@@ -86,10 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--kernels", action="store_true", help="time one decode step's products only (doc)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this checkpoint only
     a = ap.parse_args(argv)
     if a.one:
         print(json.dumps(measure(Path(a.one), a.requests, a.tokens)))
+        return 0
+    if a.kernels:
+        out = kernel_step()
+        out["load_average"] = os.getloadavg()
+        print(json.dumps(out, indent=2))
+        print(f"one decode step's products: fp32 gemv {out['step_ms']['fp32']:.2f} ms, fp8 gemv "
+              f"{out['step_ms']['fp8']:.2f} ms ({out['speedup']:.2f}x); projection weights "
+              f"{out['projection_bytes']['fp32'] / 2**20:.1f} vs {out['projection_bytes']['fp8'] / 2**20:.1f} MiB")
         return 0
     fp32, fp8 = fp8_bench_model()
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -107,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("fp32", "fp8"):
         r = out[name]
         print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB, "
-              f"weights {r['weight_bytes'] / 2**20:.1f} MiB")
+              f"weights {r['weight_bytes'] / 2**20:.1f} MiB, prefill of {r['prompt_tokens']} tokens "
+              f"{r['first_token_s'] * 1e3:.0f} ms")
     return 0
 
 

@@ -143,6 +143,20 @@ class TensorSource:
         except Unservable as e:
             raise CheckpointError(f"{self.model_dir}: {e}") from None
 
+    def get_fp8(self, name: str):
+        """A quantized weight kept in FP8 (`quant.fp8_weight.Fp8Weight`), or None where it is not quantized or
+        must be dequantized at load (zero points, scales other than fp32 ones)."""
+        from .quant.fp8_weight import Fp8Weight  # noqa: PLC0415
+
+        scale = self.quant.scales.get(name)
+        if scale is None or name in self.quant.zero_points:
+            return None
+        block = self.quant.quant.block if self.quant.quant.method == "fp8" else None
+        got = Fp8Weight.of(self._read(*self.files[name]), self._read(*self.quant.held[scale]), block)
+        if got is not None and not torch.equal(got.dequantize(), self.get(name)):  # (one read more at load)
+            return None
+        return got
+
     def _read(self, path: Path, key: str) -> torch.Tensor:
         h = self._handle(path)
         if hasattr(h, "get_tensor"):

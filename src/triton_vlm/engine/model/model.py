@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, mrope
-from ..cpu import cbuild, cpu_forward, gemm, gemv
+from ..cpu import cbuild, cpu_forward, gemm, gemv, gemv_fp8
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from ..kv.kv_cache import AttentionBatch, KVCache
 from ..lora.lora import LoraBatch
 from .weights import ModelConfig, load_config, load_weights
+from ...quant.fp8_weight import Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ class AdapterBatch(Protocol):
     def add(self, x: torch.Tensor, y: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """y [rows, q_len, out], the base projection of x [rows, q_len, in], plus each row's delta (y itself
         when no row adapts this module)."""
+
+
+def _zeros(weight) -> torch.Tensor:
+    """[out] zeros: the bias of a part without one (an FP8 weight's bias is fp32, as its products)."""
+    if isinstance(weight, Fp8Weight):
+        return torch.zeros(weight.shape[0], dtype=torch.float32)
+    return weight.new_zeros(weight.shape[0])
 
 
 class Linear:
@@ -79,17 +87,54 @@ class Linear:
         weights = [w[f"layers.{i}.{m}"] for m in modules]  # each [out_m, in]
         bias = None
         if any(f"layers.{i}.{m}.bias" in w for m in modules):
-            bias = torch.cat([w.get(f"layers.{i}.{m}.bias", weights[j].new_zeros(weights[j].shape[0]))
+            bias = torch.cat([w.get(f"layers.{i}.{m}.bias", _zeros(weights[j]))
                               for j, m in enumerate(modules)])
-        return cls(torch.cat(weights), bias, layer=i, module=name, packed=packed,
-                   parts=tuple((m, t.shape[0]) for m, t in zip(modules, weights)))
+        parts = tuple((m, t.shape[0]) for m, t in zip(modules, weights))
+        if any(isinstance(t, Fp8Weight) for t in weights):
+            kept = Fp8Weight.cat(weights) if all(isinstance(t, Fp8Weight) for t in weights) else None
+            lin = cls.fp8(kept, bias, layer=i, module=name, parts=parts) if kept is not None else None
+            if lin is not None:
+                return lin
+            weights = [t.dequantize() if isinstance(t, Fp8Weight) else t for t in weights]
+        return cls(torch.cat(weights), bias, layer=i, module=name, packed=packed, parts=parts)
+
+    @classmethod
+    def fp8(cls, w: Fp8Weight, bias: Optional[torch.Tensor], *, layer: int, module: str,
+            parts: tuple[tuple[str, int], ...]) -> Optional["Linear"]:
+        """A Linear on an FP8 weight kept as e4m3 (`gemv_fp8.py`: decode-sized products read the bytes; larger
+        ones dequantize the weight for the call), or None where the kernel cannot read it."""
+        kernel = gemv_fp8.kernel()
+        if kernel is None or not kernel.chosen or (bias is not None and bias.dtype != torch.float32):
+            return None
+        try:
+            packed8 = gemv_fp8.pack(w.q, w.scale, w.block)
+        except ValueError:
+            return None
+        lin = cls(packed8.data, None if bias is None else bias.contiguous(), layer=layer, module=module, parts=parts)
+        lin.fp8_packed, lin.fp8_kernel = packed8, kernel
+        return lin
+
+    fp8_packed: Optional[gemv_fp8.PackedFp8] = None  # an FP8 weight kept as e4m3 (`fp8`): `weight` is its bytes
 
     def dense_weight(self) -> torch.Tensor:
-        """The [out, in] matrix (a copy when packed)."""
-        return gemm.dense(self.weight)
+        """The [out, in] matrix (a copy when packed or FP8)."""
+        return self.fp8_packed.dequantize() if self.fp8_packed is not None else gemm.dense(self.weight)
+
+    def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] on the FP8 weight: 1-4 rows by the kernel, more on the weight dequantized
+        for this call by the kernel (one weight's fp32 at a time, freed after it; torch's e4m3 cast is ~10x
+        slower)."""
+        rows = x.numel() // x.shape[-1]
+        if 0 < rows <= gemv_fp8.MAX_ROWS and x.dtype == torch.float32:
+            x2 = x.reshape(rows, x.shape[-1])
+            y = self.fp8_kernel.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.fp8_packed, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        w_t = self.fp8_kernel.dequantize_t(self.fp8_packed)[:, : self.fp8_packed.n]  # [in, out], this call only
+        return torch.matmul(x, w_t) if self.bias is None else torch.addmm(self.bias, x.reshape(rows, -1), w_t).view(
+            *x.shape[:-1], w_t.shape[1])
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
-        y = gemm.linear(x, self.weight, self.bias)  # [rows, q_len, out]
+        y = self._fp8_product(x) if self.fp8_packed is not None else gemm.linear(x, self.weight, self.bias)
         if adapters is None:
             return y
         if len(self.parts) == 1:  # as PEFT: the sum in the adapter's dtype (fp32), then back to the model's
@@ -286,6 +331,7 @@ class LlamaModel:
             out += layer.moe.tensors() if layer.moe is not None else []
             for lin in layer.linears():
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
+                out += [lin.fp8_packed.scale] if lin.fp8_packed is not None else []
         return out
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:

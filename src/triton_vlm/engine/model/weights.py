@@ -24,12 +24,16 @@ Tensors are returned under canonical names: `embed`, `norm`, `lm_head`, `layers.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
+from ...quant.fp8_weight import Fp8Weight
 from ...spec import CheckpointError, CheckpointSpec, TextSpec
 from ...weight_source import TensorSource
+
+log = logging.getLogger(__name__)
 
 # every linear module of a decoder layer, by its Hugging Face name (the LoRA issue maps these to module ids)
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -52,9 +56,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`."""
+                 device: str | torch.device = "cpu", fp8: bool = True) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8` (fp32 on the
+    CPU), the dense layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can."""
     src = TensorSource(model_dir)
+    fp8 = fp8 and src.quant.quant is not None and dtype == torch.float32 and torch.device(device).type == "cpu" \
+        and _fp8_kernel_chosen()
     for layers, embed_key, norm_key, head_key in LAYOUTS:
         if embed_key in src:
             break
@@ -78,13 +85,18 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
             out |= _experts(p, i, config, take)
         for m in ATTN_MODULES if sparse else MODULES:
             group = "self_attn" if m in ATTN_MODULES else "mlp"
-            out[f"layers.{i}.{m}"] = take(f"{p}{group}.{m}.weight")
+            kept = src.get_fp8(f"{p}{group}.{m}.weight") if fp8 and not sparse else None
+            out[f"layers.{i}.{m}"] = kept if kept is not None else take(f"{p}{group}.{m}.weight")
             if f"{p}{group}.{m}.bias" in src:
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
         norms = ("q_norm", "k_norm")  # QK-norm (Qwen3): both or neither, as the checkpoint holds them
         if any(f"{p}self_attn.{n}.weight" in src for n in norms):
             out |= {f"layers.{i}.{n}": take(f"{p}self_attn.{n}.weight") for n in norms}
     _check_shapes(out, config)
+    if fp8:
+        kept = sum(isinstance(t, Fp8Weight) for t in out.values())
+        log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (the FP8 decode gemv), the "
+                 "others dequantized to fp32", kept, len(src.quant.scales))
     return out
 
 
@@ -117,6 +129,14 @@ def _lm_head(src: TensorSource, key: str, embed: torch.Tensor, config: ModelConf
         return embed
     raise CheckpointError(f"checkpoint {src.model_dir} has no {key} and tie_word_embeddings is false (transformers "
                           "would start the lm_head from random values); set tie_word_embeddings or add the lm_head")
+
+
+def _fp8_kernel_chosen() -> bool:
+    """Whether FP8 weights stay FP8 here: the FP8 gemv built, checked and faster (`engine/cpu/gemv_fp8.py`)."""
+    from ..cpu import gemv_fp8  # noqa: PLC0415
+
+    kernel = gemv_fp8.kernel()
+    return kernel is not None and kernel.chosen
 
 
 def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:

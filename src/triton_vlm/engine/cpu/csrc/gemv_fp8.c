@@ -1,0 +1,137 @@
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for 1-4 rows, W held as float8_e4m3fn bytes packed as
+   [ceil(N / 64)][K][64] (`gemv_fp8.py`: outputs past N zero) with fp32 scales [ceil(N / bm)][ceil(K / bn)]
+   (block-wise FP8: weight_block_size [bm, bn]; per channel: [1, K]; per tensor: [N, K]).
+
+   Each weight is dequantized in registers exactly as `quant/dequant.py` does once at load: w = float(q) * s,
+   one fp32 rounding (float(q) is exact: e4m3 -> fp32 by moving the bits, (b & 0x7f) << 20 | sign << 31, then
+   * 2^120, exact for normal and subnormal e4m3 alike as long as denormals are not flushed: `check` compares all
+   256 codes but the two NaNs, which the packer refuses). Each output is then the same multiply-add chain over k
+   ascending from 0 as `gemv.c`, so the result has the bits of `gemv.c` on the dequantized fp32 weight. */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 64
+#define SUB (4 * VW)
+
+typedef uint8_t vb __attribute__((vector_size(VW)));
+
+/* VW bytes widened to int32 lanes (gcc's generic conversion goes byte by byte through scalar registers) */
+static inline vi widen(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vb b;
+    memcpy(&b, p, sizeof(vb));
+    return __builtin_convertvector(b, vi);
+#endif
+}
+
+static inline vf e4m3_to_f32(const uint8_t *p) {
+    vi i = widen(p);
+    vi bits = ((i & 0x7f) << 20) | ((i & 0x80) << 24);
+    vf f;
+    memcpy(&f, &bits, sizeof(vf));
+    return f * 0x1p120f;
+}
+
+#define DEFINE_GEMV_FP8(MR)                                                                                \
+static void gemv_fp8_##MR(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,              \
+                          const float *scale, int64_t bm, int64_t bn, const float *bias, float *y,          \
+                          int64_t ldy) {                                                                    \
+    int64_t nblocks = (N + BLOCK - 1) / BLOCK, scols = (K + bn - 1) / bn;                                   \
+    for (int64_t nb = 0; nb < nblocks; nb++)                                                                \
+        for (int64_t s = 0; s < BLOCK; s += SUB) {                                                          \
+            int64_t n0 = nb * BLOCK + s;                                                                    \
+            if (n0 >= N) break;                                                                             \
+            vf acc[MR][4];                                                                                  \
+            for (int m = 0; m < MR; m++)                                                                    \
+                for (int j = 0; j < 4; j++) acc[m][j] = (vf){0};                                            \
+            const uint8_t *wb = w + nb * K * BLOCK + s;                                                     \
+            for (int64_t kb = 0; kb < scols; kb++) {                                                        \
+                vf sv[4];                                                                                   \
+                for (int j = 0; j < 4; j++) {                                                               \
+                    float lane[VW];                                                                         \
+                    for (int i = 0; i < VW; i++) {                                                          \
+                        int64_t n = n0 + VW * j + i;                                                        \
+                        lane[i] = n < N ? scale[(n / bm) * scols + kb] : 0.0f;                              \
+                    }                                                                                       \
+                    memcpy(&sv[j], lane, sizeof(vf));                                                       \
+                }                                                                                           \
+                int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;                                       \
+                for (int64_t k = kb * bn; k < kend; k++) {                                                  \
+                    vf wv[4];                                                                               \
+                    for (int j = 0; j < 4; j++) wv[j] = e4m3_to_f32(wb + k * BLOCK + VW * j) * sv[j];       \
+                    for (int m = 0; m < MR; m++) {                                                          \
+                        vf xv = (vf){0} + x[m * ldx + k];                                                   \
+                        for (int j = 0; j < 4; j++) acc[m][j] += xv * wv[j];                                \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+            int64_t count = N - n0 < SUB ? N - n0 : SUB;                                                    \
+            for (int m = 0; m < MR; m++) {                                                                  \
+                float out[SUB];                                                                             \
+                memcpy(out, acc[m], sizeof(out));                                                           \
+                if (bias)                                                                                   \
+                    for (int64_t i = 0; i < count; i++) out[i] += bias[n0 + i];                             \
+                memcpy(y + m * ldy + n0, out, count * sizeof(float));                                       \
+            }                                                                                               \
+        }                                                                                                   \
+}
+
+DEFINE_GEMV_FP8(1)
+DEFINE_GEMV_FP8(2)
+DEFINE_GEMV_FP8(3)
+DEFINE_GEMV_FP8(4)
+
+int triton_vlm_gemv_fp8(const float *x, int64_t rows, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
+                        const float *scale, int64_t bm, int64_t bn, const float *bias, float *y, int64_t ldy) {
+    if (bm < 1 || bn < 1) return -2;
+    switch (rows) {
+    case 1: gemv_fp8_1(x, ldx, K, w, N, scale, bm, bn, bias, y, ldy); return 0;
+    case 2: gemv_fp8_2(x, ldx, K, w, N, scale, bm, bn, bias, y, ldy); return 0;
+    case 3: gemv_fp8_3(x, ldx, K, w, N, scale, bm, bn, bias, y, ldy); return 0;
+    case 4: gemv_fp8_4(x, ldx, K, w, N, scale, bm, bn, bias, y, ldy); return 0;
+    default: return -1;
+    }
+}
+
+/* the 256 codes as this build converts them (unscaled), for `check` */
+void triton_vlm_e4m3_table(float *out) {
+    uint8_t codes[VW];
+    for (int c = 0; c < 256; c += VW) {
+        for (int i = 0; i < VW; i++) codes[i] = (uint8_t)(c + i);
+        vf f = e4m3_to_f32(codes);
+        memcpy(out + c, &f, sizeof(vf));
+    }
+}
+
+/* out[k][n] = float(q[n][k]) * s (the dequantized weight transposed, [K][ceil(N / 64) * 64], padded outputs 0):
+   the prefill products' weight for one call, converted here at the kernel's speed (torch's e4m3 cast is scalar) */
+void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
+                                 int64_t bn, float *out) {
+    int64_t nblocks = (N + BLOCK - 1) / BLOCK, scols = (K + bn - 1) / bn, ld = nblocks * BLOCK;
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t s = 0; s < BLOCK; s += VW) {
+            int64_t n0 = nb * BLOCK + s;
+            for (int64_t kb = 0; kb < scols; kb++) {
+                float lane[VW];
+                for (int i = 0; i < VW; i++)
+                    lane[i] = n0 + i < N ? scale[((n0 + i) / bm) * scols + kb] : 0.0f;
+                vf sv;
+                memcpy(&sv, lane, sizeof(vf));
+                int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;
+                for (int64_t k = kb * bn; k < kend; k++) {
+                    vf v = e4m3_to_f32(w + nb * K * BLOCK + k * BLOCK + s) * sv;
+                    memcpy(out + k * ld + n0, &v, sizeof(vf));
+                }
+            }
+        }
+}
