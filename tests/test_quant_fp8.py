@@ -236,7 +236,7 @@ def test_models_card_says_which_weights_are_served(demo_model):
     from triton_vlm.openai.served import ServedModel
 
     card = ServedModel(ensure_fp8_checkpoint("llava", "fp8-block")).cards()[0]
-    assert card["weights"] == "fp8-e4m3 (block 32x32 weight_scale_inv), dequantized at load"
+    assert card["weights"] == "fp8-e4m3 (block 32x32 weight_scale_inv), computed as its float32 dequantization"
     assert ServedModel(ensure_fp8_checkpoint("qwen2_5_vl", "ct-tensor")).cards()[0]["weights"] == \
-        "fp8-e4m3 (compressed-tensors, per-tensor weight_scale), dequantized at load"
+        "fp8-e4m3 (compressed-tensors, per-tensor weight_scale), computed as its float32 dequantization"
     assert ServedModel(demo_model).cards()[0]["weights"] == "unquantized"

@@ -41,10 +41,11 @@ class QuantConfig:
     @property
     def label(self) -> str:
         """What `/v1/models` and the metrics say is served."""
+        exact = "computed as its float32 dequantization"  # dequantized at load or inside the products (gemv_fp8)
         if self.method == "fp8":
             grid = f"block {self.block[0]}x{self.block[1]}" if self.block else "per-tensor"
-            return f"fp8-e4m3 ({grid} weight_scale_inv), dequantized at load"
-        return f"fp8-e4m3 (compressed-tensors, per-{self.strategy} weight_scale), dequantized at load"
+            return f"fp8-e4m3 ({grid} weight_scale_inv), {exact}"
+        return f"fp8-e4m3 (compressed-tensors, per-{self.strategy} weight_scale), {exact}"
 
 
 def _raw(top: Any) -> Optional[dict]:
