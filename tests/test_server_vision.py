@@ -121,17 +121,30 @@ def test_concurrent_requests_share_encoder_calls(torch_server, demo_model):
 
 
 @pytest.mark.parametrize("dtype,triton_type", [("float16", "TYPE_FP16"), ("bfloat16", "TYPE_BF16")])
-def test_embeddings_travel_in_the_language_models_dtype(tmp_path_factory, demo_model, dtype, triton_type):
-    """With an fp16 / bf16 language model, vision sends its embeddings in that dtype (half the bytes of FP32
-    through shared memory), llm takes them by DLPack, and the demo still answers right."""
+def test_the_repository_declares_embeddings_in_the_language_models_dtype(tmp_path, demo_model, dtype, triton_type):
+    """The filled repository: vision's output and llm's input `image_embeds` in the llm's dtype."""
+    from triton_vlm.server.process import TritonServer
+    from triton_vlm.server.repository import prepare_model_repository
+
+    server = TritonServer(str(demo_model), 0, 0, 0, params={"llm": {"dtype": dtype}})
+    repo = prepare_model_repository(tmp_path / "repo", server.model_params())
+    for model in ("vision", "llm"):
+        text = (repo / model / "config.pbtxt").read_text()
+        assert re.search(rf'name: "image_embeds"\s*data_type: {triton_type}', text), model
+
+
+def test_embeddings_travel_in_the_language_models_dtype(tmp_path_factory, demo_model):
+    """With a bf16 language model, vision sends its embeddings in bf16 (half the bytes of FP32 through shared
+    memory), llm takes them by DLPack, and the demo still answers right (fp16 takes the same path: its
+    repository is checked above)."""
     from conftest import _start_server, _stop_server
 
-    server = _start_server(tmp_path_factory, demo_model, {"llm": {"dtype": dtype}}, f"{dtype}-server")
+    server = _start_server(tmp_path_factory, demo_model, {"llm": {"dtype": "bfloat16"}}, "bfloat16-server")
     try:
         repo = server.run_dir / "model_repository"
         for model in ("vision", "llm"):
             text = (repo / model / "config.pbtxt").read_text()
-            assert re.search(rf'name: "image_embeds"\s*data_type: {triton_type}', text), model
+            assert re.search(r'name: "image_embeds"\s*data_type: TYPE_BF16', text), model
         with VLMClient(server.grpc_url, timeout=60) as c:
             for shape, color in (("circle", "red"), ("square", "blue"), ("triangle", "yellow")):
                 assert c.generate(Q, [png(shape, color, seed=7)], max_tokens=4).text.strip() == color
