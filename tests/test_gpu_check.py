@@ -41,7 +41,7 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
     steps = {s["name"]: s for s in res["steps"]}
-    assert list(steps) == ["env", "fp32_exact", "big", "gpu_tests", "tensorrt"]
+    assert list(steps) == ["env", "fp32_exact", "big", "peers", "gpu_tests", "tensorrt"]
     assert steps["env"]["status"] == "ok" and steps["env"]["numbers"]["bandwidth_gb_s"] > 0
     assert steps["gpu_tests"]["status"] == "skipped" and "no GPU" in steps["gpu_tests"]["notes"][0]
     exact = steps["fp32_exact"]
@@ -61,6 +61,13 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
         prof = n[key]
         assert prof["wall_ms_per_token"] > 0 and 0 < prof["busy_ms_per_token"] and len(prof["top"]) >= 5, key
         assert all("% aten::" in line and "/token)" in line for line in prof["top"]), prof["top"]
+    peers = steps["peers"]  # transformers static cache (not compiled on a CPU) and continuous batching, same model
+    assert peers["status"] == "ok", peers["error"] + peers["traceback"]
+    p = peers["numbers"]
+    assert p["peer_static_compiled"] is False and p["peer_cb_counts"] == [4, 8]
+    for key in ("peer_static_ttft_ms", "peer_static_one_stream_tok_s", "peer_cb_greedy4_tok_s", "peer_cb_greedy8_tok_s"):
+        assert p[key] > 0, key
+    assert p["ours_vs_static_one_stream"] == round(n["one_stream_tok_s"] / p["peer_static_one_stream_tok_s"], 2)
     assert steps["tensorrt"]["status"] in ("skipped", "ok")
     targets = {t["target"]: t for t in res["targets"]}
     assert targets["fp32 tokens identical to transformers"]["met"] is True

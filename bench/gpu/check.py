@@ -17,7 +17,9 @@ if a step hangs past the global budget:
 4. `big`: the llava-1.5-7b-shaped random model in fp16 (`bench/gpu/big.py`): ours vs transformers in-process, the
    attention on torch SDPA; then one stream and greedy at 64 again with the paged FlexAttention backend
    (`TRITON_VLM_ATTENTION=flex`, a fresh engine): `flex_*` numbers and `flex_vs_sdpa_*` ratios.
-5. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
+5. `peers`: the strongest baselines the image has, on the big step's model (`bench/gpu/peers.py`): transformers
+   static cache + torch.compile (one stream) and continuous batching (`generate_batch`, greedy at 64 and 256).
+6. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
 Writes `<out>` (markdown: a table per step and the targets) and `<out>.json` (raw numbers); prints the table.
 """
 from __future__ import annotations
@@ -247,6 +249,15 @@ def step_big(check: Check) -> dict:
     return out
 
 
+def step_peers(check: Check) -> dict:
+    """transformers static cache + compile (one stream) and continuous batching (`generate_batch`) on the big step's
+    model: the peers a bare GPU image has (`bench/gpu/peers.py`), and the engine's ratios against them."""
+    from bench.gpu.peers import run_peers  # noqa: PLC0415
+    from bench.gpu.report import step_numbers  # noqa: PLC0415
+
+    return run_peers(check, step_numbers(check, "big"))
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str):
     """os.environ[name] = value inside the block, restored after."""
@@ -313,7 +324,7 @@ def flex_rows(check: Check) -> dict:
 
 # the big step (the issue's targets) before the gpu tests: these take what is left (a subprocess, killed at its budget)
 STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", step_big, 300),
-         ("gpu_tests", step_gpu_tests, 150), ("tensorrt", step_tensorrt, 60))
+         ("peers", step_peers, 150), ("gpu_tests", step_gpu_tests, 150), ("tensorrt", step_tensorrt, 60))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

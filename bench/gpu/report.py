@@ -203,14 +203,14 @@ def _key_numbers(s: StepResult) -> str:
     return ", ".join(shown).replace("|", "/")
 
 
-def _numbers(check: Check, name: str) -> dict:
+def step_numbers(check: Check, name: str) -> dict:
     return next((s.numbers for s in check.steps if s.name == name), {})
 
 
 def targets_of(check: Check) -> Targets:
     t = Targets()
     gpu_run = check.device.type == "cuda" and not check.tiny
-    big, exact = _numbers(check, "big"), _numbers(check, "fp32_exact")
+    big, exact = step_numbers(check, "big"), step_numbers(check, "fp32_exact")
     frac = big.get("one_stream_bw_fraction")
     detail = frac if frac is None else (f"{frac:.3f} ({big['one_stream_tok_s']} tok/s x {big['bytes_per_token_mb']} "
                                         f"MB/token = {big['one_stream_gb_s']} GB/s of {check.bandwidth_gb_s} GB/s)")
@@ -224,6 +224,12 @@ def targets_of(check: Check) -> Targets:
         v = big.get(key)
         t.add(label, v if v is None else f"{v}x ({big[ours]} vs {big[hf]} tok/s)",
               None if v is None or not gpu_run else v >= goal)
+    peers = step_numbers(check, "peers")
+    for key, label, goal in (
+            ("ours_vs_static_one_stream", "one stream >= 1.0x transformers static cache + torch.compile", 1.0),
+            ("ours_vs_cb_greedy64", "greedy at 64 >= 2x transformers continuous batching (generate_batch)", 2.0)):
+        v = peers.get(key)
+        t.add(label, v if v is None else f"{v}x", None if v is None or not gpu_run else v >= goal)
     t.add("fp32 tokens identical to transformers", exact.get("identical") and
           f"{exact.get('identical')}/{exact.get('generations')}", exact.get("exact"))
     t.add("fp16 agreement with transformers reported (first divergence over N prompts)",
