@@ -1,0 +1,171 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet linear attention beside gated full attention) on a tiny random hub-layout
+checkpoint (sharded, the family's processor and chat template), against transformers'
+`Qwen3_5ForConditionalGeneration` `generate()` on the same files, in fp32:
+- in process: a prompt longer than one 64-token chunk, prefilled in engine chunks of 64, greedy and beam search with
+  num_return_sequences equal generate(); every state slot is free afterwards; the control: beams whose states are
+  not copied when they fork give other tokens (the layer-level controls, chunk size among them, are
+  tests/engine/test_deltanet.py's); the KV profile refuses state slots that do not fit, naming the numbers;
+- through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
+  images of two sizes, text and a long prompt, sent at once; seeded sampling with n; one OpenAI chat request; a
+  burst with a cancelled request leaves every state slot free (the gauge) and prefix caching off (the gauge)."""
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from qwen_vl_cases import Reference, png
+
+NEW = 8
+SIZES = {"small": (100, 60), "tall": (40, 300)}
+IMAGES = {name: png(size, seed=150 + i) for i, (name, size) in enumerate(SIZES.items())}
+PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+LONG = ("<|im_start|>user\n" + " ".join(f"word{i} and more" for i in range(60)) +
+        "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from triton_vlm.demo.qwen35_checkpoint import build_qwen3_5
+
+    torch.set_num_threads(1)
+    return build_qwen3_5(tmp_path_factory.mktemp("qwen3-5") / "qwen3_5", shards=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint):
+    return Reference(checkpoint)
+
+
+def test_engine_long_prompt_beams_slots_and_the_beam_state_control(ref):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    ids = ref.inputs(LONG, [])["input_ids"][0].tolist()
+    assert len(ids) > 2 * 64, len(ids)  # three chunks of the delta rule, prefilled in engine chunks of 64
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=2048, block_size=16, prefill_chunk=64))
+
+    def run(rid, beams):
+        req = GenerationRequest(request_id=rid, input_ids=ids, params=GenerationParams(
+            max_tokens=10, beam_width=beams, num_return_sequences=beams))
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [s.token_ids for s in last.sequences]
+
+    try:
+        assert not eng.config.enable_prefix_caching and eng.stats().state_slots_total == 4
+        assert run("greedy", 1) == ref.generate(LONG, [], 10)
+        want = ref.generate(LONG, [], 10, beams=3, num_return_sequences=3)
+        assert run("beams", 3) == want
+        assert eng.cache.states.free == 4 and eng.cache.free_blocks == eng.cache.num_blocks
+        eng.cache.states.copy = lambda src, dst: None  # forked beams start from a zero state: not theirs
+        assert run("no-copy", 3) != want
+    finally:
+        eng.shutdown()
+
+
+def test_profile_refuses_state_slots_that_do_not_fit(checkpoint):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.engine.profile import KVBudgetError
+
+    with pytest.raises(KVBudgetError, match=r"the state slots do not fit: 64 slots \(max_rows\) x 18432 B"):
+        Engine(checkpoint, EngineConfig(max_rows=64, kv_cache_mb=1, context_length=128, prefill_chunk=64))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, checkpoint):
+    """(the OpenAI front end, the live server) on the checkpoint, shared by the tests below."""
+    from test_openai import serve_api
+
+    yield from serve_api(tmp_path_factory, checkpoint, "qwen3-5-server")
+
+
+def _ask(server, prompt, images, **params):
+    from triton_vlm_client import VLMClient
+
+    with VLMClient(server.grpc_url, timeout=180) as c:
+        return c.generate(prompt, images, max_tokens=params.pop("max_tokens", NEW), **params)
+
+
+@pytest.mark.server
+def test_greedy_beams_images_and_long_prompts_equal_generate(served, ref):
+    server = served[1]
+    cases = [(PROMPT, [IMAGES["small"]], 1), (PROMPT, [IMAGES["tall"]], 2), (TEXT, [], 4), (LONG, [], 3),
+             (LONG, [], 1)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: the engine batches their decode steps
+        futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b) for p, imgs, b in cases]
+        results = [f.result() for f in futures]
+    for (prompt, images, beams), res in zip(cases, results):
+        assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams), \
+            (prompt[:30], len(images), beams)
+    assert results[0].output_ids != results[1].output_ids[:1], "the answer depends on the image"
+
+
+@pytest.mark.server
+def test_seeded_sampling_with_n_equals_generate(served, ref):
+    got = _ask(served[1], PROMPT, [IMAGES["small"]], max_tokens=12, temperature=0.9, top_k=30, seed=11,
+               num_return_sequences=3)
+    x = ref.inputs(PROMPT, [IMAGES["small"]])
+    torch.manual_seed(11)  # as the engine seeds its rows (the `hf` baseline backend does the same)
+    with torch.no_grad():
+        out = ref.model.generate(**x, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=30, top_p=1.0,
+                                 num_return_sequences=3, pad_token_id=0)
+    want = [row[:row.index(ref.eos) + 1] if ref.eos in row else row
+            for row in out[:, x["input_ids"].shape[1]:].tolist()]
+    assert got.output_ids == want
+
+
+@pytest.mark.server
+def test_openai_chat_equals_generate(served, ref):
+    from test_openai import data_url
+
+    client = served[0].client(timeout=180)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES["tall"])}},
+             {"type": "text", "text": "Describe it."}]
+    r = client.chat.completions.create(model="qwen3_5", messages=[{"role": "user", "content": parts}],
+                                       max_tokens=NEW, temperature=0)
+    prompt = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = ref.generate(prompt, [IMAGES["tall"]], NEW)[0]
+    assert r.choices[0].message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.server
+def test_burst_with_a_cancellation_frees_every_state_slot(served):
+    """Beams, samples and a cancelled long request at once: afterwards every state slot is free (the gauge), and
+    the gauges say prefix caching is off for this model."""
+    import tritonclient.grpc as grpcclient
+    from test_server_engine import _gauge, _grpc_input, _wait_for
+
+    server = served[1]
+    total = _gauge(server, "state_slots_total")
+    assert total >= 4 and _gauge(server, "prefix_caching") == 0
+    q: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("llm", [
+        _grpc_input("input_ids", np.array([[1, 50, 60, 70]], np.int32), "INT32"),
+        _grpc_input("max_tokens", np.array([[400]], np.int32), "INT32"),
+        _grpc_input("min_tokens", np.array([[400]], np.int32), "INT32"),
+        _grpc_input("beam_width", np.array([[3]], np.int32), "INT32"),
+        _grpc_input("stream", np.array([[True]]), "BOOL")])
+    _, err = q.get(timeout=60)
+    assert err is None
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(_ask, server, TEXT, [], beam_width=b, num_return_sequences=b) for b in (2, 3)]
+        others += [pool.submit(_ask, server, TEXT, [], temperature=1.0, seed=s, num_return_sequences=2)
+                   for s in (1, 2)]
+        _wait_for(lambda: _gauge(server, "state_slots_free") < total, "the running rows hold state slots")
+        c.stop_stream(cancel_requests=True)
+        assert all(len(f.result().output_ids) >= 1 for f in others)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "cancelled by the client;" not in server.log_file.read_text(errors="replace"):
+        time.sleep(0.2)
+    _wait_for(lambda: _gauge(server, "running_requests") == 0 and _gauge(server, "state_slots_free") == total,
+              "every state slot free after the burst")
