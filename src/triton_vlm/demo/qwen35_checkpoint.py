@@ -60,7 +60,7 @@ def build_qwen3_5_model(*, seed: int = 0, hidden: int = 64, layers: int = 4, max
             elif name.endswith("norm.weight") and "language_model" in name:  # zero-centred: 1 + w
                 p.uniform_(-0.5, 0.5)
             elif "visual" in name and (p.dim() >= 2 or "pos_embed" in name):
-                p.normal_(0.0, 0.1 if "pos_embed" not in name else 0.5)
+                p.normal_(0.0, (0.3 if "merger" in name else 0.1) if "pos_embed" not in name else 0.5)
             elif name.endswith(("q_proj.weight", "k_proj.weight", "in_proj_qkv.weight")):
                 p.normal_(0.0, 0.25)
             elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "in_proj_z.weight", "conv1d.weight")):

@@ -211,7 +211,7 @@ def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: i
         feats = torch.zeros(worst.images, worst.image_tokens, c.hidden_size * (1 + levels), dtype=torch.float32,
                             device=dev)  # DeepStack: each token's levels too
     embeds = merge_image_embeds(ids, model.embed(ids), feats, c.image_token_id, levels)  # [P, hidden * (1 + levels)]
-    row = cache.new_row()
+    row = cache.new_row(worst.prompt_tokens)  # then decode steps (hybrid models: the recurrent rule)
     for start in range(0, worst.prompt_tokens, prefill_chunk):
         n = min(prefill_chunk, worst.prompt_tokens - start)
         x = embeds[None, start:start + n]
