@@ -69,6 +69,38 @@ def test_engine_long_prompt_beams_slots_and_the_beam_state_control(ref):
         eng.shutdown()
 
 
+def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref):
+    """max_utilization on a cache of one full-context request: requests preempted mid-decode are recomputed (their
+    prompt by the chunked rule in 64-token chunks, their generated tokens one at a time, as first computed; beams
+    forked after the prompt) and each gets generate()'s tokens; every slot is free afterwards."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=8, kv_cache_tokens=512, block_size=16, prefill_chunk=64,
+                                             scheduler_policy="max_utilization"))
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1] + torch.randint(5, 370, (n,), generator=g).tolist() for n in (90, 70, 100, 80)]
+    reqs = [GenerationRequest(f"p{i}", ids, GenerationParams(max_tokens=60, min_tokens=60, beam_width=1 + (i == 2),
+                                                             num_return_sequences=1 + (i == 2)))
+            for i, ids in enumerate(prompts)]
+    results = {r.request_id: [] for r in reqs}
+    try:
+        for r in reqs:
+            eng.submit(r, lambda res: results[res.request_id].append(res))
+        while eng.step():
+            pass
+        assert eng.stats().preemptions > 0
+        assert eng.cache.states.free == 8 and eng.cache.used_blocks == 0
+    finally:
+        eng.shutdown()
+    for r, ids in zip(reqs, prompts):
+        width = r.params.beam_width
+        with torch.no_grad():
+            out = ref.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=60, min_new_tokens=60,
+                                     do_sample=False, num_beams=width, num_return_sequences=width, pad_token_id=0)
+        assert [s.token_ids for s in results[r.request_id][-1].sequences] == out[:, len(ids):].tolist(), r.request_id
+
+
 def test_profile_refuses_state_slots_that_do_not_fit(checkpoint):
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.engine.profile import KVBudgetError
