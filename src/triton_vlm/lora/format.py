@@ -36,7 +36,10 @@ def module_shape(spec: TextSpec, module: str) -> tuple[int, int]:
 
 def check_experts(spec: TextSpec, layer: int, module: str, where: str) -> None:
     """A mixture-of-experts layer has no dense MLP: an adapter on its MLP projections is refused by name (LoRA is
-    served on the attention projections, and on the MLP of the dense layers)."""
+    served on the attention projections, and on the MLP of the dense layers). A hybrid model (linear-attention layers,
+    `spec.TextSpec.layer_kinds`) takes no adapter yet: refused, never applied in part."""
+    if spec.layer_kinds:
+        raise InvalidArgument(f"{where}: LoRA adapters are not served for hybrid models (linear-attention layers) yet")
     if layer in spec.sparse_layers and module in ("gate_proj", "up_proj", "down_proj"):
         dense = [i for i in range(spec.num_layers) if i not in spec.sparse_layers]
         raise InvalidArgument(f"{where}: {module} of layer {layer} is in a mixture-of-experts layer; LoRA on the "
