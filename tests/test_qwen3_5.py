@@ -213,3 +213,33 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
         time.sleep(0.2)
     _wait_for(lambda: _gauge(server, "running_requests") == 0 and _gauge(server, "state_slots_free") == total,
               "every state slot free after the burst")
+
+
+def test_lora_and_the_moe_variant_are_refused_by_name(checkpoint, tmp_path):
+    """Not served yet, so refused at load, never applied in part: a LoRA adapter on this hybrid model, and a
+    Qwen3.5-MoE checkpoint (its shared expert is not computed by the engine's MoE layers)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeConfig
+
+    from triton_vlm.errors import InvalidArgument
+    from triton_vlm.families import family_of
+    from triton_vlm.lora.peft import load_peft
+    from triton_vlm.spec import CheckpointError, CheckpointSpec
+
+    spec = CheckpointSpec.load(checkpoint)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    prefix = "base_model.model.model.language_model.layers.3.mlp.down_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 128), f"{prefix}.lora_B.weight": torch.zeros(64, 2)},
+              str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(InvalidArgument, match="not served for hybrid models"):
+        load_peft(adapter, spec.text)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    Qwen3_5MoeConfig(text_config={"num_hidden_layers": 4, "eos_token_id": 2}).save_pretrained(moe)
+    with pytest.raises(CheckpointError, match="linear_attention layers are served for .'qwen3_5_text'. text models "
+                                              "only, not model_type 'qwen3_5_moe_text'"):
+        family_of(CheckpointSpec.load(moe))

@@ -206,6 +206,7 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
             f"language model type {text.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(text, "hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {text.hidden_act!r} is not supported; only 'silu' (Llama family)")
+    hybrid = _hybrid(text)  # first: refuses linear-attention layers of a text model not served (Qwen3.5-MoE)
     max_pos = int(text.max_position_embeddings)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -222,7 +223,7 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
         layer_windows=_layer_windows(text), video_token_id=None if getattr(top, "video_token_id", None) is None
         else int(top.video_token_id), **_moe(text),
-        **({"mrope_section": _mrope(text), "mrope_interleaved": _mrope_interleaved(text)} | _hybrid(text)))
+        **({"mrope_section": _mrope(text), "mrope_interleaved": _mrope_interleaved(text)} | hybrid))
 
 
 def _hybrid(text: Any) -> dict:

@@ -16,8 +16,8 @@ slots beside the paged KV), prefix caching off (docs/families.md).
 
 Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`) is not served: its sparse layers add a
 shared expert with its own sigmoid gate beside the routed experts, which the engine's MoE layers (Qwen3-VL-MoE's)
-do not compute; such a checkpoint is refused at load by the family lookup (no family matches it), naming the
-families served.
+do not compute; such a checkpoint is refused at load (`spec._hybrid`: linear-attention layers of a text model
+not served, naming its model_type), and no family matches it.
 """
 from __future__ import annotations
 
