@@ -4,10 +4,12 @@ checkpoint (sharded, the family's processor and chat template), against transfor
 - in process: a prompt longer than one 64-token chunk, prefilled in engine chunks of 64, greedy and beam search with
   num_return_sequences equal generate(); every state slot is free afterwards; the control: beams whose states are
   not copied when they fork give other tokens (the layer-level controls, chunk size among them, are
-  tests/engine/test_deltanet.py's); the KV profile refuses state slots that do not fit, naming the numbers;
+  tests/engine/test_deltanet.py's); requests preempted mid-decode (max_utilization) get generate()'s tokens; the KV
+  profile refuses state slots that do not fit, naming the numbers; LoRA and Qwen3.5-MoE are refused by name;
 - through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
-  images of two sizes, text and a long prompt, sent at once; seeded sampling with n; one OpenAI chat request; a
-  burst with a cancelled request leaves every state slot free (the gauge) and prefix caching off (the gauge)."""
+  images of two sizes, text and a long prompt, sent at once; penalties; streaming; seeded sampling with n; one
+  OpenAI chat request; a burst with a cancelled request leaves every state slot free (the gauge) and prefix
+  caching off (the gauge)."""
 from __future__ import annotations
 
 import queue
@@ -148,6 +150,18 @@ def test_greedy_beams_images_and_long_prompts_equal_generate(served, ref):
         assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams), \
             (prompt[:30], len(images), beams)
     assert results[0].output_ids[0] != results[1].output_ids[0], "the answer depends on the image"
+
+
+@pytest.mark.server
+def test_penalties_and_streaming_equal_generate(served, ref):
+    from triton_vlm_client import VLMClient
+
+    server = served[1]
+    got = _ask(server, LONG, [], max_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert got.output_ids == ref.generate(LONG, [], 12, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    with VLMClient(server.grpc_url, timeout=180) as c:
+        pieces = list(c.stream(PROMPT, [IMAGES["tall"]], max_tokens=NEW))
+    assert [t for p in pieces for t in p.token_ids] == ref.generate(PROMPT, [IMAGES["tall"]], NEW)[0]
 
 
 @pytest.mark.server
