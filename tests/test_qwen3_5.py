@@ -199,11 +199,12 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
     """Beams, samples and a cancelled long request at once: afterwards every state slot is free (the gauge), and
     the gauges say prefix caching is off for this model."""
     import tritonclient.grpc as grpcclient
-    from test_server_engine import _gauge, _grpc_input, _wait_for
+    from test_server_engine import _gauge, _grpc_input, _metric, _wait_for
 
     server = served[1]
     total = _gauge(server, "state_slots_total")
-    assert total >= 4 and _gauge(server, "prefix_caching") == 0
+    assert total == 16 and _gauge(server, "prefix_caching") == 0  # one slot per row (max_rows 16)
+    assert _metric(server, "triton_vlm_engine_memory_bytes", 'part="state_slots"') == 16 * 18432
     q: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: q.put((result, error)))
