@@ -19,7 +19,6 @@ by one), `embed`, `new_cache` (a `HybridCache`: KV for the full layers, `state_s
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +34,6 @@ from .model import DTYPES, AdapterBatch, Linear, Segment, silu_mul
 from .weights import load_config
 from ...spec import TextSpec
 
-log = logging.getLogger(__name__)
 NO_PREFIX_CACHE = ("the linear-attention layers' state at a cached prefix's end is not kept (no state snapshots), "
                    "so a cached prefix could not continue")
 
@@ -88,7 +86,7 @@ class FullLayer:
 class LinearLayer:
     """A Gated DeltaNet layer over the rows' state slots; `index` is its index among the linear layers."""
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, index: int, c: TextSpec, shape: deltanet.DeltaNetShape):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, index: int, shape: deltanet.DeltaNetShape):
         self.index = index
         self.net = deltanet.GatedDeltaNet(shape, deltanet.weights_from(w, f"layers.{i}.linear_attn."))
 
@@ -136,7 +134,7 @@ class HybridModel:
                 self.layers.append(FullLayer(w, i, kv, c))
                 kv += 1
             else:
-                self.layers.append(LinearLayer(w, i, lin, c, shape))
+                self.layers.append(LinearLayer(w, i, lin, shape))
                 lin += 1
         self.norms = [(w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"]) for i in range(c.num_layers)]
         self.mlps = [(Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), False),
