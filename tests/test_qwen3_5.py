@@ -230,28 +230,51 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
               "every state slot free after the burst")
 
 
-def test_lora_and_the_moe_variant_are_refused_by_name(checkpoint, tmp_path):
-    """Not served yet, so refused at load, never applied in part: a LoRA adapter on this hybrid model, and a
-    Qwen3.5-MoE checkpoint (its shared expert is not computed by the engine's MoE layers)."""
+def test_lora_equals_peft_and_what_is_not_served_is_refused_by_name(ref, tmp_path):
+    """A PEFT LoRA on the full-attention layer's q_proj (its doubled output: query and gate) and v_proj and on MLPs
+    of a linear and a full layer equals PEFT's generate(); adapters on a linear layer's projections or on q_proj of
+    a linear layer, and a Qwen3.5-MoE checkpoint (its shared expert is not computed by the engine's MoE layers), are
+    refused at load, never applied in part."""
     import json
 
+    from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
     from transformers import Qwen3_5MoeConfig
 
+    from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.errors import InvalidArgument
     from triton_vlm.families import family_of
     from triton_vlm.lora.peft import load_peft
+    from triton_vlm.params import GenerationParams, GenerationRequest
     from triton_vlm.spec import CheckpointError, CheckpointSpec
 
-    spec = CheckpointSpec.load(checkpoint)
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
-    prefix = "base_model.model.model.language_model.layers.3.mlp.down_proj"
-    save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 128), f"{prefix}.lora_B.weight": torch.zeros(64, 2)},
-              str(adapter / "adapter_model.safetensors"))
-    with pytest.raises(InvalidArgument, match="not served for hybrid models"):
-        load_peft(adapter, spec.text)
+    torch.manual_seed(2)
+    peft_model = get_peft_model(type(ref.model).from_pretrained(str(ref.model_dir)), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=r".*language_model\.layers\.(3\.self_attn\.(q_proj|v_proj)|[13]\.mlp\.down_proj)"))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    want = ref.generate(LONG, [], 12)
+    lora = ref.generate(LONG, [], 12, model=peft_model.eval())
+    assert lora != want, "the adapter must change the answer"
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=16, prefill_chunk=64))
+    ids = ref.inputs(LONG, [])["input_ids"][0].tolist()
+    try:
+        req = GenerationRequest("lora", ids, GenerationParams(max_tokens=12),
+                                adapter=load_peft(tmp_path / "adapter", eng.model_config, "a"))
+        assert [s.token_ids for s in eng.generate([req])["lora"][-1].sequences] == lora
+    finally:
+        eng.shutdown()
+    spec = CheckpointSpec.load(ref.model_dir)
+    for key, shape, what in (("layers.0.self_attn.q_proj", (64, 256), "layer 0 is a linear-attention"),
+                             ("layers.0.linear_attn.in_proj_qkv", (64, 128), "not a LoRA weight")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+        prefix = f"base_model.model.model.language_model.{key}"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(2, shape[0]), f"{prefix}.lora_B.weight":
+                   torch.zeros(shape[1], 2)}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(InvalidArgument, match=what.replace("layer 0 is", "layer 0: that layer is")):
+            load_peft(bad, spec.text, "bad")
     moe = tmp_path / "moe"
     moe.mkdir()
     Qwen3_5MoeConfig(text_config={"num_hidden_layers": 4, "eos_token_id": 2}).save_pretrained(moe)

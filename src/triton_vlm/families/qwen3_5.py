@@ -12,7 +12,9 @@ Text model, as data for the engine (`spec.TextSpec`, read from the `qwen3_5_text
 head_dim x `partial_rotary_factor`) with interleaved M-RoPE over those frequencies (`text_rules`: the position rule
 of Qwen2-VL's family with these sections), zero-centred RMSNorms, the attention's output gate, the linear layers'
 sizes (`linear_*`). The engine serves it with `engine/model/hybrid.py` over a `kv.hybrid_cache.HybridCache` (state
-slots beside the paged KV), prefix caching off (docs/families.md).
+slots beside the paged KV), prefix caching off (docs/families.md). LoRA: the full-attention layers' q/k/v/o_proj
+(q_proj's doubled output: `lora.format.module_shape`) and every layer's MLP; a linear layer's projections are not
+LoRA targets (refused by name).
 
 Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`) is not served: its sparse layers add a
 shared expert with its own sigmoid gate beside the routed experts, which the engine's MoE layers (Qwen3-VL-MoE's)
