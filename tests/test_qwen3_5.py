@@ -5,11 +5,12 @@ checkpoint (sharded, the family's processor and chat template), against transfor
   num_return_sequences equal generate(); every state slot is free afterwards; the control: beams whose states are
   not copied when they fork give other tokens (the layer-level controls, chunk size among them, are
   tests/engine/test_deltanet.py's); requests preempted mid-decode (max_utilization) get generate()'s tokens; the KV
-  profile refuses state slots that do not fit, naming the numbers; LoRA and Qwen3.5-MoE are refused by name;
+  profile refuses state slots that do not fit, naming the numbers;
 - through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
-  images of two sizes, text and a long prompt, sent at once; penalties; streaming; seeded sampling with n; one
-  OpenAI chat request; a burst with a cancelled request leaves every state slot free (the gauge) and prefix
-  caching off (the gauge)."""
+  images of two sizes, two images in one prompt, text and a long prompt, sent at once; penalties; streaming; seeded
+  sampling with n; one OpenAI chat request; a burst with a cancelled request leaves every state slot free (the
+  gauge) and prefix caching off (the gauge).
+- LoRA on the full-attention and MLP projections equals PEFT; what is not served is refused by name."""
 from __future__ import annotations
 
 import queue
@@ -27,6 +28,7 @@ SIZES = {"small": (100, 60), "tall": (40, 300)}
 IMAGES = {name: png(size, seed=150 + i) for i, (name, size) in enumerate(SIZES.items())}
 PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+TWO = "<|im_start|>user\n<image> and <image>: compare them.<|im_end|>\n<|im_start|>assistant\n"
 LONG = ("<|im_start|>user\n" + " ".join(f"word{i} and more" for i in range(12)) +
         "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -82,7 +84,7 @@ def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref)
                                              scheduler_policy="max_utilization"))
     g = torch.Generator().manual_seed(4)
     prompts = [[1] + torch.randint(5, 370, (n,), generator=g).tolist() for n in (90, 70, 100, 80)]
-    reqs = [GenerationRequest(f"p{i}", ids, GenerationParams(max_tokens=60, min_tokens=60, beam_width=1 + (i == 2),
+    reqs = [GenerationRequest(f"p{i}", ids, GenerationParams(max_tokens=40, min_tokens=40, beam_width=1 + (i == 2),
                                                              num_return_sequences=1 + (i == 2)))
             for i, ids in enumerate(prompts)]
     results = {r.request_id: [] for r in reqs}
@@ -98,7 +100,7 @@ def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref)
     for r, ids in zip(reqs, prompts):
         width = r.params.beam_width
         with torch.no_grad():
-            out = ref.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=60, min_new_tokens=60,
+            out = ref.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40,
                                      do_sample=False, num_beams=width, num_return_sequences=width, pad_token_id=0)
         assert [s.token_ids for s in results[r.request_id][-1].sequences] == out[:, len(ids):].tolist(), r.request_id
 
@@ -141,7 +143,7 @@ def _ask(server, prompt, images, **params):
 def test_greedy_beams_images_and_long_prompts_equal_generate(served, ref):
     server = served[1]
     cases = [(PROMPT, [IMAGES["small"]], 1), (PROMPT, [IMAGES["tall"]], 1), (PROMPT, [IMAGES["tall"]], 2), (TEXT, [], 4),
-             (LONG, [], 3),
+             (TWO, [IMAGES["tall"], IMAGES["small"]], 2), (LONG, [], 3),
              (LONG, [], 1)]
     with ThreadPoolExecutor(len(cases)) as pool:  # at once: the engine batches their decode steps
         futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b) for p, imgs, b in cases]
