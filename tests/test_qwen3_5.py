@@ -105,12 +105,15 @@ def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref)
         assert [s.token_ids for s in results[r.request_id][-1].sequences] == out[:, len(ids):].tolist(), r.request_id
 
 
-def test_profile_refuses_state_slots_that_do_not_fit(checkpoint):
+def test_profile_refuses_state_slots_that_do_not_fit_and_chunks_off_64(checkpoint):
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.engine.profile import KVBudgetError
+    from triton_vlm.errors import InvalidArgument
 
     with pytest.raises(KVBudgetError, match=r"the state slots do not fit: 64 slots \(max_rows\) x 18432 B"):
         Engine(checkpoint, EngineConfig(max_rows=64, kv_cache_mb=1, context_length=128, prefill_chunk=64))
+    with pytest.raises(InvalidArgument, match="prefill_chunk 100 must be a multiple of 64 for this model"):
+        Engine(checkpoint, EngineConfig(max_rows=2, kv_cache_tokens=512, prefill_chunk=100))
 
 
 @pytest.fixture(scope="module")

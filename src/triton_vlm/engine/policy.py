@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from . import preempt
+from ..errors import InvalidArgument
 from .lora.adapter_slots import DeviceAdapters
 from .kv.kv_cache import KVCache
 from .state import Active
@@ -79,8 +80,8 @@ class Policy:
         # rule then starts its chunks where one pass over the prompt would, `deltanet.CHUNK`)
         self.granule = prefill_granule
         if prefill_granule > 1 and prefill_chunk % prefill_granule:
-            raise ValueError(f"prefill_chunk {prefill_chunk} must be a multiple of {prefill_granule} for this model "
-                             "(its linear-attention layers' chunk size)")
+            raise InvalidArgument(f"prefill_chunk {prefill_chunk} must be a multiple of {prefill_granule} for this "
+                                  "model (its linear-attention layers' chunk size)")
         self.on_demand = scheduler_policy == preempt.MAX_UTILIZATION
         self.waiting: deque[Active] = deque()
         self.running: list[Active] = []
