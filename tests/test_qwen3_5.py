@@ -63,6 +63,9 @@ def test_engine_long_prompt_beams_slots_and_the_beam_state_control(ref):
 
     try:
         assert not eng.config.enable_prefix_caching and eng.stats().state_slots_total == 4
+        plan = eng.memory  # the profile counted the slots: 4 x 18432 B; 2048 KV tokens hold 4 contexts of 512
+        assert (plan.state_slots, plan.state_bytes, plan.sequences) == (4, 4 * 18432, 4)
+        assert "4 state slots (0.07 MiB): 4 full-context sequences fit" in plan.summary()
         assert run("greedy", 1) == ref.generate(LONG, [], 10)
         want = ref.generate(LONG, [], 10, beams=3, num_return_sequences=3)
         assert run("beams", 3) == want
