@@ -67,7 +67,7 @@ def test_the_default_configs_of_the_served_classes_pass():
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0 changes the math"),
     ({"layer_types": ["full_attention", "chunked_attention"], "num_hidden_layers": 2},
      "config.json: layer_types = ['full_attention', 'chunked_attention'] is not supported; supported: "
-     "'full_attention' and 'sliding_attention' layers"),
+     "'full_attention', 'sliding_attention' and (hybrid models: spec._hybrid) 'linear_attention' layers"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(kwargs, message):
     from transformers import LlamaConfig

@@ -57,11 +57,16 @@ TEXT_IMPLEMENTED = {
     "num_experts": "spec._moe", "num_local_experts": "spec._moe (transformers' name behind num_experts)",
     "num_experts_per_tok": "spec._moe", "moe_intermediate_size": "spec._moe",
     "decoder_sparse_step": "spec._moe", "mlp_only_layers": "spec._moe",
+    # Qwen3.5's Gated DeltaNet layers (engine/model/deltanet.py through spec._hybrid)
+    "linear_conv_kernel_dim": "spec._hybrid (the conv window)", "linear_key_head_dim": "spec._hybrid",
+    "linear_value_head_dim": "spec._hybrid", "linear_num_key_heads": "spec._hybrid",
+    "linear_num_value_heads": "spec._hybrid",
 }
 TEXT_CHECKED: dict[str, Check] = {
     "hidden_act": (lambda v: v in (None, "silu"), "'silu'"),
-    "layer_types": (lambda v: v is None or set(v) <= {"full_attention", "sliding_attention"},
-                    "'full_attention' and 'sliding_attention' layers"),
+    "layer_types": (lambda v: v is None or set(v) <= {"full_attention", "sliding_attention", "linear_attention"},
+                    "'full_attention', 'sliding_attention' and (hybrid models: spec._hybrid) 'linear_attention' "
+                    "layers"),
 }
 
 TOP_HARMLESS = COMMON_HARMLESS | {

@@ -26,6 +26,11 @@ from typing import Any, Optional
 # family's to accept (`families.Family.text_model_types`, checked by `families.family_of`)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# hybrid text models (transformers' model_type of the nested text config): what their modules compute besides the
+# config's fields (transformers' Qwen3_5RMSNorm is zero-centred, its attention gated, its M-RoPE always interleaved
+# with sections [11, 11, 10] unless the config says otherwise); the hybrid forward serves these only
+HYBRID_TEXT = {"qwen3_5_text": dict(norm_offset=1.0, attn_output_gate=True, mrope_interleaved=True,
+                                    mrope_section=(11, 11, 10))}
 FEATURE_STRATEGIES = ("default", "full")
 VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
 VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
@@ -76,6 +81,14 @@ class TextSpec:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # hybrid text models (Qwen3.5's `layer_types`): each layer's token mixer, "full_attention" or
+    # "linear_attention" (Gated DeltaNet, `engine/model/hybrid.py`); () = attention everywhere (the Llama forward)
+    layer_kinds: tuple[str, ...] = ()
+    rotary_dim: int = 0  # partial rotary: the leading values of each head that rotate (0 = head_dim)
+    norm_offset: float = 0.0  # RMSNorms multiply by (offset + weight): 1 for zero-centred norms (Qwen3.5)
+    attn_output_gate: bool = False  # q_proj also yields a gate per head: attention output x sigmoid(gate)
+    # the linear layers' (key heads, value heads, key dim, value dim, conv kernel): `deltanet.DeltaNetShape`
+    linear_dims: tuple[int, ...] = ()
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -184,8 +197,6 @@ def _rope(text: Any) -> dict:
     if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"rope scaling type {rope['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError("partial_rotary_factor != 1.0 is not supported")
     return rope
 
 
@@ -195,6 +206,7 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
             f"language model type {text.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(text, "hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {text.hidden_act!r} is not supported; only 'silu' (Llama family)")
+    hybrid = _hybrid(text)  # first: refuses linear-attention layers of a text model not served (Qwen3.5-MoE)
     max_pos = int(text.max_position_embeddings)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -209,9 +221,41 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
         tie_word_embeddings=tie, attention_bias=bool(getattr(text, "attention_bias", False)),
         mlp_bias=bool(getattr(text, "mlp_bias", False)), eos_token_ids=eos, image_token_id=image_token_id,
-        layer_windows=_layer_windows(text), mrope_section=_mrope(text), mrope_interleaved=_mrope_interleaved(text),
-        video_token_id=None if getattr(top, "video_token_id", None) is None else int(top.video_token_id),
-        **_moe(text))
+        layer_windows=_layer_windows(text), video_token_id=None if getattr(top, "video_token_id", None) is None
+        else int(top.video_token_id), **_moe(text),
+        **({"mrope_section": _mrope(text), "mrope_interleaved": _mrope_interleaved(text)} | hybrid))
+
+
+def _hybrid(text: Any) -> dict:
+    """A hybrid text model's fields (`HYBRID_TEXT`; {} for an attention-only one). Partial rotary is served by the
+    hybrid forward only: elsewhere `partial_rotary_factor` != 1 is refused."""
+    factor = float(_rope_fields(text).get("partial_rotary_factor", 1.0) or 1.0)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    rules = HYBRID_TEXT.get(getattr(text, "model_type", None))
+    if rules is None:
+        if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+            raise CheckpointError(f"linear_attention layers are served for {sorted(HYBRID_TEXT)} text models only, "
+                                  f"not model_type {getattr(text, 'model_type', None)!r}")
+        if factor != 1.0:
+            raise CheckpointError(f"partial_rotary_factor {factor} is not supported for model_type "
+                                  f"{getattr(text, 'model_type', None)!r}")
+        return {}
+    kinds = tuple(text.layer_types)
+    if set(kinds) - {"full_attention", "linear_attention"} or len(kinds) != int(text.num_hidden_layers):
+        raise CheckpointError(f"layer_types {list(kinds)}: one 'full_attention' or 'linear_attention' per layer")
+    rope = _rope_fields(text)
+    section = tuple(int(x) for x in (rope.get("mrope_section") or rules["mrope_section"]))
+    rotary = int(head_dim * factor)
+    if sum(section) != rotary // 2:
+        raise CheckpointError(f"mrope_section {list(section)} must add up to the rotary dim / 2 = {rotary // 2}")
+    dims = tuple(int(getattr(text, f)) for f in ("linear_num_key_heads", "linear_num_value_heads",
+                                                  "linear_key_head_dim", "linear_value_head_dim",
+                                                  "linear_conv_kernel_dim"))
+    if dims[1] % dims[0]:
+        raise CheckpointError(f"linear_num_value_heads {dims[1]} is not a multiple of linear_num_key_heads {dims[0]}")
+    return dict(layer_kinds=kinds, rotary_dim=rotary, norm_offset=rules["norm_offset"],
+                attn_output_gate=rules["attn_output_gate"], linear_dims=dims, mrope_section=section,
+                mrope_interleaved=rules["mrope_interleaved"])
 
 
 def _moe(text: Any) -> dict:
@@ -241,6 +285,8 @@ def _mrope(text: Any) -> tuple[int, ...]:
     rope = _rope_fields(text)
     section = tuple(int(x) for x in (rope.get("mrope_section") or ()))
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    if getattr(text, "model_type", None) in HYBRID_TEXT:
+        return section  # checked against the rotary dim by `_hybrid`
     if section and sum(section) != head_dim // 2:
         raise CheckpointError(f"mrope_section {list(section)} must add up to head_dim / 2 = {head_dim // 2}")
     return section

@@ -64,7 +64,8 @@ from .search.detok import IncrementalDetokenizer
 from .kv.kv_cache import blocks_needed
 from .model import mrope
 from .kv.prefix_cache import PrefixStats, request_hasher
-from .model.model import DTYPES, LlamaModel
+from .model.hybrid import load_model
+from .model.model import DTYPES
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, text_rules_of, worst_case
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
@@ -162,6 +163,10 @@ class EngineStats:
     guide_compiles: int = 0
     guide_compile_timeouts: int = 0
     guide_cache_bytes: int = 0
+    # hybrid models (`kv/hybrid_cache.py`): state slots of the linear layers, all and free (0, 0: none)
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    prefix_caching: bool = True  # enable_prefix_caching as served (off for hybrid models)
 
 
 @dataclass(frozen=True)
@@ -178,8 +183,12 @@ class Engine:
         self.config = config = config or EngineConfig()
         config.validate()
         probe = MemoryProbe(config.device)  # what this process may use, read before the weights load
-        self.model = LlamaModel.from_pretrained(model_dir, config.dtype, config.device)
+        # the checkpoint's decoder (a hybrid model holds one state slot per row: `hybrid.load_model`)
+        self.model = load_model(model_dir, config.dtype, config.device, config.max_rows)
         self.model_config = mc = self.model.config
+        if config.enable_prefix_caching and getattr(self.model, "no_prefix_cache", None):
+            log.info("prefix caching off for this model: %s", self.model.no_prefix_cache)
+            config.enable_prefix_caching = False
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -202,7 +211,8 @@ class Engine:
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
                                    scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
-        if config.cuda_graphs and self.model.device.type == "cuda" and not mc.sparse_layers:  # (experts: eager)
+        if config.cuda_graphs and self.model.device.type == "cuda" and not (mc.sparse_layers or mc.layer_kinds):
+            # (experts, hybrid layers: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
         self._cond = threading.Condition()
@@ -248,6 +258,7 @@ class Engine:
         guides = self._guides
         running = list(sched.running)
         preempted = sum(1 for a in list(sched.waiting) if a.preemptions)
+        states = getattr(self.cache, "states", None)  # a hybrid model's state slots
         return EngineStats(
             waiting_requests=inbox + len(sched.waiting), running_requests=len(running),
             running_rows=sum(len(a.kv.rows) for a in running), kv_blocks_used=self.cache.used_blocks,
@@ -259,7 +270,10 @@ class Engine:
             spare_steps=self.spare.lent_steps if self.spare is not None else 0, grammar_waiting=compiling,
             guide_compiles=guides.compiles if guides is not None else 0,
             guide_compile_timeouts=guides.timeouts if guides is not None else 0,
-            guide_cache_bytes=guides.cached_bytes if guides is not None else 0)
+            guide_cache_bytes=guides.cached_bytes if guides is not None else 0,
+            state_slots_total=states.slots if states is not None else 0,
+            state_slots_free=states.free if states is not None else 0,
+            prefix_caching=self.config.enable_prefix_caching)
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from . import preempt
+from ..errors import InvalidArgument
 from .lora.adapter_slots import DeviceAdapters
 from .kv.kv_cache import KVCache
 from .state import Active
@@ -70,11 +71,17 @@ class StepPlan:
 
 class Policy:
     def __init__(self, cache: KVCache, adapters: DeviceAdapters, *, max_rows: int, prefill_chunk: int,
-                 scheduler_policy: str = preempt.GUARANTEED_NO_EVICT):
+                 scheduler_policy: str = preempt.GUARANTEED_NO_EVICT, prefill_granule: int = 1):
         if scheduler_policy not in preempt.POLICIES:
             raise ValueError(f"scheduler_policy must be one of {list(preempt.POLICIES)}, got {scheduler_policy!r}")
         self.cache, self.adapters = cache, adapters
         self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
+        # a chunk that stops inside a prompt stops at a multiple of this (hybrid models: the linear layers' chunked
+        # rule then starts its chunks where one pass over the prompt would, `deltanet.CHUNK`)
+        self.granule = prefill_granule
+        if prefill_granule > 1 and prefill_chunk % prefill_granule:
+            raise InvalidArgument(f"prefill_chunk {prefill_chunk} must be a multiple of {prefill_granule} for this "
+                                  "model (its linear-attention layers' chunk size)")
         self.on_demand = scheduler_policy == preempt.MAX_UTILIZATION
         self.waiting: deque[Active] = deque()
         self.running: list[Active] = []
@@ -106,6 +113,8 @@ class Policy:
                 if budget <= 0:
                     continue
                 chunk = self._chunk(a, budget)
+                if chunk is None:
+                    continue
                 plan.prefill.append(chunk)
                 budget -= chunk.tokens
                 if not chunk.completes:
@@ -113,13 +122,16 @@ class Policy:
             plan.decode.append(a)
         return plan
 
-    @staticmethod
-    def _chunk(a: Active, budget: int) -> PrefillChunk:
+    def _chunk(self, a: Active, budget: int) -> Optional[PrefillChunk]:
         """`a`'s next prefill chunk within `budget` tokens: of its first row up to `prefill_len`, then (resuming
-        several rows) of every row at once, at least one position each."""
+        several rows) of every row at once, at least one position each. A chunk ending inside the prompt ends at a
+        multiple of the granule (None: not one fits the budget left this step)."""
         done = a.kv.prefilled
         if done < a.prefill_len:
-            return PrefillChunk(a, done, min(a.prefill_len - done, budget))
+            end = min(a.prefill_len, done + budget)
+            if end < a.prompt_len:
+                end -= end % self.granule
+            return PrefillChunk(a, done, end - done) if end > done else None
         return PrefillChunk(a, done, min(a.compute_len - done, max(1, budget // len(a.kv.resume_rows))))
 
     def _fits(self, a: Active) -> Optional[str]:
@@ -142,7 +154,7 @@ class Policy:
                     self._unreserve(a)
                     return "slot"
                 a.lora = lora
-            a.kv.rows = [self.cache.new_row()]
+            a.kv.rows = [self.cache.new_row(a.prompt_len)]
             self._reuse_prefix(a)
         except BaseException:
             lora, a.lora = a.lora, None

@@ -75,6 +75,14 @@ class MemoryPlan:
     kv_tokens: int
     token_bytes: int  # K and V of every layer for one token
     worst: WorstCase
+    state_slots: int = 0  # hybrid models: sequences whose linear-layer states are preallocated (max_rows)
+    state_bytes: int = 0  # their bytes (taken before the KV cache is sized)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences at the full context that fit at once, KV and (hybrid models) state slots both counted."""
+        kv = self.kv_tokens // max(1, self.worst.context)
+        return min(kv, self.state_slots) if self.state_slots else kv
 
     def summary(self) -> str:
         w = self.worst
@@ -82,7 +90,9 @@ class MemoryPlan:
                 f"{self.rule}; limit {self.limit_bytes / MiB:.1f} MiB, weights {self.weights_bytes / MiB:.1f} MiB, "
                 f"activations {self.activation_bytes / MiB:.1f} MiB, other {self.other_bytes / MiB:.1f} MiB; "
                 f"worst case: a {w.prompt_tokens}-token prompt with {w.images} images of {w.image_tokens} tokens, "
-                f"{w.rows} rows at context {w.context} ({self.device})")
+                f"{w.rows} rows at context {w.context} ({self.device})"
+                + (f"; {self.state_slots} state slots ({self.state_bytes / MiB:.2f} MiB): {self.sequences} "
+                   "full-context sequences fit" if self.state_slots else ""))
 
 
 # --- memory readings ---------------------------------------------------------------------------------------
@@ -201,7 +211,7 @@ def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: i
         feats = torch.zeros(worst.images, worst.image_tokens, c.hidden_size * (1 + levels), dtype=torch.float32,
                             device=dev)  # DeepStack: each token's levels too
     embeds = merge_image_embeds(ids, model.embed(ids), feats, c.image_token_id, levels)  # [P, hidden * (1 + levels)]
-    row = cache.new_row()
+    row = cache.new_row(worst.prompt_tokens)  # then decode steps (hybrid models: the recurrent rule)
     for start in range(0, worst.prompt_tokens, prefill_chunk):
         n = min(prefill_chunk, worst.prompt_tokens - start)
         x = embeds[None, start:start + n]
@@ -238,8 +248,18 @@ def measure_activations(model, probe: MemoryProbe, worst: WorstCase, *, block_si
 
 
 def token_bytes(model) -> int:
+    """K and V of one token in every layer that keeps KV (a hybrid model's full-attention layers only)."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    return 2 * getattr(model, "kv_layers", c.num_layers) * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
+def state_bytes(model) -> tuple[int, int]:
+    """(slots, bytes of all of them): a hybrid model's state slots (one per row, `kv/hybrid_cache.py`); (0, 0)
+    for a model without linear-attention layers."""
+    spec = getattr(model, "state_spec", None)
+    if spec is None:
+        return 0, 0
+    return model.state_slots, model.state_slots * spec.slot_bytes()
 
 
 def model_bytes(model) -> int:
@@ -261,11 +281,17 @@ def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase) -> Memory
     weights = model_bytes(model)
     activations = measure_activations(model, probe, worst, block_size=bs, prefill_chunk=config.prefill_chunk)
     other = config.lora_cache_device_mb * 2**20 + probe.outside_allocator()
+    slots, states = state_bytes(model)
     limit, left = 0, 0
     if config.kv_cache_tokens > 0:
         rule, kv_tokens = "kv_cache_tokens", config.kv_cache_tokens
-    elif config.kv_cache_mb > 0:
-        rule, kv_tokens = "kv_cache_mb", min(MAX_MB_TOKENS, config.kv_cache_mb * 2**20 // per_token)
+    elif config.kv_cache_mb > 0:  # a hybrid model's state slots come out of this budget too
+        rule, budget = "kv_cache_mb", config.kv_cache_mb * 2**20 - states
+        if budget < 0:
+            raise KVBudgetError(f"the state slots do not fit: {slots} slots (max_rows) x {states // slots} B = "
+                                f"{states / MiB:.2f} MiB, more than kv_cache_mb {config.kv_cache_mb}; raise "
+                                "kv_cache_mb or lower max_rows")
+        kv_tokens = min(MAX_MB_TOKENS, budget // per_token)
     else:
         rule = "gpu_memory_utilization" if probe.cuda else "cpu_memory_utilization"
         util = getattr(config, rule)
@@ -276,14 +302,21 @@ def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase) -> Memory
                 f"{probe.total / GiB:.2f} GiB) is less than gpu_memory_utilization {util} x the device / "
                 f"{config.instances} instance(s) = {limit / GiB:.2f} GiB; lower gpu_memory_utilization or free "
                 "the device")
-        left = limit - weights - activations - other
+        left = limit - weights - activations - other - states
+        if states and left < 0 <= left + states:
+            raise KVBudgetError(
+                f"the state slots do not fit: {slots} slots (max_rows) x {states // slots} B = {states / MiB:.2f} "
+                f"MiB, but {rule} {util} x {probe.total / MiB:.1f} MiB / {config.instances} instance(s) less "
+                f"weights {weights / MiB:.1f} MiB, activations {activations / MiB:.1f} MiB and other "
+                f"{other / MiB:.1f} MiB leaves {(left + states) / MiB:.2f} MiB; lower max_rows or raise {rule}")
         kv_tokens = max(0, left) // per_token
         if not probe.cuda:  # more than max_rows full-context rows could never be held at once
             kv_tokens = min(kv_tokens, config.max_rows * -(-worst.context // bs) * bs)
     kv_tokens = kv_tokens // bs * bs
     plan = MemoryPlan(device=str(probe.device), rule=rule, limit_bytes=limit, weights_bytes=weights,
                       activation_bytes=activations, other_bytes=other, kv_bytes=kv_tokens * per_token,
-                      kv_tokens=kv_tokens, token_bytes=per_token, worst=worst)
+                      kv_tokens=kv_tokens, token_bytes=per_token, worst=worst, state_slots=slots,
+                      state_bytes=states)
     need = blocks_needed(worst.prompt_tokens, 1, 1, bs) * bs
     if kv_tokens < need:
         raise KVBudgetError(_refusal(plan, config, probe, need, left))

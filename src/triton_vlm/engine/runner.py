@@ -214,17 +214,20 @@ class ModelRunner:
             row.tokens = []
 
     def reorder(self, active: Active, parents: list[int]) -> None:
+        """Rows nobody continues are freed first, then parents are handed over or forked: a request never holds
+        more rows (KV blocks, hybrid models' state slots) than it has children."""
         rows: list[RowKV] = active.kv.rows
-        new, kept = [], set()
-        for p in parents:
-            if p in kept:
-                new.append(self.cache.fork(rows[p]))
-            else:
-                kept.add(p)
-                new.append(rows[p])
+        kept = set(parents)
         for i, r in enumerate(rows):
             if i not in kept:
                 self.cache.free(r)
+        new, handed = [], set()
+        for p in parents:
+            if p in handed:
+                new.append(self.cache.fork(rows[p]))
+            else:
+                handed.add(p)
+                new.append(rows[p])
         active.kv.rows = new
 
 

@@ -62,7 +62,8 @@ class Scheduler:
                  prefill_chunk: int, decode_text: Callable[[list[int]], str],
                  scheduler_policy: str = GUARANTEED_NO_EVICT):
         self.policy = Policy(cache, adapters, max_rows=max_rows, prefill_chunk=prefill_chunk,
-                             scheduler_policy=scheduler_policy)
+                             scheduler_policy=scheduler_policy,
+                             prefill_granule=getattr(model, "prefill_granule", 1))  # hybrid models: 64
         self.runner = ModelRunner(model, cache)
         # stacked copies of adapters get the device level's budget again (the adapters themselves use the first)
         self.runner.lora_stacks.max_bytes = adapters.max_bytes

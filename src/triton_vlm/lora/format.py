@@ -30,13 +30,22 @@ def module_shape(spec: TextSpec, module: str) -> tuple[int, int]:
     """(in, out) features of a projection of the language model."""
     h, q, kv, ff = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
         spec.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ff),
+    gate = 2 if spec.attn_output_gate else 1  # q_proj also yields the output gate (Qwen3.5): twice the outputs
+    return {"q_proj": (h, q * gate), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, ff),
             "up_proj": (h, ff), "down_proj": (ff, h)}[module]
 
 
 def check_experts(spec: TextSpec, layer: int, module: str, where: str) -> None:
     """A mixture-of-experts layer has no dense MLP: an adapter on its MLP projections is refused by name (LoRA is
-    served on the attention projections, and on the MLP of the dense layers)."""
+    served on the attention projections, and on the MLP of the dense layers). A hybrid model's linear-attention layer
+    (`spec.TextSpec.layer_kinds`) has no q/k/v/o_proj: an adapter on them is refused by name (its own projections,
+    `linear_attn.*`, are not LoRA targets here: `peft._pairs` refuses their keys)."""
+    if spec.layer_kinds and spec.layer_kinds[layer] == "linear_attention" and module in ("q_proj", "k_proj", "v_proj",
+                                                                                          "o_proj"):
+        full = [i for i, k in enumerate(spec.layer_kinds) if k == "full_attention"]
+        raise InvalidArgument(f"{where}: {module} of layer {layer}: that layer is a linear-attention (Gated DeltaNet) "
+                              f"layer without {module}; attention adapters may target the full-attention layers "
+                              f"{full}, MLP adapters any layer")
     if layer in spec.sparse_layers and module in ("gate_proj", "up_proj", "down_proj"):
         dense = [i for i in range(spec.num_layers) if i not in spec.sparse_layers]
         raise InvalidArgument(f"{where}: {module} of layer {layer} is in a mixture-of-experts layer; LoRA on the "

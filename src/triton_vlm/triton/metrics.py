@@ -9,8 +9,9 @@ the endpoint picker's KV-cache scorer reads it), and beside it
 reserved fraction while requests have not grown to their worst case). Both 0 while the engine has no blocks.
 The memory plan made at start (`engine/profile.py`), set once: `triton_vlm_engine_memory_bytes{part}` with part
 `limit` (this instance's share; 0 when the budget was given), `weights`, `activations` (the worst-case forwards'
-peak), `other` (LoRA device level, memory outside torch's allocator) and `kv_cache`, and
-`triton_vlm_engine_kv_cache_tokens`.
+peak), `other` (LoRA device level, memory outside torch's allocator), `kv_cache` and `state_slots` (a hybrid
+model's linear-layer states, one slot per row, 0 for others; the slots are the gauges
+`triton_vlm_engine_state_slots_total` / `_free`), and `triton_vlm_engine_kv_cache_tokens`.
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
 vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
@@ -177,7 +178,7 @@ class LLMMetrics(MetricsBase):
         fam = self._family("triton_vlm_engine_memory_bytes", "llm memory plan made at start, bytes by part", F.GAUGE)
         for part, value in (("limit", plan.limit_bytes), ("weights", plan.weights_bytes),
                             ("activations", plan.activation_bytes), ("other", plan.other_bytes),
-                            ("kv_cache", plan.kv_bytes)):
+                            ("kv_cache", plan.kv_bytes), ("state_slots", plan.state_bytes)):
             self._memory[part] = fam.Metric(labels={**labels, "part": part})
             self._memory[part].set(float(value))
         fam = self._family("triton_vlm_engine_kv_cache_tokens", "llm KV cache size in tokens (planned at start)",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,10 @@ class RowKV:
     # token ids of the positions after them (the block being filled)
     hashes: list[BlockHash] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    # hybrid models (`hybrid_cache.py`): the row's state slot (-1: none) and where its prompt ends (positions from
+    # there on were decoded one at a time: a recompute computes them so again)
+    slot: int = -1
+    prompt_len: int = 1 << 62
 
 
 @dataclass
@@ -71,6 +75,7 @@ class AttentionBatch:
     write_slots: torch.Tensor  # [rows * q_len] long, pool slot of each new token's K/V (row-major)
     read_slots: torch.Tensor  # [rows, T] long, pool slots of the keys each row reads (padding -> slot 0)
     mask: torch.Tensor  # [rows, 1, q_len, T] bool, True = attend (causal and within the row's length)
+    states: Optional[Any] = None  # hybrid models: the rows' state slots (`hybrid_cache.StateBatch`)
 
 
 class KVCache:
@@ -142,14 +147,15 @@ class KVCache:
             else:
                 self._free.append(b)
 
-    def new_row(self) -> RowKV:
-        return RowKV()
+    def new_row(self, prompt_len: int = 1 << 62) -> RowKV:
+        """An empty row; `prompt_len`: where its request's prompt ends (read by hybrid models only)."""
+        return RowKV(prompt_len=prompt_len)
 
     def fork(self, row: RowKV) -> RowKV:
         """A new row continuing `row`'s tokens; shares its blocks until one of them writes (copy-on-write)."""
         for b in row.blocks:
             self.refcount[b] += 1
-        return RowKV(list(row.blocks), row.length, list(row.hashes), list(row.tokens))
+        return RowKV(list(row.blocks), row.length, list(row.hashes), list(row.tokens), prompt_len=row.prompt_len)
 
     def free(self, row: RowKV) -> None:
         for b in reversed(row.blocks):  # last block first: the tail of a cached prefix is evicted first

@@ -1,0 +1,82 @@
+"""Read a hybrid text model (Qwen3.5's: Gated DeltaNet layers beside gated full attention) out of a checkpoint.
+
+Tensors by transformers-5 names under the language model's prefix (`weights.LAYOUTS`), returned under canonical
+names the model reads:
+- `embed`, `norm`, `lm_head` (tied as `weights._lm_head` decides);
+- every layer: `layers.{i}.input_norm`, `layers.{i}.post_norm`, the MLP's `gate_proj` / `up_proj` / `down_proj`;
+- a full-attention layer: `q_proj` ([heads * head_dim * 2, hidden] with the output gate: per head, the query's
+  head_dim rows then the gate's), `k_proj`, `v_proj`, `o_proj` (+ `.bias` where held), `q_norm`, `k_norm`;
+- a linear-attention layer: `layers.{i}.linear_attn.` + transformers' names (`in_proj_qkv`, `in_proj_z`,
+  `in_proj_b`, `in_proj_a`, `out_proj` weights, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`).
+Zero-centred RMSNorms (`TextSpec.norm_offset` 1: Qwen3_5RMSNorm computes `normed * (1 + weight)` in fp32) are
+returned as `offset + weight` in fp32, the factor transformers multiplies by; the gated RMSNorm of the linear
+layers is an ordinary one (its `weight` as stored).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...spec import CheckpointError, TextSpec
+from ...weight_source import TensorSource
+from .weights import LAYOUTS, _lm_head
+
+FULL, LINEAR = "full_attention", "linear_attention"
+LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                  "out_proj.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight")
+
+
+def load_hybrid_weights(model_dir: str | Path, c: TextSpec, dtype: torch.dtype,
+                        device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor (module doc), cast to `dtype` on `device` (offset norms: fp32)."""
+    src = TensorSource(model_dir)
+    for layers, embed_key, norm_key, head_key in LAYOUTS:
+        if embed_key in src:
+            break
+    else:
+        raise CheckpointError(f"no language-model embedding found in {model_dir}")
+
+    def take(key: str, cast: torch.dtype = dtype) -> torch.Tensor:
+        if key not in src:
+            raise CheckpointError(f"checkpoint {model_dir} misses tensor {key}")
+        return src.get(key).to(device=device, dtype=cast)
+
+    def norm(key: str) -> torch.Tensor:  # [d] the factor the normed values are multiplied by
+        return take(key, torch.float32) + c.norm_offset if c.norm_offset else take(key)
+
+    out = {"embed": take(embed_key), "norm": norm(norm_key)}
+    out["lm_head"] = _lm_head(src, head_key, out["embed"], c, take)
+    for i, kind in enumerate(c.layer_kinds):
+        p = f"{layers}layers.{i}."
+        out[f"layers.{i}.input_norm"] = norm(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_norm"] = norm(p + "post_attention_layernorm.weight")
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            out[f"layers.{i}.{m}"] = take(f"{p}mlp.{m}.weight")
+        if kind == LINEAR:
+            for name in LINEAR_TENSORS:
+                # A_log / dt_bias / the gated norm stay as stored in fp32 where the model computes in fp32
+                out[f"layers.{i}.linear_attn.{name}"] = take(f"{p}linear_attn.{name}")
+            continue
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"layers.{i}.{m}"] = take(f"{p}self_attn.{m}.weight")
+            if f"{p}self_attn.{m}.bias" in src:
+                out[f"layers.{i}.{m}.bias"] = take(f"{p}self_attn.{m}.bias")
+        for n in ("q_norm", "k_norm"):
+            out[f"layers.{i}.{n}"] = norm(f"{p}self_attn.{n}.weight")
+    _check_shapes(out, c)
+    return out
+
+
+def _check_shapes(w: dict[str, torch.Tensor], c: TextSpec) -> None:
+    hd, gate = c.head_dim, 2 if c.attn_output_gate else 1
+    want = {"embed": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
+    for i, kind in enumerate(c.layer_kinds):
+        want[f"layers.{i}.down_proj"] = (c.hidden_size, c.intermediate_size)
+        if kind == FULL:
+            want |= {f"layers.{i}.q_proj": (c.num_heads * hd * gate, c.hidden_size),
+                     f"layers.{i}.k_proj": (c.num_kv_heads * hd, c.hidden_size),
+                     f"layers.{i}.o_proj": (c.hidden_size, c.num_heads * hd), f"layers.{i}.q_norm": (hd,)}
+    for name, shape in want.items():
+        if tuple(w[name].shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(w[name].shape)}, config implies {shape}")

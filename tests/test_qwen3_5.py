@@ -1,0 +1,291 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet linear attention beside gated full attention) on a tiny random hub-layout
+checkpoint (sharded, the family's processor and chat template), against transformers'
+`Qwen3_5ForConditionalGeneration` `generate()` on the same files, in fp32:
+- in process: a prompt longer than one 64-token chunk, prefilled in engine chunks of 64, greedy and beam search with
+  num_return_sequences equal generate(); every state slot is free afterwards; the control: beams whose states are
+  not copied when they fork give other tokens (the layer-level controls, chunk size among them, are
+  tests/engine/test_deltanet.py's); requests preempted mid-decode (max_utilization) get generate()'s tokens; the KV
+  profile refuses state slots that do not fit, naming the numbers;
+- through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
+  images of two sizes, two images in one prompt, text and a long prompt, sent at once; penalties; streaming; seeded
+  sampling with n; one OpenAI chat request; a burst with a cancelled request leaves every state slot free (the
+  gauge) and prefix caching off (the gauge).
+- LoRA on the full-attention and MLP projections equals PEFT; what is not served is refused by name."""
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from qwen_vl_cases import Reference, png
+
+NEW = 8
+SIZES = {"small": (100, 60), "tall": (40, 300)}
+IMAGES = {name: png(size, seed=150 + i) for i, (name, size) in enumerate(SIZES.items())}
+PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+TWO = "<|im_start|>user\n<image> and <image>: compare them.<|im_end|>\n<|im_start|>assistant\n"
+LONG = ("<|im_start|>user\n" + " ".join(f"word{i} and more" for i in range(12)) +
+        "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from triton_vlm.demo.qwen35_checkpoint import build_qwen3_5
+
+    torch.set_num_threads(1)
+    return build_qwen3_5(tmp_path_factory.mktemp("qwen3-5") / "qwen3_5", shards=2, seed=3, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint):
+    return Reference(checkpoint)
+
+
+def test_engine_long_prompt_beams_slots_and_the_beam_state_control(ref):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    ids = ref.inputs(LONG, [])["input_ids"][0].tolist()
+    assert len(ids) > 2 * 64, len(ids)  # three chunks of the delta rule, prefilled in engine chunks of 64
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=2048, block_size=16, prefill_chunk=64))
+
+    def run(rid, beams):
+        req = GenerationRequest(request_id=rid, input_ids=ids, params=GenerationParams(
+            max_tokens=10, beam_width=beams, num_return_sequences=beams))
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [s.token_ids for s in last.sequences]
+
+    try:
+        assert not eng.config.enable_prefix_caching and eng.stats().state_slots_total == 4
+        plan = eng.memory  # the profile counted the slots: 4 x 18432 B; 2048 KV tokens hold 4 contexts of 512
+        assert (plan.state_slots, plan.state_bytes, plan.sequences) == (4, 4 * 18432, 4)
+        assert "4 state slots (0.07 MiB): 4 full-context sequences fit" in plan.summary()
+        assert run("greedy", 1) == ref.generate(LONG, [], 10)
+        want = ref.generate(LONG, [], 10, beams=3, num_return_sequences=3)
+        assert run("beams", 3) == want
+        assert eng.cache.states.free == 4 and eng.cache.free_blocks == eng.cache.num_blocks
+        eng.cache.states.copy = lambda src, dst: None  # forked beams start from a zero state: not theirs
+        assert run("no-copy", 3) != want
+    finally:
+        eng.shutdown()
+
+
+def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref):
+    """max_utilization on a cache of one full-context request: requests preempted mid-decode are recomputed (their
+    prompt by the chunked rule in 64-token chunks, their generated tokens one at a time, as first computed; beams
+    forked after the prompt) and each gets generate()'s tokens; every slot is free afterwards."""
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
+
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=8, kv_cache_tokens=512, block_size=16, prefill_chunk=64,
+                                             scheduler_policy="max_utilization"))
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1] + torch.randint(5, 370, (n,), generator=g).tolist() for n in (90, 70, 100, 80)]
+    reqs = [GenerationRequest(f"p{i}", ids, GenerationParams(max_tokens=40, min_tokens=40, beam_width=1 + (i == 2),
+                                                             num_return_sequences=1 + (i == 2)))
+            for i, ids in enumerate(prompts)]
+    results = {r.request_id: [] for r in reqs}
+    try:
+        for r in reqs:
+            eng.submit(r, lambda res: results[res.request_id].append(res))
+        while eng.step():
+            pass
+        assert eng.stats().preemptions > 0
+        assert eng.cache.states.free == 8 and eng.cache.used_blocks == 0
+    finally:
+        eng.shutdown()
+    for r, ids in zip(reqs, prompts):
+        width = r.params.beam_width
+        with torch.no_grad():
+            out = ref.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40,
+                                     do_sample=False, num_beams=width, num_return_sequences=width, pad_token_id=0)
+        assert [s.token_ids for s in results[r.request_id][-1].sequences] == out[:, len(ids):].tolist(), r.request_id
+
+
+def test_profile_refuses_state_slots_that_do_not_fit_and_chunks_off_64(checkpoint):
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.engine.profile import KVBudgetError
+    from triton_vlm.errors import InvalidArgument
+
+    with pytest.raises(KVBudgetError, match=r"the state slots do not fit: 64 slots \(max_rows\) x 18432 B"):
+        Engine(checkpoint, EngineConfig(max_rows=64, kv_cache_mb=1, context_length=128, prefill_chunk=64))
+    with pytest.raises(InvalidArgument, match="prefill_chunk 100 must be a multiple of 64 for this model"):
+        Engine(checkpoint, EngineConfig(max_rows=2, kv_cache_tokens=512, prefill_chunk=100))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, checkpoint):
+    """(the OpenAI front end, the live server) on the checkpoint, shared by the tests below (16 rows: a shorter
+    profile at start)."""
+    from conftest import _start_server, _stop_server
+    from test_openai import FrontendConfig, Running
+
+    server = _start_server(tmp_path_factory, checkpoint, {"llm": {"max_rows": "16"}}, "qwen3-5-server")
+    try:
+        fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=checkpoint,
+                                    triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
+    except BaseException:
+        _stop_server(server)
+        raise
+    yield fe, server
+    fe.stop()
+    _stop_server(server)
+
+
+def _ask(server, prompt, images, **params):
+    from triton_vlm_client import VLMClient
+
+    with VLMClient(server.grpc_url, timeout=180) as c:
+        return c.generate(prompt, images, max_tokens=params.pop("max_tokens", NEW), **params)
+
+
+@pytest.mark.server
+def test_greedy_beams_images_and_long_prompts_equal_generate(served, ref):
+    server = served[1]
+    cases = [(PROMPT, [IMAGES["small"]], 1), (PROMPT, [IMAGES["tall"]], 1), (PROMPT, [IMAGES["tall"]], 2), (TEXT, [], 4),
+             (TWO, [IMAGES["tall"], IMAGES["small"]], 2), (LONG, [], 3),
+             (LONG, [], 1)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: the engine batches their decode steps
+        futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b) for p, imgs, b in cases]
+        results = [f.result() for f in futures]
+    for (prompt, images, beams), res in zip(cases, results):
+        assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams), \
+            (prompt[:30], len(images), beams)
+    assert results[0].output_ids[0] != results[1].output_ids[0], "the answer depends on the image"
+
+
+@pytest.mark.server
+def test_penalties_and_streaming_equal_generate(served, ref):
+    from triton_vlm_client import VLMClient
+
+    server = served[1]
+    got = _ask(server, LONG, [], max_tokens=12, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert got.output_ids == ref.generate(LONG, [], 12, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    with VLMClient(server.grpc_url, timeout=180) as c:
+        pieces = list(c.stream(PROMPT, [IMAGES["tall"]], max_tokens=NEW))
+    assert [t for p in pieces for t in p.token_ids] == ref.generate(PROMPT, [IMAGES["tall"]], NEW)[0]
+
+
+@pytest.mark.server
+def test_seeded_sampling_with_n_equals_generate(served, ref):
+    got = _ask(served[1], PROMPT, [IMAGES["small"]], max_tokens=12, temperature=0.9, top_k=30, seed=11,
+               num_return_sequences=3)
+    x = ref.inputs(PROMPT, [IMAGES["small"]])
+    torch.manual_seed(11)  # as the engine seeds its rows (the `hf` baseline backend does the same)
+    with torch.no_grad():
+        out = ref.model.generate(**x, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=30, top_p=1.0,
+                                 num_return_sequences=3, pad_token_id=0)
+    want = [row[:row.index(ref.eos) + 1] if ref.eos in row else row
+            for row in out[:, x["input_ids"].shape[1]:].tolist()]
+    assert got.output_ids == want
+
+
+@pytest.mark.server
+def test_openai_chat_equals_generate(served, ref):
+    from test_openai import data_url
+
+    client = served[0].client(timeout=180)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES["tall"])}},
+             {"type": "text", "text": "Describe it."}]
+    r = client.chat.completions.create(model="qwen3_5", messages=[{"role": "user", "content": parts}],
+                                       max_tokens=NEW, temperature=0)
+    prompt = ref.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+        add_generation_prompt=True, tokenize=False)
+    want = ref.generate(prompt, [IMAGES["tall"]], NEW)[0]
+    assert r.choices[0].message.content == ref.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.server
+def test_burst_with_a_cancellation_frees_every_state_slot(served):
+    """Beams, samples and a cancelled long request at once: afterwards every state slot is free (the gauge), and
+    the gauges say prefix caching is off for this model."""
+    import tritonclient.grpc as grpcclient
+    from test_server_engine import _gauge, _grpc_input, _metric, _wait_for
+
+    server = served[1]
+    total = _gauge(server, "state_slots_total")
+    assert total == 16 and _gauge(server, "prefix_caching") == 0  # one slot per row (max_rows 16)
+    assert _metric(server, "triton_vlm_engine_memory_bytes", 'part="state_slots"') == 16 * 18432
+    q: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("llm", [
+        _grpc_input("input_ids", np.array([[1, 50, 60, 70]], np.int32), "INT32"),
+        _grpc_input("max_tokens", np.array([[400]], np.int32), "INT32"),
+        _grpc_input("min_tokens", np.array([[400]], np.int32), "INT32"),
+        _grpc_input("beam_width", np.array([[3]], np.int32), "INT32"),
+        _grpc_input("stream", np.array([[True]]), "BOOL")])
+    _, err = q.get(timeout=60)
+    assert err is None
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(_ask, server, TEXT, [], beam_width=b, num_return_sequences=b) for b in (2, 3)]
+        others += [pool.submit(_ask, server, TEXT, [], temperature=1.0, seed=s, num_return_sequences=2)
+                   for s in (1, 2)]
+        _wait_for(lambda: _gauge(server, "state_slots_free") < total, "the running rows hold state slots")
+        c.stop_stream(cancel_requests=True)
+        assert all(len(f.result().output_ids) >= 1 for f in others)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "cancelled by the client;" not in server.log_file.read_text(errors="replace"):
+        time.sleep(0.2)
+    _wait_for(lambda: _gauge(server, "running_requests") == 0 and _gauge(server, "state_slots_free") == total,
+              "every state slot free after the burst")
+
+
+def test_lora_equals_peft_and_what_is_not_served_is_refused_by_name(ref, tmp_path):
+    """A PEFT LoRA on the full-attention layer's q_proj (its doubled output: query and gate) and v_proj and on MLPs
+    of a linear and a full layer equals PEFT's generate(); adapters on a linear layer's projections or on q_proj of
+    a linear layer, and a Qwen3.5-MoE checkpoint (its shared expert is not computed by the engine's MoE layers), are
+    refused at load, never applied in part."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeConfig
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.errors import InvalidArgument
+    from triton_vlm.families import family_of
+    from triton_vlm.lora.peft import load_peft
+    from triton_vlm.params import GenerationParams, GenerationRequest
+    from triton_vlm.spec import CheckpointError, CheckpointSpec
+
+    torch.manual_seed(2)
+    peft_model = get_peft_model(type(ref.model).from_pretrained(str(ref.model_dir)), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=r".*language_model\.layers\.(3\.self_attn\.(q_proj|v_proj)|[13]\.mlp\.down_proj)"))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    want = ref.generate(LONG, [], 12)
+    lora = ref.generate(LONG, [], 12, model=peft_model.eval())
+    assert lora != want, "the adapter must change the answer"
+    eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=16, prefill_chunk=64))
+    ids = ref.inputs(LONG, [])["input_ids"][0].tolist()
+    try:
+        req = GenerationRequest("lora", ids, GenerationParams(max_tokens=12),
+                                adapter=load_peft(tmp_path / "adapter", eng.model_config, "a"))
+        assert [s.token_ids for s in eng.generate([req])["lora"][-1].sequences] == lora
+    finally:
+        eng.shutdown()
+    spec = CheckpointSpec.load(ref.model_dir)
+    for key, shape, what in (("layers.0.self_attn.q_proj", (64, 256), "layer 0 is a linear-attention"),
+                             ("layers.0.linear_attn.in_proj_qkv", (64, 128), "not a LoRA weight")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+        prefix = f"base_model.model.model.language_model.{key}"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(2, shape[0]), f"{prefix}.lora_B.weight":
+                   torch.zeros(shape[1], 2)}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(InvalidArgument, match=what.replace("layer 0 is", "layer 0: that layer is")):
+            load_peft(bad, spec.text, "bad")
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    Qwen3_5MoeConfig(text_config={"num_hidden_layers": 4, "eos_token_id": 2}).save_pretrained(moe)
+    with pytest.raises(CheckpointError, match="linear_attention layers are served for .'qwen3_5_text'. text models "
+                                              "only, not model_type 'qwen3_5_moe_text'"):
+        family_of(CheckpointSpec.load(moe))
