@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import Cancelled, InvalidArgument, Unavailable
+from ..spec import CheckpointSpec
 from ..params import GenerationParams, GenerationRequest, GenerationResult, GuideLimits, ModelLimits
 from .cpu import spare
 from .delivery import Delivery
@@ -180,6 +181,9 @@ class Engine:
         probe = MemoryProbe(config.device)  # what this process may use, read before the weights load
         self.model = LlamaModel.from_pretrained(model_dir, config.dtype, config.device)
         self.model_config = mc = self.model.config
+        quant = CheckpointSpec.load(model_dir).quant  # what the metrics say is served (`/v1/models` says the same)
+        self.weights_info = {"weights": quant.label if quant is not None else "unquantized",
+                             "held": self.model.weights_held()}
         if tokenizer is None:
             from transformers import AutoTokenizer
 

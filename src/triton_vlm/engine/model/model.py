@@ -122,16 +122,17 @@ class Linear:
 
     def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] on the FP8 weight: 1-4 rows by the kernel, more on the weight dequantized
-        for this call by the kernel (one weight's fp32 at a time, freed after it; torch's e4m3 cast is ~10x
-        slower)."""
+        in chunks of output rows for this call by the kernel (`gemv_fp8.Kernel.matmul`: never the whole fp32
+        matrix at once; torch's e4m3 cast is ~10x slower)."""
         rows = x.numel() // x.shape[-1]
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
         if 0 < rows <= gemv_fp8.MAX_ROWS and x.dtype == torch.float32:
-            x2 = x.reshape(rows, x.shape[-1])
-            y = self.fp8_kernel.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.fp8_packed, self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        w_t = self.fp8_kernel.dequantize_t(self.fp8_packed)[:, : self.fp8_packed.n]  # [in, out], this call only
-        return torch.matmul(x, w_t) if self.bias is None else torch.addmm(self.bias, x.reshape(rows, -1), w_t).view(
-            *x.shape[:-1], w_t.shape[1])
+            y = self.fp8_kernel.run(x2, self.fp8_packed, self.bias)
+        else:
+            y = self.fp8_kernel.matmul(x2, self.fp8_packed, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
         y = self._fp8_product(x) if self.fp8_packed is not None else gemm.linear(x, self.weight, self.bias)
@@ -333,6 +334,13 @@ class LlamaModel:
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
                 out += [lin.fp8_packed.scale] if lin.fp8_packed is not None else []
         return out
+
+    def weights_held(self) -> str:
+        """How the decoder's projections are kept in memory: "float8_e4m3fn" (an FP8 checkpoint's, read by the FP8
+        gemv; "+float32" when some were dequantized at load), else the model's dtype ("float32", ...)."""
+        lins = [lin for layer in self.layers for lin in layer.linears()]
+        fp8, dtype = sum(lin.fp8_packed is not None for lin in lins), str(self.dtype).removeprefix("torch.")
+        return dtype if not fp8 else "float8_e4m3fn" if fp8 == len(lins) else f"float8_e4m3fn+{dtype}"
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config

@@ -113,14 +113,15 @@ void triton_vlm_e4m3_table(float *out) {
     }
 }
 
-/* out[k][n] = float(q[n][k]) * s (the dequantized weight transposed, [K][ceil(N / 64) * 64], padded outputs 0):
-   the prefill products' weight for one call, converted here at the kernel's speed (torch's e4m3 cast is scalar) */
+/* out[k][n - nb0 * 64] = float(q[n][k]) * s for the outputs n of 64-row blocks nb0 <= nb < nb1 (the dequantized
+   weight's columns transposed, [K][(nb1 - nb0) * 64], outputs past N 0): one chunk of a prefill product's weight,
+   converted here at the kernel's speed (torch's e4m3 cast is scalar); the caller never holds the whole fp32 matrix */
 void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
-                                 int64_t bn, float *out) {
-    int64_t nblocks = (N + BLOCK - 1) / BLOCK, scols = (K + bn - 1) / bn, ld = nblocks * BLOCK;
-    for (int64_t nb = 0; nb < nblocks; nb++)
+                                 int64_t bn, int64_t nb0, int64_t nb1, float *out) {
+    int64_t scols = (K + bn - 1) / bn, ld = (nb1 - nb0) * BLOCK;
+    for (int64_t nb = nb0; nb < nb1; nb++)
         for (int64_t s = 0; s < BLOCK; s += VW) {
-            int64_t n0 = nb * BLOCK + s;
+            int64_t n0 = nb * BLOCK + s, c0 = (nb - nb0) * BLOCK + s;
             for (int64_t kb = 0; kb < scols; kb++) {
                 float lane[VW];
                 for (int i = 0; i < VW; i++)
@@ -130,7 +131,7 @@ void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const f
                 int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;
                 for (int64_t k = kb * bn; k < kend; k++) {
                     vf v = e4m3_to_f32(w + nb * K * BLOCK + k * BLOCK + s) * sv;
-                    memcpy(out + k * ld + n0, &v, sizeof(vf));
+                    memcpy(out + k * ld + c0, &v, sizeof(vf));
                 }
             }
         }
