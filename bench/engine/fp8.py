@@ -6,14 +6,17 @@ to block-wise FP8 (Qwen's `-FP8` layout, [128, 128] blocks).
 Each side runs in its own process (so its resident memory is its own): `triton_vlm.engine.Engine` on the
 checkpoint, driven directly (no Triton), greedy requests one at a time with random image features; the rate is
 decoded tokens (all but the first, which the prefill gives) / the time after the first token; memory is the
-process's peak resident set (`ru_maxrss`) and the bytes of the engine's weight tensors.
+process's peak resident set (`ru_maxrss`), the resident set the engine's load and run add (VmRSS after the run
+minus VmRSS before the engine, torch and transformers already imported; with and without the KV cache), and the
+bytes of the engine's weight tensors, all of them and the decoder's projections alone (what the checkpoint
+quantizes: the embedding and lm_head stay as it stores them).
 
 Where the FP8 gemv (`engine/cpu/gemv_fp8.py`) builds and wins its race, the FP8 checkpoint's projections stay
-e4m3 in memory and decode reads them by that kernel; elsewhere they are dequantized once at load (`quant/
-dequant.py`), as before (then 19.8 vs 20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x
-the memory.
+e4m3 in memory and decode reads them by that kernel (the C decode forward included); prefill dequantizes a few
+MiB of them at a time; elsewhere they are dequantized once at load (`quant/dequant.py`), as before (then 19.8 vs
+20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x the memory.
 
-    python -m bench.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
+    python -m bench.engine.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
 
 `--kernels` times the projection products of one one-stream decode step of the benchmark model's shapes (per
 layer the C forward's fused qkv, o, fused gate_up and down; the lm_head, left unquantized by the checkpoint, in

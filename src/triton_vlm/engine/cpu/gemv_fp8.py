@@ -18,6 +18,10 @@ dequantization computes in the scale's dtype (bf16 scales round `q * s` to bf16)
 scales, so `pack` takes fp32 scales only and the caller keeps the dequantized path for the others. The two NaN
 codes (0x7f, 0xff) are refused by `pack` (they would read as 480).
 
+Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` of fp32 at a time (a group of 64-output
+blocks, transposed, by `triton_vlm_fp8_dequantize_t`) and takes each chunk's product by torch, so the whole fp32
+matrix never exists. The C whole-step decode forward (`cpu_forward.py`) calls `triton_vlm_gemv_fp8` itself.
+
 Build, check and fallback as `gemv.py` (`cbuild.py`): `csrc/gemv_fp8.c`, built once per machine; `check`
 compares its conversion of all 256 codes with torch's (a build that flushes denormals fails it) and its products
 with the dequantized weight's dense product; any failure logs why and the dequantized fp32 weights are used.
