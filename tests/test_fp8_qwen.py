@@ -141,3 +141,17 @@ def test_engine_on_qwen2_5_vl_fp8_equals_transformers_and_profiles_e4m3_bytes(fp
     assert greedy == ref.generate(PROMPT, [IMAGES[0]], NEW)
     assert beams == ref.generate(PROMPT, [IMAGES[1]], NEW, beams=3, num_return_sequences=3)
     assert sampled == _sampled(ref, IMAGES[0], 4321)
+
+
+def test_weights_info_gauge_carries_the_engines_labels(monkeypatch):
+    """The llm's metrics hold one `triton_vlm_engine_weights_info` series with the engine's labels, value 1 (an
+    unquantized engine's here; the live test above reads an FP8 server's)."""
+    from metrics_support import fake_llm_metrics
+
+    from triton_vlm.triton import metrics as M
+
+    fake = fake_llm_metrics(monkeypatch)
+    assert "triton_vlm_engine_weights_info" not in fake.series  # a backend that does not say: no series
+    M.LLMMetrics(lambda: fake.now["stats"], weights={"weights": "unquantized", "held": "float32"})
+    series = fake.series["triton_vlm_engine_weights_info"]
+    assert series.labels == {"model": "llm", "weights": "unquantized", "held": "float32"} and series.value == 1.0
