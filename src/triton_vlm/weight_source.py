@@ -163,7 +163,7 @@ class TensorSource:
             if rows % bm or cols % bn or tuple(scale.shape) != (rows // bm, cols // bn):
                 return None
             return Fp8Weight.of(q, scale, quant.block)
-        if scale.numel() not in (1, rows):  # per tensor, per output channel ([out, 1])
+        if scale.numel() != 1 and (quant.method == "fp8" or scale.numel() != rows):  # per tensor; ct: per channel
             return None
         return Fp8Weight.of(q, scale, None)
 
