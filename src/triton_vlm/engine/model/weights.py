@@ -58,8 +58,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", fp8: bool = True) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8` (fp32 on the
-    CPU), the dense layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can."""
+    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8`, the dense
+    layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can: fp32 on the CPU where
+    the FP8 gemv is chosen (`engine/cpu/gemv_fp8.py`), on a GPU where the block-scaled products are
+    (`quant/fp8_gpu.py`); the others are dequantized to `dtype` at load."""
     src = TensorSource(model_dir)
     quant, dev = src.quant.quant, torch.device(device)
     gpu_layout = _gpu_fp8_layout(dev, dtype) if fp8 and quant is not None and quant.method == "fp8" \
@@ -100,8 +102,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
     _check_shapes(out, config)
     if fp8 or gpu_layout:
         kept = sum(isinstance(t, Fp8Weight) for t in out.values())
-        log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (the FP8 decode gemv), the "
-                 "others dequantized to fp32", kept, len(src.quant.scales))
+        log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (%s), the others dequantized "
+                 "to %s", kept, len(src.quant.scales), "block-scaled GPU products" if gpu_layout else
+                 "the FP8 decode gemv", str(dtype).removeprefix("torch."))
     return out
 
 
