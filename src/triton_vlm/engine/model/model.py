@@ -499,6 +499,8 @@ class LlamaModel:
         first load on a machine and cached beside the build per model shape; a failure counts as lost."""
         c = self.config
         key = f"{c.num_layers}x{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{tuple(self.lm_head.weight.shape)}"
+        held = self.weights_held()
+        key += "" if held == "float32" else f"/{held}"  # an FP8 model races its own (its products are others)
         try:
             kernel = self.attention.kernel_for(1)
             cache = self.new_cache(1, 4)
