@@ -119,7 +119,7 @@ def linear_bytes(engine) -> int:
 
 def kernel_step(rounds: int = 30) -> dict:
     """One decode step's projection products at the benchmark model's shapes, fp32 gemv vs FP8 gemv (doc)."""
-    from bench.model import BENCH_SPEC
+    from bench.common.model import BENCH_SPEC
     from triton_vlm.engine.cpu import gemm, gemv, gemv_fp8
 
     torch.set_num_threads(1)

@@ -19,14 +19,15 @@
 #define BLOCK 64
 #define SUB (4 * VW)
 
-typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 
-/* VW bytes widened to int32 lanes (gcc's generic conversion goes byte by byte through scalar registers) */
+/* VW bytes sign-extended to int32 lanes (gcc's generic conversion goes byte by byte through scalar registers) */
 static inline vi widen(const uint8_t *p) {
 #if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 #elif defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #else
     vb b;
     memcpy(&b, p, sizeof(vb));
@@ -34,9 +35,10 @@ static inline vi widen(const uint8_t *p) {
 #endif
 }
 
+/* the code's sign and low 7 bits moved into an fp32's sign and bits 20-26, times 2^120: sign-extended, shifted
+   left by 20, the sign bit (bit 31, as the extension copies it there) and bits 20-26 kept (3 vector operations) */
 static inline vf e4m3_to_f32(const uint8_t *p) {
-    vi i = widen(p);
-    vi bits = ((i & 0x7f) << 20) | ((i & 0x80) << 24);
+    vu bits = ((vu)widen(p) << 20) & 0x87F00000u;  /* (unsigned: no shift of a negative value) */
     vf f;
     memcpy(&f, &bits, sizeof(vf));
     return f * 0x1p120f;
