@@ -50,12 +50,13 @@ def pil(data: bytes) -> Image.Image:
 class Reference:
     """transformers' tokenizer, image processor and model of a checkpoint: the answers to match."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, **load):
+        """`load`: more `from_pretrained` arguments (an FP8 checkpoint's `quantization_config`, `dtype`)."""
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer  # noqa: PLC0415
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir)).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir), **load).eval()
         self.eos = self.model.generation_config.eos_token_id
         self.model_dir = model_dir
 

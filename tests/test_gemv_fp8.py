@@ -125,3 +125,62 @@ def test_engine_keeps_fp8_projections_equal_to_the_dequantized_weights(fp8k, mon
             torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, want, lin.bias), rtol=1e-5, atol=1e-5)
             x6 = torch.randn(6, 1, want.shape[1])  # more rows than the kernel takes: the dequantized weight
             torch.testing.assert_close(lin(x6), torch.nn.functional.linear(x6, want, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_products_dequantize_a_chunk_of_rows_at_a_time(fp8k, monkeypatch):
+    """More rows than the gemv takes (prefill): the product on the weight dequantized 64-output blocks at a time
+    (here 2 blocks, ~1/3 of the matrix: never its whole fp32 copy), each chunk the dequantized weight's own
+    columns bit for bit, the product F.linear's on the dequantized weight."""
+    n, k = 300, 256  # 5 blocks of 64 outputs, the last one partial
+    q = _weight(n, k, 9)
+    s = torch.rand(-(-n // 32), k // 32, generator=torch.Generator().manual_seed(2)) * 1e-2 + 1e-4
+    w8 = gemv_fp8.pack(q, s, (32, 32))
+    dense = w8.dequantize()
+    monkeypatch.setattr(gemv_fp8, "CHUNK_BYTES", 2 * 64 * k * 4)
+    widths = []
+    deq = fp8k.dequantize_t
+    monkeypatch.setattr(fp8k, "dequantize_t", lambda w, a, b: widths.append(b - a) or deq(w, a, b))
+    x, bias = torch.randn(9, k), torch.randn(n)
+    for b in (None, bias):
+        torch.testing.assert_close(fp8k.matmul(x, w8, b), torch.nn.functional.linear(x, dense, b), rtol=1e-5,
+                                   atol=1e-5)
+    assert widths == [2, 2, 1] * 2
+    assert torch.equal(deq(w8, 2, 4), dense[128:256].T) and torch.equal(deq(w8, 4, 5)[:, : n - 256], dense[256:].T)
+
+
+def test_c_decode_forward_reads_e4m3_in_place_bit_for_bit(fp8k, monkeypatch):
+    """The one-call decode forward (`cpu_forward.py`) on the block-FP8 Qwen2.5-VL (q/k/v biases) reads each
+    projection's e4m3 bytes + scales in place, by the FP8 gemv (no fp32 copy anywhere in the model), and gives
+    the layer-by-layer path's logits and cache writes bit for bit."""
+    from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
+    from triton_vlm.engine.cpu import cpu_forward
+    from triton_vlm.engine.model.model import LlamaModel
+
+    monkeypatch.setenv(gemv_fp8.ENV, "1")
+    monkeypatch.setenv(cpu_forward.ENV, "1")
+    gemv_fp8._once.reset()
+    try:
+        model = LlamaModel.from_pretrained(ensure_fp8_checkpoint("qwen2_5_vl", "fp8-block"))
+    finally:
+        gemv_fp8._once.reset()
+    lins = [lin for layer in model.layers for lin in layer.linears()]
+    assert all(lin.fp8_packed is not None and lin.weight.dtype == torch.uint8 for lin in lins)
+    assert not [t for t in model.tensors() if t.is_mkldnn and t.shape != model.lm_head.weight.shape]
+    if model.c_forward() is None:
+        pytest.skip(f"{KERNEL_SKIP}: no C decode forward here")
+    calls = []
+    run = cpu_forward.Forward.run
+    monkeypatch.setattr(model.c_forward(), "run", lambda *a: calls.append(a[1].shape[0]) or run(model.c_forward(), *a))
+    caches = [model.new_cache(16, 4) for _ in range(2)]
+    rows = [[c.new_row() for _ in range(2)] for c in caches]
+    g = torch.Generator().manual_seed(3)
+    for r in range(2):  # prompts of 3 and 6 tokens (prefill: the chunked products)
+        ids = torch.randint(3, 90, (1, 3 * (r + 1)), generator=g)
+        for c, kv in zip(caches, rows):
+            model.forward(model.embed(ids), c.plan([kv[r]], ids.shape[1]), c)
+    for _ in range(3):
+        x = model.embed(torch.randint(3, 90, (2, 1), generator=g))  # [2, 1, hidden]
+        whole = model.forward(x, caches[0].plan(rows[0], 1), caches[0])
+        assert torch.equal(whole, model.forward(x, caches[1].plan(rows[1], 1), caches[1], whole=False))
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert calls == [2] * 3

@@ -4,14 +4,14 @@ Fixtures: tiny checkpoints quantized offline (`demo.fp8_checkpoint`): the traine
 layout and a random Qwen2.5-VL. The reference is `transformers` loading the same files with
 `FineGrainedFP8Config(dequantize=True)` / `CompressedTensorsConfig(dequantize=True)` in float32:
 - every tensor the engine and the vision tower read equals that model's, bit for bit (each format, both bases);
-- through a live server on the block-wise LLaVA: greedy, beam 3, seeded sampling and a LoRA adapter (PEFT on the
-  dequantized model) give transformers' tokens; the same weights with their scales ignored give other tokens;
+- the engine on the block-wise LLaVA (in process; the live FP8 server, LoRA on the wire included, is
+  test_fp8_qwen.py's Qwen3-VL): greedy, beam 3, seeded sampling give transformers' tokens; the same weights with
+  their scales ignored give other tokens;
 - formats the engine does not read are refused at load, naming the field.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -112,35 +112,11 @@ def _re(text: str) -> str:
     return re.escape(text)
 
 
-# --- live: a server on the block-wise FP8 LLaVA ----------------------------------------------------------------
+# --- in process: the engine on the block-wise FP8 LLaVA (the live FP8 server is test_fp8_qwen.py's Qwen3-VL) ---
 # its projections kept in e4m3 and multiplied by the FP8 gemv (`engine/cpu/gemv_fp8.py`) where it builds here
 FP8_ENV = "TRITON_VLM_CPU_GEMV_FP8"
 PROMPT = "USER: <image>\nDescribe the image. ASSISTANT:"
 NEW = 8
-
-
-@pytest.fixture(scope="module")
-def fp8_server(tmp_path_factory):
-    from conftest import _start_server, _stop_server
-
-    from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
-
-    path = ensure_fp8_checkpoint("llava", "fp8-block")
-    old = os.environ.get(FP8_ENV)
-    os.environ[FP8_ENV] = "1"  # the FP8 gemv wherever it builds and checks, whatever a race on a loaded box says
-    try:
-        server = _start_server(tmp_path_factory, path, {}, "fp8")
-    finally:
-        os.environ.pop(FP8_ENV) if old is None else os.environ.__setitem__(FP8_ENV, old)
-    yield server
-    _stop_server(server)
-
-
-@pytest.fixture(scope="module")
-def fp8_ref(fp8_server):
-    from transformers import AutoProcessor
-
-    return _reference(fp8_server.model_path, "fp8-block"), AutoProcessor.from_pretrained(str(fp8_server.model_path))
 
 
 def _image(seed: int) -> bytes:
@@ -154,13 +130,17 @@ def _image(seed: int) -> bytes:
     return buf.getvalue()
 
 
-@torch.no_grad()
-def _hf(model, processor, image: bytes, **kw) -> list[list[int]]:
+def _inputs(processor, image: bytes) -> dict:
     import io
 
     from PIL import Image
 
-    x = processor(text=PROMPT, images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    return processor(text=PROMPT, images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+
+
+@torch.no_grad()
+def _hf(model, processor, image: bytes, **kw) -> list[list[int]]:
+    x = _inputs(processor, image)
     if kw.get("do_sample"):
         torch.manual_seed(kw.pop("seed"))
     out = model.generate(**x, max_new_tokens=NEW, **kw)
@@ -169,40 +149,62 @@ def _hf(model, processor, image: bytes, **kw) -> list[list[int]]:
     return [r[:r.index(eos) + 1] if eos in r else r for r in rows]
 
 
-@pytest.mark.server
-def test_server_on_block_fp8_equals_transformers_dequantized(fp8_server, fp8_ref, tmp_path):
-    from triton_vlm_client import VLMClient
+def test_engine_on_block_fp8_llava_equals_transformers_dequantized(monkeypatch):
+    """Greedy, beam 3 with 3 sequences and seeded sampling on the engine (projections in e4m3) equal transformers
+    on the dequantized model, fed transformers' own image features; the same files with their scales ignored (what
+    main served before issue 38) give other tokens."""
+    from transformers import AutoProcessor
 
-    model, processor = fp8_ref
-    img = _image(1)
-    with VLMClient(fp8_server.grpc_url, protocol="grpc", timeout=120) as c:
-        greedy = c.generate(PROMPT, [img], max_tokens=NEW).output_ids
-        assert greedy == _hf(model, processor, img, do_sample=False)
-        beams = c.generate(PROMPT, [_image(2)], max_tokens=NEW, beam_width=3, num_return_sequences=3).output_ids
-        assert beams == _hf(model, processor, _image(2), num_beams=3, num_return_sequences=3, do_sample=False)
-        sampled = c.generate(PROMPT, [img], max_tokens=NEW, temperature=1.3, top_k=20, seed=4321).output_ids
-        assert sampled == _hf(model, processor, img, do_sample=True, temperature=1.3, top_k=20, top_p=1.0,
-                              seed=4321)
-        adapter = _random_adapter(fp8_server.model_path, tmp_path / "adapter")
-        lora = c.generate(PROMPT, [img], max_tokens=NEW, lora_task_id=38, lora_dir=str(adapter)).output_ids
-    assert _ignoring_scales(model, fp8_server.model_path, processor, img) != greedy, "the scales must matter"
-    from peft import PeftModel
+    from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
+    from triton_vlm.engine.cpu import gemv_fp8
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.params import GenerationParams, GenerationRequest
 
-    adapted = PeftModel.from_pretrained(_reference(fp8_server.model_path, "fp8-block"), str(adapter)).eval()
-    want = _hf(adapted, processor, img, do_sample=False)
-    assert want != greedy and lora == want
-    log = Path(fp8_server.log_file).read_text(errors="replace")
-    if "fp8 decode gemv kernel not used" not in log:  # (a machine without it serves the dequantized weights)
-        assert "fp8 decode gemv kernel on" in log and "kept in e4m3" in log, log[-3000:]
+    path = ensure_fp8_checkpoint("llava", "fp8-block")
+    model, processor = _reference(path, "fp8-block"), AutoProcessor.from_pretrained(str(path))
+    monkeypatch.setenv(FP8_ENV, "1")  # the FP8 gemv wherever it builds and checks, whatever a race says
+    gemv_fp8._once.reset()
+    try:
+        eng = Engine(path, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=8, enable_prefix_caching=False))
+    finally:
+        gemv_fp8._once.reset()
+
+    def run(rid: str, image: bytes, **params) -> list[list[int]]:
+        x = _inputs(processor, image)
+        with torch.no_grad():
+            feats = model.model.get_image_features(x["pixel_values"], vision_feature_layer=-2,
+                                                   vision_feature_select_strategy="default")
+        feats = getattr(feats, "pooler_output", feats)
+        feats = torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats  # [1, T, hidden]
+        req = GenerationRequest(request_id=rid, input_ids=x["input_ids"][0].tolist(), image_embeds=feats.float(),
+                                params=GenerationParams(max_tokens=NEW, **params))
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [seq.token_ids for seq in last.sequences]
+
+    try:
+        kept = eng.weights_info["held"] == "float8_e4m3fn"
+        assert kept or gemv_fp8.kernel() is None  # (a machine without the kernel serves the dequantized weights)
+        img = _image(1)
+        greedy = run("greedy", img)
+        beams = run("beams", _image(2), beam_width=3, num_return_sequences=3)
+        sampled = run("sampled", img, temperature=1.3, top_k=20, seed=4321, do_sample=True)
+    finally:
+        eng.shutdown()
+    assert greedy == _hf(model, processor, img, do_sample=False)
+    assert beams == _hf(model, processor, _image(2), num_beams=3, num_return_sequences=3, do_sample=False)
+    assert sampled == _hf(model, processor, img, do_sample=True, temperature=1.3, top_k=20, top_p=1.0, seed=4321)
+    assert _ignoring_scales(model, path, processor, img) != greedy, "the scales must matter"
 
 
-def _random_adapter(path, out):
-    """A PEFT LoRA on the language model (fp16-exact numbers: the wire carries FP16), saved to `out`."""
+def random_adapter(path, out, pattern: str = r".*language_model.*\.(q_proj|v_proj|down_proj)"):
+    """A PEFT LoRA on the language model of the FP8 checkpoint at `path` (on its dequantized reference;
+    fp16-exact numbers: the wire carries FP16), saved to `out` (test_fp8_qwen.py sends it to a live server)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(38)
     peft_model = get_peft_model(_reference(path, "fp8-block"), LoraConfig(
-        r=4, lora_alpha=8, init_lora_weights=False, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)"))
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=pattern))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_" in n:

@@ -6,14 +6,17 @@ to block-wise FP8 (Qwen's `-FP8` layout, [128, 128] blocks).
 Each side runs in its own process (so its resident memory is its own): `triton_vlm.engine.Engine` on the
 checkpoint, driven directly (no Triton), greedy requests one at a time with random image features; the rate is
 decoded tokens (all but the first, which the prefill gives) / the time after the first token; memory is the
-process's peak resident set (`ru_maxrss`) and the bytes of the engine's weight tensors.
+process's peak resident set (`ru_maxrss`), the resident set the engine's load and run add (VmRSS after the run
+minus VmRSS before the engine, torch and transformers already imported; with and without the KV cache), and the
+bytes of the engine's weight tensors, all of them and the decoder's projections alone (what the checkpoint
+quantizes: the embedding and lm_head stay as it stores them).
 
 Where the FP8 gemv (`engine/cpu/gemv_fp8.py`) builds and wins its race, the FP8 checkpoint's projections stay
-e4m3 in memory and decode reads them by that kernel; elsewhere they are dequantized once at load (`quant/
-dequant.py`), as before (then 19.8 vs 20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x
-the memory.
+e4m3 in memory and decode reads them by that kernel (the C decode forward included); prefill dequantizes a few
+MiB of them at a time; elsewhere they are dequantized once at load (`quant/dequant.py`), as before (then 19.8 vs
+20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x the memory.
 
-    python -m bench.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
+    python -m bench.engine.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
 
 `--kernels` times the projection products of one one-stream decode step of the benchmark model's shapes (per
 layer the C forward's fused qkv, o, fused gate_up and down; the lm_head, left unquantized by the checkpoint, in
@@ -55,6 +58,10 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
     from triton_vlm.params import GenerationParams, GenerationRequest
 
     torch.set_num_threads(1)
+    from transformers import AutoTokenizer  # noqa: F401 - imported before `rss_before`: the same on both sides
+
+    from triton_vlm.engine.engine import Engine  # noqa: F401
+    rss_before = rss_now()
     engine = make_engine(model_dir, max_rows=4, kv_tokens=4096)
     _ENGINE_DIRS[id(engine)] = model_dir
     ids = prompt_ids(engine)
@@ -79,7 +86,18 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
             firsts.append(stamps[0] - t_submit)
     return {"model": str(model_dir), "tok_s": sorted(rates)[len(rates) // 2], "rates": rates,
             "prompt_tokens": len(ids), "first_token_s": sorted(firsts)[len(firsts) // 2],
-            "weight_bytes": weight_bytes(engine), "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "weight_bytes": weight_bytes(engine), "linear_bytes": linear_bytes(engine),
+            "kv_bytes": engine.cache.k.numel() * engine.cache.k.element_size() * 2,
+            "rss_before_load_bytes": rss_before, "rss_growth_bytes": rss_now() - rss_before,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def rss_now() -> int:
+    """The process's resident set now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def weight_bytes(engine) -> int:
@@ -90,9 +108,18 @@ def weight_bytes(engine) -> int:
     return sum(gemm.nbytes(t) for t in {id(t): t for t in engine.model.tensors()}.values())
 
 
+def linear_bytes(engine) -> int:
+    """Bytes of the decoder layers' projections alone (what the checkpoint quantizes; not the embedding, lm_head)."""
+    from triton_vlm.engine.cpu import gemm
+
+    lins = [lin for layer in engine.model.layers for lin in layer.linears()]
+    return sum(gemm.nbytes(lin.weight) + (lin.fp8_packed.scale.numel() * 4 if lin.fp8_packed is not None else 0)
+               for lin in lins)
+
+
 def kernel_step(rounds: int = 30) -> dict:
     """One decode step's projection products at the benchmark model's shapes, fp32 gemv vs FP8 gemv (doc)."""
-    from bench.model import BENCH_SPEC
+    from bench.common.model import BENCH_SPEC
     from triton_vlm.engine.cpu import gemm, gemv, gemv_fp8
 
     torch.set_num_threads(1)
@@ -160,15 +187,22 @@ def main(argv: list[str] | None = None) -> int:
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     out["ratio"] = {"tok_s": out["fp8"]["tok_s"] / out["fp32"]["tok_s"],
                     "max_rss": out["fp8"]["max_rss_bytes"] / out["fp32"]["max_rss_bytes"],
-                    "weight_bytes": out["fp8"]["weight_bytes"] / max(1, out["fp32"]["weight_bytes"])}
+                    "weight_bytes": out["fp8"]["weight_bytes"] / max(1, out["fp32"]["weight_bytes"]),
+                    "linear_bytes": out["fp8"]["linear_bytes"] / max(1, out["fp32"]["linear_bytes"]),
+                    "rss_growth": out["fp8"]["rss_growth_bytes"] / max(1, out["fp32"]["rss_growth_bytes"]),
+                    "rss_growth_without_kv": (out["fp8"]["rss_growth_bytes"] - out["fp8"]["kv_bytes"])
+                    / max(1, out["fp32"]["rss_growth_bytes"] - out["fp32"]["kv_bytes"])}
     out["checkpoint_bytes"] = {"fp32": file_bytes(fp32), "fp8": file_bytes(fp8)}
     out["load_average"] = os.getloadavg()
     print(json.dumps(out, indent=2))
     for name in ("fp32", "fp8"):
         r = out[name]
-        print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB, "
-              f"weights {r['weight_bytes'] / 2**20:.1f} MiB, prefill of {r['prompt_tokens']} tokens "
+        print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB "
+              f"(+{r['rss_growth_bytes'] / 2**20:.0f} MiB from loading the engine, of which KV cache "
+              f"{r['kv_bytes'] / 2**20:.0f} MiB), weights {r['weight_bytes'] / 2**20:.1f} MiB (projections "
+              f"{r['linear_bytes'] / 2**20:.1f} MiB), prefill of {r['prompt_tokens']} tokens "
               f"{r['first_token_s'] * 1e3:.0f} ms")
+    print("fp8 / fp32: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratio"].items()))
     return 0
 
 

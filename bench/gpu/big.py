@@ -329,6 +329,7 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
     engine = Engine(model_dir, cfg, tokenizer=IdsTokenizer())
     out |= {"engine_load_s": round(time.perf_counter() - t0, 1), "kv_cache_tokens": cfg.kv_cache_tokens,
             "context_length": cfg.context_length, "memory_plan": engine.memory.summary(),
+            "weights_bytes": engine.memory.weights_bytes,
             "cuda_graphs": engine.decode_graphs is not None}
     try:
         engine_batch(check, engine, [_request(prompts, "warm", 4)])
@@ -408,6 +409,7 @@ def run_big(check: Check) -> dict:
     out["attention"] = "torch scaled_dot_product_attention (the engine has no attention library to switch)"
     out["prompt_tokens"] = prompts.length
     ref = baseline(check, model_dir, prompts, s, dtype, out)
+    check.big_ref = ref  # the FP8 rows' agreement reference (bench/gpu/fp8.py)
     ours(check, model_dir, prompts, s, dtype, ref, out)
     tb = token_bytes(model_dir, prompts.length, s.stream_tokens, dtype)
     out["bytes_per_token_mb"] = round(tb.total / 1e6, 2)

@@ -233,7 +233,8 @@ def step_tensorrt(check: Check) -> dict:
 
 def step_big(check: Check) -> dict:
     """bench/gpu/big.py's rows with the attention on torch SDPA (TRITON_VLM_ATTENTION=sdpa), then one stream and greedy
-    at 64 concurrent again on a fresh engine with FlexAttention (=flex): `flex_*` numbers and their ratios."""
+    at 64 concurrent again on a fresh engine with FlexAttention (=flex): `flex_*` numbers and their ratios; then the
+    model quantized to block-wise FP8 on a fresh engine (bench/gpu/fp8.py): `fp8_*` numbers."""
     from bench.gpu.big import attempt, run_big  # noqa: PLC0415
     from triton_vlm.engine.model.attention import ENV  # noqa: PLC0415
 
@@ -246,6 +247,13 @@ def step_big(check: Check) -> dict:
     for row in ("one_stream_tok_s", "greedy64_tok_s"):
         if out.get(f"flex_{row}") and out.get(row):
             out[f"flex_vs_sdpa_{row.removesuffix('_tok_s')}"] = round(out[f"flex_{row}"] / out[row], 2)
+    if check.left() < (30 if check.tiny else 150):  # (the 7B: ~90 s to quantize on the host, ~30 s to load)
+        check.note(f"fp8 rows: skipped, {check.left():.0f} s left")
+        return out
+    from bench.gpu.fp8 import fp8_rows  # noqa: PLC0415
+
+    with _env(ENV, "sdpa"):
+        attempt(check, out, "fp8", lambda: fp8_rows(check, out))
     return out
 
 

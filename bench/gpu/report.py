@@ -56,6 +56,7 @@ class Check:
     children: list = field(default_factory=list)  # process groups of running subprocesses (the gpu tests)
     min_step_s: float = 10.0  # a step starts only with this much of the global budget left
     big_dir: Optional[Path] = None  # the big step's checkpoint (the TensorRT step reuses its vision tower)
+    big_ref: list = field(default_factory=list)  # the big step's transformers reference (ids, features, tokens)
     steps: list = field(default_factory=list)
     targets: Targets = field(default_factory=Targets)
     t0: float = field(default_factory=time.monotonic)

@@ -145,17 +145,27 @@ class TensorSource:
 
     def get_fp8(self, name: str):
         """A quantized weight kept in FP8 (`quant.fp8_weight.Fp8Weight`), or None where it is not quantized or
-        must be dequantized at load (zero points, scales other than fp32 ones)."""
+        must be dequantized at load (zero points, scales other than fp32 ones, a grid `get` refuses: then `get`
+        says why). Its values are `get`'s, `float(q) * s` over each scale's block, without making them (no fp32
+        copy at load: tests/test_gemv_fp8.py compares them)."""
         from .quant.fp8_weight import Fp8Weight  # noqa: PLC0415
 
-        scale = self.quant.scales.get(name)
-        if scale is None or name in self.quant.zero_points:
+        scale_name = self.quant.scales.get(name)
+        if scale_name is None or name in self.quant.zero_points:
             return None
-        block = self.quant.quant.block if self.quant.quant.method == "fp8" else None
-        got = Fp8Weight.of(self._read(*self.files[name]), self._read(*self.quant.held[scale]), block)
-        if got is not None and not torch.equal(got.dequantize(), self.get(name)):  # (one read more at load)
+        q, scale = self._read(*self.files[name]), self._read(*self.quant.held[scale_name])
+        quant = self.quant.quant
+        if q.dim() != 2 or scale.dtype != torch.float32:
             return None
-        return got
+        rows, cols = q.shape
+        if quant.method == "fp8" and quant.block is not None and scale.numel() > 1:
+            bm, bn = quant.block  # `dequant.block_dequantize`'s grid, exactly: else it refuses (`get`)
+            if rows % bm or cols % bn or tuple(scale.shape) != (rows // bm, cols // bn):
+                return None
+            return Fp8Weight.of(q, scale, quant.block)
+        if scale.numel() != 1 and (quant.method == "fp8" or scale.numel() != rows):  # per tensor; ct: per channel
+            return None
+        return Fp8Weight.of(q, scale, None)
 
     def _read(self, path: Path, key: str) -> torch.Tensor:
         h = self._handle(path)

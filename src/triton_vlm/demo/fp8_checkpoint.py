@@ -11,7 +11,8 @@ the other files copied, config.json gaining the format's `quantization_config`:
   `ignore`): `weight_scale` = amax / 448 per output row ([out, 1]) or tensor ([1]), in bfloat16 as
   llm-compressor writes a bf16 model's.
 `ensure_fp8_checkpoint(base, fmt)` caches one under the cache dir (`base`: "llava" = the trained demo model in
-the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint).
+the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint, "qwen3_vl" = a random dense Qwen3-VL
+(sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`)).
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ import torch
 from ..weight_source import INDEX_FILES, SINGLE_FILES, TensorSource
 
 FORMATS = ("fp8-block", "ct-channel", "ct-tensor")
-BASES = ("llava", "qwen2_5_vl")
+BASES = ("llava", "qwen2_5_vl", "qwen3_vl")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 BLOCK = (32, 32)  # the tiny models' dims are multiples of 32; the releases use [128, 128] on theirs
+BASE_BLOCKS = {"qwen3_vl": (16, 16)}  # fp8-block's block where a base's dims are not multiples of BLOCK
 QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj\.weight$")
 VERSION = 1  # bump when the fixtures change
 
@@ -105,9 +107,9 @@ def _base(base: str) -> Path:
         from .hub_layout import ensure_demo_hub_model  # noqa: PLC0415
 
         return ensure_demo_hub_model(progress=False)
-    if base != "qwen2_5_vl":
+    if base not in BASES:
         raise ValueError(f"base must be one of {BASES}, got {base!r}")
-    path = cache_dir() / f"fp8-base-qwen2_5_vl-v{VERSION}"
+    path = cache_dir() / f"fp8-base-{base}-v{VERSION}"
     if not (path / "config.json").is_file():
         from .build import _lock  # noqa: PLC0415
         from .qwen_checkpoint import build_qwen_vl  # noqa: PLC0415
@@ -115,7 +117,12 @@ def _base(base: str) -> Path:
         with _lock(path):
             if not (path / "config.json").is_file():
                 tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-                build_qwen_vl(tmp, "qwen2_5_vl", seed=11)
+                if base == "qwen3_vl":
+                    from .qwen3_checkpoint import build_qwen3_vl  # noqa: PLC0415
+
+                    build_qwen3_vl(tmp, shards=2, seed=3)
+                else:
+                    build_qwen_vl(tmp, "qwen2_5_vl", seed=11)
                 tmp.rename(path)
     return path
 
@@ -132,7 +139,7 @@ def ensure_fp8_checkpoint(base: str, fmt: str) -> Path:
     with _lock(out):
         if not (out / "model.safetensors").is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            quantize_checkpoint(src, tmp, fmt)
+            quantize_checkpoint(src, tmp, fmt, BASE_BLOCKS.get(base, BLOCK))
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out

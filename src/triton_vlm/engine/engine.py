@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import Cancelled, InvalidArgument, Unavailable
+from ..spec import CheckpointSpec
 from ..params import GenerationParams, GenerationRequest, GenerationResult, GuideLimits, ModelLimits
 from .cpu import spare
 from .delivery import Delivery
@@ -189,6 +190,9 @@ class Engine:
         if config.enable_prefix_caching and getattr(self.model, "no_prefix_cache", None):
             log.info("prefix caching off for this model: %s", self.model.no_prefix_cache)
             config.enable_prefix_caching = False
+        quant = CheckpointSpec.load(model_dir).quant  # what the metrics say is served (`/v1/models` says the same)
+        self.weights_info = {"weights": quant.label if quant is not None else "unquantized",
+                             "held": self.model.weights_held()}
         if tokenizer is None:
             from transformers import AutoTokenizer
 

@@ -22,6 +22,8 @@ class Fp8Weight:
     q: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [ceil(N / bm), ceil(K / bn)] fp32
     block: tuple[int, int]  # (bm, bn)
+    # on a GPU (`quant/fp8_gpu.py`, chosen at load): (its weight-scale layout, the products' output dtype)
+    gpu: Optional[tuple[str, torch.dtype]] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -59,4 +61,8 @@ class Fp8Weight:
                for p in parts):
             return None
         return first if len(parts) == 1 else Fp8Weight(torch.cat([p.q for p in parts]),
-                                                       torch.cat([p.scale for p in parts]), first.block)
+                                                       torch.cat([p.scale for p in parts]), first.block, first.gpu)
+
+    def to_gpu(self, device: torch.device, layout: str, dtype: torch.dtype) -> "Fp8Weight":
+        """The weight on `device`, its products by `quant/fp8_gpu.py` in `dtype` with the chosen scale layout."""
+        return Fp8Weight(self.q.to(device), self.scale.to(device), self.block, (layout, dtype))

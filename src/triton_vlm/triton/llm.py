@@ -105,7 +105,8 @@ class LLMService:
                                   lora_slots=getattr(self.backend, "lora_slots", None) if lora else None,
                                   lora_info=getattr(self.backend, "lora_info", None) if lora else None,
                                   memory=getattr(self.backend, "memory", None),
-                                  prefix_cache=getattr(self.backend, "prefix_cache_stats", None))
+                                  prefix_cache=getattr(self.backend, "prefix_cache_stats", None),
+                                  weights=getattr(self.backend, "weights_info", None))
         log.info("llm: %s backend started, context length %d", type(self.backend).__name__, self.context_length)
         if hasattr(self.backend, "on_fatal"):
             self.backend.on_fatal = self._fatal

@@ -11,7 +11,11 @@ The memory plan made at start (`engine/profile.py`), set once: `triton_vlm_engin
 `limit` (this instance's share; 0 when the budget was given), `weights`, `activations` (the worst-case forwards'
 peak), `other` (LoRA device level, memory outside torch's allocator), `kv_cache` and `state_slots` (a hybrid
 model's linear-layer states, one slot per row, 0 for others; the slots are the gauges
-`triton_vlm_engine_state_slots_total` / `_free`), and `triton_vlm_engine_kv_cache_tokens`.
+`triton_vlm_engine_state_slots_total` / `_free`), and `triton_vlm_engine_kv_cache_tokens`. Which weights are served, set once: `triton_vlm_engine_weights_info{weights,
+held}` (value 1): `weights` what the checkpoint holds and what it is computed as (the `/v1/models` card's
+"weights": "unquantized", or e.g. "fp8-e4m3 (block 128x128 weight_scale_inv), computed as its float32
+dequantization"), `held` how the engine keeps its projections in memory ("float32", or "float8_e4m3fn" where an
+FP8 checkpoint's projections stay e4m3 and the products read them: `engine/cpu/gemv_fp8.py`).
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
 vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
@@ -109,12 +113,13 @@ class MetricsBase:
 class LLMMetrics(MetricsBase):
     def __init__(self, stats: Optional[Callable[[], object]] = None, model: str = "llm", enabled: bool = True,
                  lora=None, lora_slots=None, lora_info: Optional[Callable[[], object]] = None, memory=None,
-                 prefix_cache: Optional[Callable[[], object]] = None):
+                 prefix_cache: Optional[Callable[[], object]] = None, weights: Optional[dict] = None):
         """Create once per process: Triton keys families by name, so a second LLMMetrics would share (and, when
         the first is dropped, free) the first one's families. `lora`: the host `AdapterCache`; `lora_slots`: the
         engine's `DeviceAdapters`; `lora_info`: the engine's `lora_info` (all None without adapters); `memory`: the
         engine's `profile.MemoryPlan` (None for a backend without one); `prefix_cache`: the engine's
-        `prefix_cache_stats` (None for a backend without a prefix cache)."""
+        `prefix_cache_stats` (None for a backend without a prefix cache); `weights`: the engine's `weights_info`
+        ({"weights": ..., "held": ...}; None for a backend that does not say)."""
         super().__init__()
         self._prefix_stats = prefix_cache
         self._prefix: dict = {}  # "queries" / "hits" -> counter
@@ -122,6 +127,7 @@ class LLMMetrics(MetricsBase):
         self._stats = stats
         self._memory_plan = memory
         self._memory: dict = {}  # part -> gauge (set once)
+        self._weights_info, self._weights = weights, None
         self._lora_levels = {k: v for k, v in (("host", lora), ("device", lora_slots)) if v is not None}
         self._lora_info = lora_info
         self._lora_counters: dict = {}  # (field, level) -> counter
@@ -168,6 +174,12 @@ class LLMMetrics(MetricsBase):
             self._create_lora(labels)
         if self._memory_plan is not None:
             self._create_memory(labels)
+        if self._weights_info is not None:
+            fam = self._family("triton_vlm_engine_weights_info", "llm weights served: what the checkpoint holds and "
+                               "what it is computed as (weights), how the projections are kept in memory (held)",
+                               F.GAUGE)
+            self._weights = fam.Metric(labels={**labels, **{k: str(v) for k, v in self._weights_info.items()}})
+            self._weights.set(1.0)
         if self._prefix_stats is not None:
             for field, what in (("queries", "prompt tokens looked up"), ("hits", "prompt tokens found cached")):
                 fam = self._family(f"triton_vlm_prefix_cache_{field}_total", f"prefix cache: {what}", F.COUNTER)

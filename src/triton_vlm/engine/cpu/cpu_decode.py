@@ -50,7 +50,8 @@ ENV = "TRITON_VLM_CPU_DECODE"  # "auto" (default): the C kernels where faster; "
 FLAGS = ("-ffp-contract=off",)  # rotary rounding as torch's (module doc)
 
 ERRORS = {-1: "bad shape", -2: "a position outside the rotary table", -3: "a write slot outside the pool",
-          -4: "a read slot outside the pool", -5: "a row with no key to attend to", -6: "out of memory"}
+          -4: "a read slot outside the pool", -5: "a row with no key to attend to", -6: "out of memory",
+          -7: "an FP8 weight without the FP8 gemv"}
 
 Reference = Callable[..., torch.Tensor]  # attention.decode_torch's signature
 

@@ -24,9 +24,12 @@ one-stream step; with an adapter, 56 more calls of torch ops per step) and holds
 call, the forward runs without the GIL, so the server's responder thread (building and sending the previous
 token's response) no longer waits for the engine thread's Python, nor the engine for the responder's.
 
-Where it applies (`LlamaModel.forward`): a CPU fp32 model whose every projection has the gemv layout, a
-decode step (q_len 1, last-position logits) of at most `gemv.MAX_ROWS` rows, no adapter or a `LoraBatch`
-whose stacks are contiguous fp32 CPU tensors, and the C decode kernels on. Anything else takes the
+FP8 weights (`gemv_fp8.py`): a projection kept as e4m3 bytes + fp32 scales is read in place by the FP8 gemv's own
+function (no fp32 copy), the one the layer-by-layer path calls, so its logits are bit for bit that path's too.
+
+Where it applies (`LlamaModel.forward`): a CPU fp32 model whose every projection has the gemv layout or the FP8
+gemv's, a decode step (q_len 1, last-position logits) of at most `gemv.MAX_ROWS` rows, no adapter or a
+`LoraBatch` whose stacks are contiguous fp32 CPU tensors, and the C decode kernels on. Anything else takes the
 layer-by-layer path. Chosen by measurement: at a model's first load on a machine the call races the
 layer-by-layer path on that model (`model.LlamaModel.c_forward`, cached beside the build per model shape).
 `TRITON_VLM_CPU_FORWARD`: "auto" (default, measured), "1" (wherever it checks), "0" (layer by layer).
@@ -48,7 +51,8 @@ ENV = "TRITON_VLM_CPU_FORWARD"  # "auto" (default): one C call per small decode 
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kp", ctypes.c_int64),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bm", ctypes.c_int64),
+                ("bn", ctypes.c_int64)]
 
 
 class _LayerW(ctypes.Structure):
@@ -60,7 +64,7 @@ class _ModelW(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("final_eps", ctypes.c_float), ("layer", ctypes.POINTER(_LayerW)),
                 ("norm", ctypes.c_void_p), ("lm_head", _Lin), ("layer_stride", ctypes.c_int64),
-                ("gemv", ctypes.c_void_p)]
+                ("gemv", ctypes.c_void_p), ("gemv8", ctypes.c_void_p)]
 
 
 class _LoraMod(ctypes.Structure):
@@ -76,26 +80,32 @@ def _fp32_matrix(t: torch.Tensor, rows: int, cols: int) -> bool:
 
 
 def _lin(linear, kernel: gemv.Kernel) -> Optional[_Lin]:
-    """A `model.Linear` as the C side reads it, or None when its weight is not in the gemv layout."""
-    lay = kernel.layout(linear.weight) if linear.weight.is_mkldnn else None
+    """A `model.Linear` as the C side reads it, or None when its weight is in neither the gemv layout nor the
+    FP8 gemv's (`gemv_fp8.PackedFp8`: e4m3 bytes + fp32 scales, read in place, no fp32 copy)."""
+    w8 = linear.fp8_packed
+    lay = kernel.layout(linear.weight) if w8 is None and linear.weight.is_mkldnn else None
+    n = w8.n if w8 is not None else lay.n if lay is not None else None
     bias = linear.bias
-    if lay is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                                             or bias.shape != (lay.n,))):
+    if n is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                           or bias.shape != (n,))):
         return None
-    return _Lin(lay.ptr, lay.n, lay.k, lay.kp, None if bias is None else bias.data_ptr())
+    b = None if bias is None else bias.data_ptr()
+    if w8 is not None:
+        return _Lin(w8.data.data_ptr(), w8.n, w8.k, w8.k, b, w8.scale.data_ptr(), w8.bm, w8.bn)
+    return _Lin(lay.ptr, lay.n, lay.k, lay.kp, b, None, 0, 0)
 
 
 class Forward:
     """One model's decode forward in C: `run(step, x, k_pool, v_pool, adapters)`; built by `for_model` (None
     where it cannot run). Holds the pointer tables; the model holds the tensors they point into."""
 
-    def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int):
+    def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int, gemv8_addr: Optional[int]):
         c = model.config
         self._fn = fn
         self._layers = (_LayerW * len(layers))(*layers)
         self._w = _ModelW(len(layers), c.hidden_size, layers[0].gate_up.n // 2, model.layers[0].eps,
                           c.rms_norm_eps, ctypes.cast(self._layers, ctypes.POINTER(_LayerW)),
-                          model.norm.data_ptr(), lm_head, 0, gemv_addr)
+                          model.norm.data_ptr(), lm_head, 0, gemv_addr, gemv8_addr)
         self._model_layers = model.layers  # each layer's window is read at every call
         self.vocab = lm_head.n
 
@@ -113,7 +123,9 @@ class Forward:
             return None
         layers = [_LayerW(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *row)
                   for layer, row in zip(model.layers, lins)]
-        return cls(lib, model, layers, head, ctypes.cast(gk._fn, ctypes.c_void_p).value)
+        fp8 = {lin.fp8_kernel for layer in model.layers for lin in layer.linears() if lin.fp8_packed is not None}
+        gemv8 = ctypes.cast(next(iter(fp8))._fn, ctypes.c_void_p).value if fp8 else None  # (one kernel a process)
+        return cls(lib, model, layers, head, ctypes.cast(gk._fn, ctypes.c_void_p).value, gemv8)
 
     def run(self, step: cpu_decode.DecodeStep, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             adapters=None) -> Optional[torch.Tensor]:

@@ -18,6 +18,10 @@ dequantization computes in the scale's dtype (bf16 scales round `q * s` to bf16)
 scales, so `pack` takes fp32 scales only and the caller keeps the dequantized path for the others. The two NaN
 codes (0x7f, 0xff) are refused by `pack` (they would read as 480).
 
+Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` of fp32 at a time (a group of 64-output
+blocks, transposed, by `triton_vlm_fp8_dequantize_t`) and takes each chunk's product by torch, so the whole fp32
+matrix never exists. The C whole-step decode forward (`cpu_forward.py`) calls `triton_vlm_gemv_fp8` itself.
+
 Build, check and fallback as `gemv.py` (`cbuild.py`): `csrc/gemv_fp8.c`, built once per machine; `check`
 compares its conversion of all 256 codes with torch's (a build that flushes denormals fails it) and its products
 with the dequantized weight's dense product; any failure logs why and the dequantized fp32 weights are used.
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 ENV = "TRITON_VLM_CPU_GEMV_FP8"
 MAX_ROWS = 4
 BLOCK = 64
+CHUNK_BYTES = 4 << 20  # a prefill product's dequantized weight is made this many fp32 bytes at a time (`matmul`)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -103,7 +108,7 @@ class Kernel(cbuild.Chosen):
         self._fn.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, p, p, i64]
         self._fn.restype = ctypes.c_int
         self._deq = lib.triton_vlm_fp8_dequantize_t
-        self._deq.argtypes = [p, i64, i64, p, i64, i64, p]
+        self._deq.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p]
         self._deq.restype = None
         self._table = lib.triton_vlm_e4m3_table
         self._table.argtypes = [p]
@@ -121,12 +126,33 @@ class Kernel(cbuild.Chosen):
             raise ValueError(f"fp8 gemv kernel: {rows} rows, 1 to {MAX_ROWS}")
         return y
 
-    def dequantize_t(self, w: PackedFp8) -> torch.Tensor:
-        """The dequantized weight transposed, [K, ceil(N / 64) * 64] fp32 (outputs past N zero): a prefill
-        product's weight for one call (`x @ it`), its values `PackedFp8.dequantize()`'s bit for bit."""
-        out = torch.empty(w.k, w.data.shape[0] * BLOCK, dtype=torch.float32)
-        self._deq(w.data.data_ptr(), w.k, w.n, w.scale.data_ptr(), w.bm, w.bn, out.data_ptr())
+    def dequantize_t(self, w: PackedFp8, nb0: int = 0, nb1: Optional[int] = None) -> torch.Tensor:
+        """The dequantized weight's outputs of 64-row blocks nb0 <= nb < nb1 (default: all), transposed:
+        [K, (nb1 - nb0) * 64] fp32 (outputs past N zero), its values `PackedFp8.dequantize()`'s bit for bit."""
+        nb1 = w.data.shape[0] if nb1 is None else nb1
+        if not 0 <= nb0 < nb1 <= w.data.shape[0]:
+            raise ValueError(f"row blocks [{nb0}, {nb1}) of {w.data.shape[0]}")
+        out = torch.empty(w.k, (nb1 - nb0) * BLOCK, dtype=torch.float32)
+        self._deq(w.data.data_ptr(), w.k, w.n, w.scale.data_ptr(), w.bm, w.bn, nb0, nb1, out.data_ptr())
         return out
+
+    def matmul(self, x: torch.Tensor, w: PackedFp8, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [rows, K] fp32 (any rows) -> [rows, N]: x @ W^T (+ bias) by torch's product on the dequantized
+        weight, dequantized `CHUNK_BYTES` of fp32 at a time (a group of 64-output blocks), each chunk freed after
+        its product: the fp32 matrix is never whole in memory (prefill)."""
+        blocks = w.data.shape[0]
+        step = max(1, CHUNK_BYTES // (w.k * BLOCK * 4))  # 64-output blocks a chunk
+        y = torch.empty(x.shape[0], w.n, dtype=torch.float32) if step < blocks else None  # [rows, N]
+        for nb0 in range(0, blocks, step):
+            nb1 = min(nb0 + step, blocks)
+            c0, c1 = nb0 * BLOCK, min(nb1 * BLOCK, w.n)
+            wc = self.dequantize_t(w, nb0, nb1)[:, : c1 - c0]  # [K, c1 - c0]
+            part = torch.mm(x, wc) if bias is None else torch.addmm(bias[c0:c1], x, wc)  # [rows, c1 - c0]
+            if y is None:
+                return part
+            y[:, c0:c1] = part
+            del wc, part
+        return y
 
     def table(self) -> torch.Tensor:
         out = torch.empty(256, dtype=torch.float32)
@@ -154,6 +180,9 @@ class Kernel(cbuild.Chosen):
                     return f"results differ from a dense product ({rows}x{k} @ {k}x{n})"
             if not torch.equal(self.dequantize_t(pack(q, s, block))[:, :n], dense.T):
                 return f"its dequantized {n}x{k} weight differs from torch's"
+            if n > BLOCK and not torch.equal(self.dequantize_t(pack(q, s, block), 1, 2)[:, : min(n, 2 * BLOCK) - BLOCK],
+                                             dense.T[:, BLOCK: 2 * BLOCK]):
+                return f"its dequantized rows 64-127 of a {n}x{k} weight differ from torch's"
         return None
 
 

@@ -172,6 +172,10 @@ class HybridModel:
                 out += [wt.conv_weight, wt.dt_bias, wt.a_log, wt.norm_weight]
         return out
 
+    def weights_held(self) -> str:
+        """How the projections are kept in memory: the model's dtype (an FP8 checkpoint's are dequantized at load)."""
+        return str(self.dtype).removeprefix("torch.")
+
     def new_cache(self, num_blocks: int, block_size: int, slots: Optional[int] = None) -> HybridCache:
         c = self.config
         return HybridCache(spec=self.state_spec, slots=slots or self.state_slots, num_layers=self.kv_layers,

@@ -41,6 +41,7 @@ from .attention import apply_rotary  # noqa: F401 - part of this module's API (t
 from ..kv.kv_cache import AttentionBatch, KVCache
 from ..lora.lora import LoraBatch
 from .weights import ModelConfig, load_config, load_weights
+from ...quant import fp8_gpu
 from ...quant.fp8_weight import Fp8Weight
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class AdapterBatch(Protocol):
 def _zeros(weight) -> torch.Tensor:
     """[out] zeros: the bias of a part without one (an FP8 weight's bias is fp32, as its products)."""
     if isinstance(weight, Fp8Weight):
-        return torch.zeros(weight.shape[0], dtype=torch.float32)
+        return torch.zeros(weight.shape[0], dtype=weight.gpu[1] if weight.gpu else torch.float32,
+                           device=weight.q.device)
     return weight.new_zeros(weight.shape[0])
 
 
@@ -92,10 +94,12 @@ class Linear:
         parts = tuple((m, t.shape[0]) for m, t in zip(modules, weights))
         if any(isinstance(t, Fp8Weight) for t in weights):
             kept = Fp8Weight.cat(weights) if all(isinstance(t, Fp8Weight) for t in weights) else None
-            lin = cls.fp8(kept, bias, layer=i, module=name, parts=parts) if kept is not None else None
+            lin = None if kept is None else cls.fp8_cuda(kept, bias, layer=i, module=name, parts=parts) \
+                if kept.gpu is not None else cls.fp8(kept, bias, layer=i, module=name, parts=parts)
             if lin is not None:
                 return lin
-            weights = [t.dequantize() if isinstance(t, Fp8Weight) else t for t in weights]
+            weights = [t.dequantize().to(t.gpu[1] if t.gpu else torch.float32) if isinstance(t, Fp8Weight) else t
+                       for t in weights]
         return cls(torch.cat(weights), bias, layer=i, module=name, packed=packed, parts=parts)
 
     @classmethod
@@ -114,27 +118,50 @@ class Linear:
         lin.fp8_packed, lin.fp8_kernel = packed8, kernel
         return lin
 
+    @classmethod
+    def fp8_cuda(cls, w: Fp8Weight, bias: Optional[torch.Tensor], *, layer: int, module: str,
+                 parts: tuple[tuple[str, int], ...]) -> Optional["Linear"]:
+        """A Linear on an FP8 weight kept e4m3 on a Hopper GPU (`quant/fp8_gpu.py`: block-scaled products), or
+        None where its fused rows are not whole 128-row blocks."""
+        if not fp8_gpu.usable(*w.shape, w.block):
+            return None
+        lin = cls(w.q, bias, layer=layer, module=module, parts=parts)
+        lin.fp8_device = fp8_gpu.GpuFp8Weight(w.q, w.scale, w.gpu[0])
+        lin.fp8_dtype = w.gpu[1]
+        return lin
+
     fp8_packed: Optional[gemv_fp8.PackedFp8] = None  # an FP8 weight kept as e4m3 (`fp8`): `weight` is its bytes
+    fp8_device: Optional[fp8_gpu.GpuFp8Weight] = None  # one kept e4m3 on a GPU (`fp8_cuda`): `weight` is its bytes
+    fp8_dtype: torch.dtype = torch.float32  # the GPU products' output dtype
 
     def dense_weight(self) -> torch.Tensor:
         """The [out, in] matrix (a copy when packed or FP8)."""
+        if self.fp8_device is not None:
+            w = self.fp8_device
+            return Fp8Weight(w.q, w.scale, (fp8_gpu.GROUP,) * 2).dequantize().to(self.fp8_dtype)
         return self.fp8_packed.dequantize() if self.fp8_packed is not None else gemm.dense(self.weight)
 
     def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] on the FP8 weight: 1-4 rows by the kernel, more on the weight dequantized
-        for this call by the kernel (one weight's fp32 at a time, freed after it; torch's e4m3 cast is ~10x
-        slower)."""
+        in chunks of output rows for this call by the kernel (`gemv_fp8.Kernel.matmul`: never the whole fp32
+        matrix at once; torch's e4m3 cast is ~10x slower)."""
         rows = x.numel() // x.shape[-1]
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
         if 0 < rows <= gemv_fp8.MAX_ROWS and x.dtype == torch.float32:
-            x2 = x.reshape(rows, x.shape[-1])
-            y = self.fp8_kernel.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.fp8_packed, self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        w_t = self.fp8_kernel.dequantize_t(self.fp8_packed)[:, : self.fp8_packed.n]  # [in, out], this call only
-        return torch.matmul(x, w_t) if self.bias is None else torch.addmm(self.bias, x.reshape(rows, -1), w_t).view(
-            *x.shape[:-1], w_t.shape[1])
+            y = self.fp8_kernel.run(x2, self.fp8_packed, self.bias)
+        else:
+            y = self.fp8_kernel.matmul(x2, self.fp8_packed, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
-        y = self._fp8_product(x) if self.fp8_packed is not None else gemm.linear(x, self.weight, self.bias)
+        if self.fp8_packed is not None:
+            y = self._fp8_product(x)
+        elif self.fp8_device is not None:
+            y = fp8_gpu.product(x, self.fp8_device, self.bias, self.fp8_dtype)
+        else:
+            y = gemm.linear(x, self.weight, self.bias)
         if adapters is None:
             return y
         if len(self.parts) == 1:  # as PEFT: the sum in the adapter's dtype (fp32), then back to the model's
@@ -332,7 +359,16 @@ class LlamaModel:
             for lin in layer.linears():
                 out += [lin.weight] + ([lin.bias] if lin.bias is not None else [])
                 out += [lin.fp8_packed.scale] if lin.fp8_packed is not None else []
+                out += [lin.fp8_device.scale] if lin.fp8_device is not None else []
         return out
+
+    def weights_held(self) -> str:
+        """How the decoder's projections are kept in memory: "float8_e4m3fn" (an FP8 checkpoint's, read by the FP8
+        gemv; "+float32" when some were dequantized at load), else the model's dtype ("float32", ...)."""
+        lins = [lin for layer in self.layers for lin in layer.linears()]
+        fp8 = sum(lin.fp8_packed is not None or lin.fp8_device is not None for lin in lins)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return dtype if not fp8 else "float8_e4m3fn" if fp8 == len(lins) else f"float8_e4m3fn+{dtype}"
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
@@ -463,6 +499,8 @@ class LlamaModel:
         first load on a machine and cached beside the build per model shape; a failure counts as lost."""
         c = self.config
         key = f"{c.num_layers}x{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{tuple(self.lm_head.weight.shape)}"
+        held = self.weights_held()
+        key += "" if held == "float32" else f"/{held}"  # an FP8 model races its own (its products are others)
         try:
             kernel = self.attention.kernel_for(1)
             cache = self.new_cache(1, 4)

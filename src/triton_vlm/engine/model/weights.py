@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ...quant import fp8_gpu
 from ...quant.fp8_weight import Fp8Weight
 from ...spec import CheckpointError, CheckpointSpec, TextSpec
 from ...weight_source import TensorSource
@@ -57,11 +58,15 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", fp8: bool = True) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8` (fp32 on the
-    CPU), the dense layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can."""
+    """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8`, the dense
+    layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can: fp32 on the CPU where
+    the FP8 gemv is chosen (`engine/cpu/gemv_fp8.py`), on a GPU where the block-scaled products are
+    (`quant/fp8_gpu.py`); the others are dequantized to `dtype` at load."""
     src = TensorSource(model_dir)
-    fp8 = fp8 and src.quant.quant is not None and dtype == torch.float32 and torch.device(device).type == "cpu" \
-        and _fp8_kernel_chosen()
+    quant, dev = src.quant.quant, torch.device(device)
+    gpu_layout = _gpu_fp8_layout(dev, dtype) if fp8 and quant is not None and quant.method == "fp8" \
+        and dev.type == "cuda" and quant.block is not None else None
+    fp8 = fp8 and quant is not None and dtype == torch.float32 and dev.type == "cpu" and _fp8_kernel_chosen()
     for layers, embed_key, norm_key, head_key in LAYOUTS:
         if embed_key in src:
             break
@@ -85,7 +90,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
             out |= _experts(p, i, config, take)
         for m in ATTN_MODULES if sparse else MODULES:
             group = "self_attn" if m in ATTN_MODULES else "mlp"
-            kept = src.get_fp8(f"{p}{group}.{m}.weight") if fp8 and not sparse else None
+            kept = src.get_fp8(f"{p}{group}.{m}.weight") if (fp8 or gpu_layout) and not sparse else None
+            if kept is not None and gpu_layout is not None:  # a Hopper GPU: e4m3 on the device (`fp8_gpu.py`)
+                kept = kept.to_gpu(dev, gpu_layout, dtype) if fp8_gpu.usable(*kept.shape, kept.block) else None
             out[f"layers.{i}.{m}"] = kept if kept is not None else take(f"{p}{group}.{m}.weight")
             if f"{p}{group}.{m}.bias" in src:
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
@@ -93,10 +100,11 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
         if any(f"{p}self_attn.{n}.weight" in src for n in norms):
             out |= {f"layers.{i}.{n}": take(f"{p}self_attn.{n}.weight") for n in norms}
     _check_shapes(out, config)
-    if fp8:
+    if fp8 or gpu_layout:
         kept = sum(isinstance(t, Fp8Weight) for t in out.values())
-        log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (the FP8 decode gemv), the "
-                 "others dequantized to fp32", kept, len(src.quant.scales))
+        log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (%s), the others dequantized "
+                 "to %s", kept, len(src.quant.scales), "block-scaled GPU products" if gpu_layout else
+                 "the FP8 decode gemv", str(dtype).removeprefix("torch."))
     return out
 
 
@@ -129,6 +137,12 @@ def _lm_head(src: TensorSource, key: str, embed: torch.Tensor, config: ModelConf
         return embed
     raise CheckpointError(f"checkpoint {src.model_dir} has no {key} and tie_word_embeddings is false (transformers "
                           "would start the lm_head from random values); set tie_word_embeddings or add the lm_head")
+
+
+def _gpu_fp8_layout(device: torch.device, dtype: torch.dtype):
+    """The weight-scale layout of the FP8 GPU products where they are chosen on `device` (`quant/fp8_gpu.py`; the
+    reason is logged once either way), else None."""
+    return fp8_gpu.choose(device, dtype)[0]
 
 
 def _fp8_kernel_chosen() -> bool:

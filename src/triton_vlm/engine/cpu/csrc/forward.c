@@ -1,11 +1,17 @@
 /* A whole decode forward of 1-4 rows in one call (`cpu_forward.py`): the functions of decode.c in the layer
-   loop, the products through the gemv library's own function (its address is passed in). */
+   loop, the products through the gemv library's own function (its address is passed in), and those on FP8
+   weights kept as e4m3 through the FP8 gemv library's (`gemv_fp8.c`, its address passed in too). */
 #include "decode.c"
 
 typedef int (*gemv_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const float *w, int64_t Kp,
                        int64_t N, const float *bias, float *y, int64_t ldy);
 
-typedef struct { const float *w; int64_t n, k, kp; const float *bias; } Lin; /* a packed weight (gemv.Layout) */
+typedef int (*gemv8_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
+                        const float *scale, int64_t bm, int64_t bn, const float *bias, float *y, int64_t ldy);
+
+/* a packed weight: fp32 in gemv.Layout (scale null), or e4m3 bytes [N/64][K][64] with fp32 scales
+   [ceil(N / bm)][ceil(K / bn)] (gemv_fp8.PackedFp8) */
+typedef struct { const void *w; int64_t n, k, kp; const float *bias; const float *scale; int64_t bm, bn; } Lin;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -26,10 +32,14 @@ typedef struct {
     Lin lm_head;
     int64_t layer_stride;        /* floats from one layer's K (or V) pool to the next */
     gemv_fn gemv;
+    gemv8_fn gemv8;              /* null where no weight is FP8 */
 } ModelW;
 
 static int lin(const ModelW *m, const Lin *l, const float *x, int64_t rows, float *y) {
-    return m->gemv(x, rows, l->k, l->k, l->w, l->kp, l->n, l->bias, y, l->n);
+    if (l->scale)
+        return m->gemv8 ? m->gemv8(x, rows, l->k, l->k, (const uint8_t *)l->w, l->n, l->scale, l->bm, l->bn,
+                                   l->bias, y, l->n) : -7;
+    return m->gemv(x, rows, l->k, l->k, (const float *)l->w, l->kp, l->n, l->bias, y, l->n);
 }
 
 /* y[i, off:off + out] += ((x[i] . a^T) * mask[i]) . b^T for each row: `LoraBatch.add` (h = x A^T, h *= mask,

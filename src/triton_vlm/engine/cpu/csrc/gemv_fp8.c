@@ -19,14 +19,15 @@
 #define BLOCK 64
 #define SUB (4 * VW)
 
-typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 
-/* VW bytes widened to int32 lanes (gcc's generic conversion goes byte by byte through scalar registers) */
+/* VW bytes sign-extended to int32 lanes (gcc's generic conversion goes byte by byte through scalar registers) */
 static inline vi widen(const uint8_t *p) {
 #if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 #elif defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #else
     vb b;
     memcpy(&b, p, sizeof(vb));
@@ -34,9 +35,10 @@ static inline vi widen(const uint8_t *p) {
 #endif
 }
 
+/* the code's sign and low 7 bits moved into an fp32's sign and bits 20-26, times 2^120: sign-extended, shifted
+   left by 20, the sign bit (bit 31, as the extension copies it there) and bits 20-26 kept (3 vector operations) */
 static inline vf e4m3_to_f32(const uint8_t *p) {
-    vi i = widen(p);
-    vi bits = ((i & 0x7f) << 20) | ((i & 0x80) << 24);
+    vu bits = ((vu)widen(p) << 20) & 0x87F00000u;  /* (unsigned: no shift of a negative value) */
     vf f;
     memcpy(&f, &bits, sizeof(vf));
     return f * 0x1p120f;
@@ -113,14 +115,15 @@ void triton_vlm_e4m3_table(float *out) {
     }
 }
 
-/* out[k][n] = float(q[n][k]) * s (the dequantized weight transposed, [K][ceil(N / 64) * 64], padded outputs 0):
-   the prefill products' weight for one call, converted here at the kernel's speed (torch's e4m3 cast is scalar) */
+/* out[k][n - nb0 * 64] = float(q[n][k]) * s for the outputs n of 64-row blocks nb0 <= nb < nb1 (the dequantized
+   weight's columns transposed, [K][(nb1 - nb0) * 64], outputs past N 0): one chunk of a prefill product's weight,
+   converted here at the kernel's speed (torch's e4m3 cast is scalar); the caller never holds the whole fp32 matrix */
 void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
-                                 int64_t bn, float *out) {
-    int64_t nblocks = (N + BLOCK - 1) / BLOCK, scols = (K + bn - 1) / bn, ld = nblocks * BLOCK;
-    for (int64_t nb = 0; nb < nblocks; nb++)
+                                 int64_t bn, int64_t nb0, int64_t nb1, float *out) {
+    int64_t scols = (K + bn - 1) / bn, ld = (nb1 - nb0) * BLOCK;
+    for (int64_t nb = nb0; nb < nb1; nb++)
         for (int64_t s = 0; s < BLOCK; s += VW) {
-            int64_t n0 = nb * BLOCK + s;
+            int64_t n0 = nb * BLOCK + s, c0 = (nb - nb0) * BLOCK + s;
             for (int64_t kb = 0; kb < scols; kb++) {
                 float lane[VW];
                 for (int i = 0; i < VW; i++)
@@ -130,7 +133,7 @@ void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const f
                 int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;
                 for (int64_t k = kb * bn; k < kend; k++) {
                     vf v = e4m3_to_f32(w + nb * K * BLOCK + k * BLOCK + s) * sv;
-                    memcpy(out + k * ld + n0, &v, sizeof(vf));
+                    memcpy(out + k * ld + c0, &v, sizeof(vf));
                 }
             }
         }
