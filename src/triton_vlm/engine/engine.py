@@ -66,6 +66,7 @@ from .model import mrope
 from .kv.prefix_cache import PrefixStats, request_hasher
 from .model.model import DTYPES, LlamaModel
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, text_rules_of, worst_case
+from .overlap import Overlap
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
@@ -110,6 +111,10 @@ class EngineConfig:
     # results' text (detokenization) made and their callbacks run on a thread of their own once started (False:
     # on the engine's thread, inside the step, as before; `delivery.py`)
     delivery_thread: bool = True
+    # async scheduling (vLLM v1's, SGLang's overlap scheduler; `overlap.py`): a steady decode step (greedy / sampling
+    # rows without grammars, context processors or LoRA) is launched before the previous one's results are
+    # processed; tokens unchanged. Off by default: measured slower on a 2-core CPU through the real model
+    async_scheduling: bool = False
     # guided decoding's compiles: time limit, workers, cache (llm parameters guide_*, `params.GuideLimits`)
     guides: GuideLimits = dataclasses.field(default_factory=GuideLimits)
 
@@ -205,6 +210,8 @@ class Engine:
         if config.cuda_graphs and self.model.device.type == "cuda" and not mc.sparse_layers:  # (experts: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
+        if config.async_scheduling:  # steady decode steps overlapped with the host (`overlap.py`)
+            self.scheduler.overlap = Overlap(self.scheduler)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
@@ -545,6 +552,8 @@ class Engine:
                 self.scheduler.add(a)
             down = Unavailable("the engine was shut down")
             self._deliver(self.scheduler.fail_all(down) + self._end_compiling(lambda a: down))
+            if self.scheduler.overlap is not None:
+                self.scheduler.overlap.close()
         self.delivery.stop(timeout)  # what is queued is delivered first
 
     # --- convenience -----------------------------------------------------------------------------------------
