@@ -4,6 +4,7 @@ device's step, in-process.
     python -m bench.engine.overlap                      # stub model: 64 and 256 rows, overlap off and on
     python -m bench.engine.overlap --step-ms 20 --rows 64 256 --steps 40
     python -m bench.engine.overlap --real --rounds 3    # + the demo model's tok/s, 1 stream and 16 concurrent, off/on
+    python -m bench.engine.overlap --real --bench-model --rows 64   # the same on the benchmark model
 
 Stub: the real engine (scheduler, policy, KV cache, decoders, output processing) whose model is `StubModel`: every
 forward takes a fixed time (`--step-ms`) without using a CPU (it sleeps: an asynchronous device), and returns a fixed
@@ -244,6 +245,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--real", action="store_true", help="also the demo model's tok/s, off vs on")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bench-model", action="store_true",
+                    help="--real on the benchmark model (bench.common.model, 8 layers of 512) instead of the demo's")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one core for the host thread's own ops: the other one for the rest of the machine
@@ -260,11 +263,16 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"{r['device_idle_ms_per_step']:>15.2f} {r['hidden']:>7.1%}")
     result = {"machine": meta, "stub": table}
     if args.real:
-        real = real_rounds(model_dir, args.rounds)
+        real_dir = model_dir
+        if args.bench_model:
+            from bench.common.model import ensure_bench_model
+
+            real_dir = ensure_bench_model(verbose=False)
+        real = real_rounds(real_dir, args.rounds)
         result["real"] = real
         for c in (1, 16):
             off, on = statistics.mean(real[f"off_c{c}"]), statistics.mean(real[f"on_c{c}"])
-            print(f"demo model, concurrency {c:>2}: off {off:8.1f} tok/s, on {on:8.1f} tok/s ({on / off:.2f}x; "
+            print(f"{real_dir.name}, concurrency {c:>2}: off {off:8.1f} tok/s, on {on:8.1f} tok/s ({on / off:.2f}x; "
                   f"rounds off {[round(x) for x in real[f'off_c{c}']]}, on {[round(x) for x in real[f'on_c{c}']]})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

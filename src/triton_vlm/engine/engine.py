@@ -20,6 +20,8 @@ one extra intra-op thread per spare CPU while few requests are in flight and tha
 (`cpu/spare.py`; chosen by a race at start). CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
 `cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
 CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
+Async scheduling (`async_scheduling`, off by default; `overlap.py`): a steady decode step (greedy / one-row sampling
+rows without grammars, context processors or LoRA) is launched before the previous step's results are processed.
 
 Failures: a request's own failure ends that request (`scheduler.py`). A step that raises anyway (a bug) is
 retried after a pause that doubles while it keeps failing (`faults.Backoff`, up to 2 s) and resets on success.

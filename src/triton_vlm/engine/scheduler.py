@@ -10,6 +10,8 @@
         (`decoder.step_samples`, one read-back), batchable beam requests in one batched step per (num_beams, K)
         (`decoder.step_beams`, one read-back each), the others on their slices -> advance each
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
+    (async scheduling, `overlap.py`: a steady decode step is launched before the previous one's results are
+     processed; any other step finishes the pending one first, then runs as above)
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
 shutdown); both give its budgets back first (`policy.retire`). An exception while handling one request ends
