@@ -22,9 +22,10 @@ Where the next step needs this step's tokens on the host the step runs synchrono
 the scheduler drains the pending step first): a prefill in the plan (a new request's first token, chunks),
 beam search (its next rows depend on the chosen beams), guided decoding (the grammar's mask), context processors
 (penalties, no-repeat-ngram, bad words), rows inside min_tokens, sampling with num_return_sequences > 1, LoRA rows,
-and CUDA graphs (their inputs are host-built; not wired yet). Under `max_utilization` the pending step is drained
-before scheduling (preemption reads the decoders' tokens). The tokens are the synchronous path's, bit for bit
-(tests/engine/test_overlap.py).
+and CUDA graphs (their inputs are host-built; not wired yet). On CUDA without graphs it is exact but the eager
+step's attention batch (`KVCache.plan`) is copied from pageable memory, a stream sync: not overlapped yet. Under
+`max_utilization` the pending step is drained before scheduling (preemption reads the decoders' tokens), so little
+overlaps there. The tokens are the synchronous path's, bit for bit (tests/engine/test_overlap.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -40,6 +41,7 @@ import torch
 from .output import _count_step
 from .runner import _delta
 from .search.decoder import pick
+from .search.processors import on_device
 from .state import Active, Output
 
 SWITCH_INTERVAL_S = float(os.environ.get("TRITON_VLM_SWITCH_S", "0.0005"))
@@ -99,7 +101,6 @@ class DeviceQueue:
 class Launched:
     actives: list[Active]  # row i = actives[i]'s one row
     future: Future  # -> Picked
-    t_launch: float = field(default_factory=time.perf_counter)
 
 
 class Overlap:
@@ -128,9 +129,17 @@ class Overlap:
         ahead = set() if prev is None else {id(a) for a in prev.actives}
         # max_tokens ends these at step N: no row for them in N+1
         live = [a for a in decode if not (id(a) in ahead and a.decoder.steps_left <= 1)]
-        self.pending = self._launch(live, prev) if live else None
+        failed: Optional[Exception] = None
+        try:
+            self.pending = self._launch(live, prev) if live else None
+        except Exception as e:  # noqa: BLE001 - as a failed forward: it ends the requests in it (after step N)
+            self.pending, failed = None, e
         if prev is not None:
             self._finish(prev, out)
+        if failed is not None:
+            for a in live:
+                if a.admitted:
+                    self.s._fail(a, out, self.s._error(failed))
         times = self.s.times
         if live:
             times.decode_steps += 1
@@ -178,13 +187,11 @@ class Overlap:
 
         def job() -> Picked:
             with torch.inference_mode():
-                ids = host_ids.to(dev, non_blocking=True) if queue.cuda else host_ids
+                ids = on_device(host_ids, dev)  # [rows] (on CUDA from pinned memory: no sync)
                 if gather is not None:  # step N's tokens, where they are: on the device
                     take, mask, before = gather
                     prev_tokens = before.result().tokens
-                    if queue.cuda:
-                        take, mask = take.pin_memory().to(dev, non_blocking=True), mask.pin_memory().to(dev, non_blocking=True)
-                    ids = torch.where(mask, prev_tokens[take], ids)
+                    ids = torch.where(on_device(mask, dev), prev_tokens[on_device(take, dev)], ids)
                 logits = model.forward(model.embed(ids)[:, None], batch, cache, None, rope=rope)  # [rows, vocab]
                 tokens, groups = pick(decoders, kinds, logits)
                 ready = None
