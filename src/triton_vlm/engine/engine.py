@@ -20,6 +20,8 @@ one extra intra-op thread per spare CPU while few requests are in flight and tha
 (`cpu/spare.py`; chosen by a race at start). CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
 `cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
 CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
+Async scheduling (`async_scheduling`, off by default; `overlap.py`): a steady decode step (greedy / one-row sampling
+rows without grammars, context processors or LoRA) is launched before the previous step's results are processed.
 
 Failures: a request's own failure ends that request (`scheduler.py`). A step that raises anyway (a bug) is
 retried after a pause that doubles while it keeps failing (`faults.Backoff`, up to 2 s) and resets on success.
@@ -68,6 +70,7 @@ from .kv.prefix_cache import PrefixStats, request_hasher
 from .model.hybrid import load_model
 from .model.model import DTYPES
 from .profile import MemoryProbe, max_image_tokens, plan_kv_cache, text_rules_of, worst_case
+from .overlap import Overlap
 from .preempt import GUARANTEED_NO_EVICT, POLICIES
 from .scheduler import Scheduler
 from .state import Active, KVState, Output
@@ -112,6 +115,10 @@ class EngineConfig:
     # results' text (detokenization) made and their callbacks run on a thread of their own once started (False:
     # on the engine's thread, inside the step, as before; `delivery.py`)
     delivery_thread: bool = True
+    # async scheduling (vLLM v1's, SGLang's overlap scheduler; `overlap.py`): a steady decode step (greedy / sampling
+    # rows without grammars, context processors or LoRA) is launched before the previous one's results are
+    # processed; tokens unchanged. Off by default: measured slower on a 2-core CPU through the real model
+    async_scheduling: bool = False
     # guided decoding's compiles: time limit, workers, cache (llm parameters guide_*, `params.GuideLimits`)
     guides: GuideLimits = dataclasses.field(default_factory=GuideLimits)
 
@@ -219,6 +226,8 @@ class Engine:
             # (experts, hybrid layers: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
+        if config.async_scheduling:  # steady decode steps overlapped with the host (`overlap.py`)
+            self.scheduler.overlap = Overlap(self.scheduler)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._inbox: list[Active] = []
@@ -563,6 +572,8 @@ class Engine:
                 self.scheduler.add(a)
             down = Unavailable("the engine was shut down")
             self._deliver(self.scheduler.fail_all(down) + self._end_compiling(lambda a: down))
+            if self.scheduler.overlap is not None:
+                self.scheduler.overlap.close()
         self.delivery.stop(timeout)  # what is queued is delivered first
 
     # --- convenience -----------------------------------------------------------------------------------------

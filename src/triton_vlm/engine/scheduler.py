@@ -10,6 +10,8 @@
         (`decoder.step_samples`, one read-back), batchable beam requests in one batched step per (num_beams, K)
         (`decoder.step_beams`, one read-back each), the others on their slices -> advance each
     advance: output.step (decoder) -> runner.reorder (KV rows) -> done ? complete : stream
+    (async scheduling, `overlap.py`: a steady decode step is launched before the previous one's results are
+     processed; any other step finishes the pending one first, then runs as above)
 
 Every request ends through `_complete` (its sequences) or `_fail` (its error, CANCELLED, or UNAVAILABLE at
 shutdown); both give its budgets back first (`policy.retire`). An exception while handling one request ends
@@ -71,6 +73,7 @@ class Scheduler:
         self.output = OutputProcessor(decode_text, cache.block_size)
         self.fault: Optional[BaseException] = None  # the first CUDA error seen: the engine stops on it
         self.times = StepTimes()
+        self.overlap = None  # async scheduling (`overlap.Overlap`), set by the engine when on
 
     # the policy's queue and budgets, for the engine's stats and the tests
     @property
@@ -90,7 +93,7 @@ class Scheduler:
         return self.policy.preemptions
 
     def has_work(self) -> bool:
-        return self.policy.has_work()
+        return self.policy.has_work() or (self.overlap is not None and self.overlap.pending is not None)
 
     def add(self, active: Active) -> None:
         self.policy.add(active)
@@ -102,11 +105,18 @@ class Scheduler:
         forwards when they made a result: the caller delivers (and takes out of `out`) what is there, so that
         a request's first token leaves when its prefill ends, not after the step's decode."""
         out = [] if out is None else out
+        lap = self.overlap
+        if lap is not None and self.policy.on_demand:
+            lap.drain(out)  # preemption reads the decoders' tokens: none may be in flight
         plan = self.policy.schedule(cancelled)
         for a in plan.cancelled:
             self._fail(a, out, Cancelled(f"request {a.id} was cancelled"))
         for a, e in plan.failed:
             self._fail(a, out, self._error(e, f"while admitting request {a.id}"))
+        if lap is not None:  # a steady decode step overlapped (`overlap.py`); else the pending step first
+            if lap.step(plan, out):
+                return out
+            lap.drain(out)
         t = self.times
         if plan.prefill:
             t.prefill_tokens += sum(c.length * (len(c.active.kv.resume_rows) if c.rows else 1) for c in plan.prefill)
@@ -126,6 +136,8 @@ class Scheduler:
     def fail_all(self, error: VLMError) -> list[Output]:
         """End every request (shutdown)."""
         out: list[Output] = []
+        if self.overlap is not None:
+            self.overlap.discard()
         for a in list(self.policy.waiting) + list(self.policy.running):
             self._fail(a, out, error)
         return out

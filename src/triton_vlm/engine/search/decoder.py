@@ -30,14 +30,14 @@ read-back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ... import names as N
 from ...errors import Internal, InvalidArgument, VLMError
 from ...params import GenerationParams, Sequence_
-from . import beam_batch
+from . import beam_batch, processors, sampling_batch
 from .beam import BeamSearch
 from .greedy import GreedySearch, greedy_step
 from .guided import GrammarGuide, new_matcher
@@ -138,6 +138,33 @@ class Decoder:
         return isinstance(self._search, SampleSearch)
 
     @property
+    def overlap_kind(self) -> str | None:
+        """'greedy' or 'sample' when its next token can be chosen on the device before this step's token is on the
+        host (async scheduling, `engine/overlap.py`): one row, past its first step and min_tokens, no grammar, no
+        context processors (their state is the host's token lists); else None (the step runs synchronously)."""
+        s = self._search
+        if not isinstance(s, (GreedySearch, SampleSearch)) or s.done or s.t < 1 or s.t < s.min_new:
+            return None
+        if isinstance(s, GreedySearch):
+            return "greedy" if s.matcher is None and s.row is None else None
+        return "sample" if s.n == 1 and s.matchers is None and s.rows is None else None
+
+    @property
+    def steps_left(self) -> int:
+        """Steps until max_tokens ends it (an end id or a stop word may end it sooner)."""
+        s = self._search
+        return s.max_new - s.t if isinstance(s, (GreedySearch, SampleSearch)) else self.params.max_tokens
+
+    def advance_picked(self, row: list, nonfinite: Callable[[], bool]) -> StepResult | VLMError:
+        """The host half of an `overlap_kind` step chosen on the device: its read-back row [token, stuck, log prob,
+        top lp..., top ids...] -> its `StepResult` (stopping decided here), or the error that ends it (a row with
+        no finite score; `nonfinite()` says whether the logits themselves were)."""
+        s = self._search
+        if row[1]:
+            return self._no_token_error(NoTokenLeft(s.t + 1, nonfinite_logits=nonfinite()))
+        return StepResult(*(s._advance(row) if isinstance(s, GreedySearch) else s._advance([row])))
+
+    @property
     def beam_key(self):
         """None, or the key of the requests it may step with in `step_beams` (same num_beams and K)."""
         s = self._search
@@ -230,3 +257,40 @@ def step_samples(decoders: list[Decoder], logits: torch.Tensor, starts: list[int
         raise Internal(f"decoder rows outside the {logits.shape[0]} rows of logits")
     outs = sample_step([d._search for d in decoders], logits, starts)
     return [d._no_token_error(o) if isinstance(o, NoTokenLeft) else StepResult(*o) for d, o in zip(decoders, outs)]
+
+
+def pick(decoders: list[Decoder], kinds: list[str], logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The device half of an overlapped decode step (async scheduling, `engine/overlap.py`): logits [rows, vocab],
+    row i = decoders[i]'s one row, kinds[i] its `overlap_kind` (read on the host at launch) -> (the chosen tokens
+    [rows] on the logits' device, [(row indices, packed [n, 3 + 2 max k] float64)] per kind). The same ops as
+    `greedy_step` / `sample_step` make for those rows, so each row chooses bit for bit what they would; the host
+    half is `Decoder.advance_picked`. Reads only what a step never changes (parameters, the generators), so it may
+    run while the host advances the previous step of the same decoders."""
+    raw = logits.to(torch.float32)  # [rows, V]
+    tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
+    groups = []
+    for kind in ("greedy", "sample"):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        if not rows:
+            continue
+        idx = processors.on_device(rows, raw.device)  # [n] (on CUDA from pinned memory: no sync)
+        sub = raw if len(rows) == raw.shape[0] else raw.index_select(0, idx)  # [n, V]
+        searches = [decoders[i]._search for i in rows]
+        if kind == "greedy":
+            chosen_ids = torch.argmax(sub, dim=-1)  # [n]
+            stuck = ~torch.isfinite(sub.amax(dim=-1))
+        else:
+            scores = processors.warp(sub, [s.temperature for s in searches], [s.top_k for s in searches],
+                                     [s.top_p for s in searches])
+            stuck = ~torch.isfinite(scores.amax(dim=-1))
+            scores = torch.where(stuck[:, None], 0.0, scores)
+            chosen_ids = sampling_batch._draw(searches, scores, None)  # [n] each from its own generator
+        logp = torch.nn.functional.log_softmax(sub, dim=-1)  # [n, V]
+        chosen = logp.gather(1, chosen_ids[:, None])[:, 0]
+        packed = torch.stack((chosen_ids.to(torch.float64), stuck.to(torch.float64), chosen.to(torch.float64)), dim=1)
+        top = processors.top_log_probs([s.k for s in searches], logp)
+        if top is not None:
+            packed = torch.cat((packed, top), dim=1)  # [n, 3 + 2 max k]
+        tokens.index_copy_(0, idx, chosen_ids)
+        groups.append((rows, packed))
+    return tokens, groups
