@@ -226,7 +226,10 @@ class Engine:
             # (experts, hybrid layers: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
-        if config.async_scheduling:  # steady decode steps overlapped with the host (`overlap.py`)
+        if config.async_scheduling and mc.layer_kinds:  # a finished row's state slot could be handed on while the
+            # launched step still writes it: hybrid models stay synchronous
+            log.info("async scheduling off for this model: its rows hold state slots (hybrid layers)")
+        elif config.async_scheduling:  # steady decode steps overlapped with the host (`overlap.py`)
             self.scheduler.overlap = Overlap(self.scheduler)
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
