@@ -10,6 +10,8 @@ cut into `shards` safetensors files with their index:
 - the Qwen tokenizer and chat template of `qwen_checkpoint.py` (the same special tokens and prompt format);
 - `preprocessor_config.json` of `Qwen2VLImageProcessor` with Qwen3-VL's patch 16 and mean / std 0.5, small
   `min_pixels` / `max_pixels` (4 to 64 placeholder tokens per image);
+- `video_preprocessor_config.json` of `Qwen3VLVideoProcessor` (2 fps, 4 to 16 frames, all kept frames together
+  between 8 and 192 units of 32x32 pixels: at most 96 placeholder tokens per video);
 - `generation_config.json` with the eos ids.
 `experts=4` builds Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: layers 0 and 2 sparse, 2 of 4 experts per
 token, layer 1 dense through `mlp_only_layers`). Weights are seeded and scaled so that every piece (QK-norm, the
@@ -29,6 +31,7 @@ from .qwen_checkpoint import IMAGE_PAD, QWEN_VL_SPECIALS, VIDEO_PAD, VISION_END,
 
 PATCH, TEMPORAL, MERGE = 16, 2, 2
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # 4 .. 64 placeholder tokens per image
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 32 * 32 * 8, 32 * 32 * 192  # of all the kept frames together
 
 
 def _config(tok, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
@@ -99,6 +102,15 @@ def image_processor_config() -> dict:
             "temporal_patch_size": TEMPORAL, "merge_size": MERGE, "processor_class": "Qwen3VLProcessor"}
 
 
+def video_processor_config() -> dict:
+    return {"video_processor_type": "Qwen3VLVideoProcessor", "do_resize": True, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "fps": 2, "min_frames": 4, "max_frames": 16,
+            "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS}, "patch_size": PATCH,
+            "temporal_patch_size": TEMPORAL, "merge_size": MERGE, "cap_pixels_per_frame": False,
+            "processor_class": "Qwen3VLProcessor"}
+
+
 def build_qwen3_vl(out_dir: str | Path, shards: int = 2, **kw) -> Path:
     """Build and save a hub-layout checkpoint directory (see the module doc); returns it."""
     out = Path(out_dir)
@@ -112,6 +124,7 @@ def build_qwen3_vl(out_dir: str | Path, shards: int = 2, **kw) -> Path:
         _hub_experts(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(), indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(), indent=2))
     return out
 
 
