@@ -198,6 +198,36 @@ def test_videos_sampling_timestamps_positions_and_patches_equal_transformers(ref
         rope(got.input_ids, got.image_sizes, got.media_grids, got.media_seconds)
 
 
+def test_video_plans_equal_transformers_over_lengths_rates_sizes_and_the_cap(tmp_path):
+    """`video_plan` against `Qwen3VLVideoProcessor` (`sample_frames`, `get_num_of_video_patches`) for files of many
+    lengths, rates and sizes, with and without `cap_pixels_per_frame`; what it refuses, transformers refuses; a video
+    processor field that would change the frames is refused at load."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from triton_vlm.demo.qwen3_checkpoint import video_processor_config
+    from triton_vlm.families.qwen3_vl import QWEN3_VL
+    from triton_vlm.preprocess.videos import VideoConfig, video_config
+    from triton_vlm.spec import CheckpointError
+
+    for cap in (False, True):
+        json_cfg = dict(video_processor_config(), cap_pixels_per_frame=cap, max_video_tokens=12)
+        hf, cfg = Qwen3VLVideoProcessor(**json_cfg), VideoConfig.from_json(json_cfg, {}, QWEN3_VL.video_defaults)
+        for total, fps, (h, w) in [(10, 4.0, (64, 96)), (12, 6.0, (240, 320)), (7, 2.0, (90, 40)), (400, 30.0, (20, 700)),
+                                   (3, 1.0, (1080, 1920)), (97, 29.97, (33, 35)), (5, 0.5, (480, 64))]:
+            meta = VideoMetadata(total_num_frames=total, fps=fps, width=w, height=h)
+            plan = QWEN3_VL.video_plan(cfg, (h, w), total, fps)
+            keep = hf.sample_frames(meta).tolist()
+            assert list(plan.keep) == keep, (total, fps)
+            patches = hf.get_num_of_video_patches(len(keep), h, w, {"cap_pixels_per_frame": cap})
+            assert plan.tokens == patches // 4 and plan.grid[0] * plan.grid[1] * plan.grid[2] == patches, (h, w, cap)
+    with pytest.raises(ValueError, match="temporal_factor"):  # one frame: transformers refuses it too
+        QWEN3_VL.video_plan(cfg, (64, 64), 1, 4.0)
+    (tmp_path / "video_preprocessor_config.json").write_text('{"num_frames": 8}')
+    with pytest.raises(CheckpointError, match="num_frames = 8 is not supported"):
+        video_config(tmp_path, QWEN3_VL.video_defaults)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, moe):
     """(the OpenAI front end, the live server) shared by the tests below, on the MoE checkpoint: its layers 0 and 2

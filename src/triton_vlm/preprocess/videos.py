@@ -67,8 +67,16 @@ class VideoConfig:
 
     @classmethod
     def from_json(cls, cfg: dict, fallback: dict, defaults: Optional[dict] = None) -> "VideoConfig":
+        """Fields that would change the pixels or the frames other than as read here are refused (ValueError)."""
         base = dataclasses.replace(cls(), **(defaults or {}))
         c = cfg or fallback
+        for key in ("do_sample_frames", "do_resize", "do_rescale", "do_normalize"):
+            if c.get(key) is False:
+                raise ValueError(f"video processor config: {key} = false is not supported; supported: true (frames "
+                                 "sampled at fps, resized, rescaled and normalised as the processor does)")
+        if c.get("num_frames") is not None:
+            raise ValueError(f"video processor config: num_frames = {c['num_frames']!r} is not supported; supported: "
+                             "null (frames sampled at fps between min_frames and max_frames)")
         size = c.get("size") or {}
         pick = lambda *keys, default: next((c[k] for k in keys if c.get(k) is not None), default)  # noqa: E731
         return cls(fps=float(pick("fps", default=base.fps)),
@@ -265,6 +273,11 @@ def video_config(model_dir: Any, defaults: Optional[dict] = None) -> VideoConfig
 
     from ..spec import read_json  # noqa: PLC0415
 
+    from ..spec import CheckpointError  # noqa: PLC0415
+
     d = Path(model_dir)
-    return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),
-                                 read_json(d / "preprocessor_config.json"), defaults)
+    try:
+        return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),
+                                     read_json(d / "preprocessor_config.json"), defaults)
+    except ValueError as e:
+        raise CheckpointError(f"{d}: {e}") from None
