@@ -213,8 +213,9 @@ def test_video_plans_equal_transformers_over_lengths_rates_sizes_and_the_cap(tmp
     for cap in (False, True):
         json_cfg = dict(video_processor_config(), cap_pixels_per_frame=cap, max_video_tokens=12)
         hf, cfg = Qwen3VLVideoProcessor(**json_cfg), VideoConfig.from_json(json_cfg, {}, QWEN3_VL.video_defaults)
-        for total, fps, (h, w) in [(10, 4.0, (64, 96)), (12, 6.0, (240, 320)), (7, 2.0, (90, 40)), (400, 30.0, (20, 700)),
-                                   (3, 1.0, (1080, 1920)), (97, 29.97, (33, 35)), (5, 0.5, (480, 64))]:
+        for total, fps, (h, w) in [(10, 4.0, (64, 96)), (12, 6.0, (240, 320)), (7, 2.0, (90, 40)),
+                                   (400, 30.0, (20, 700)), (3, 1.0, (1080, 1920)), (97, 29.97, (33, 35)),
+                                   (5, 0.5, (480, 64))]:
             meta = VideoMetadata(total_num_frames=total, fps=fps, width=w, height=h)
             plan = QWEN3_VL.video_plan(cfg, (h, w), total, fps)
             keep = hf.sample_frames(meta).tolist()

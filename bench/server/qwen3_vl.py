@@ -18,8 +18,12 @@ and a short prompt, greedy, `max_tokens == min_tokens` (32). Baseline: `transfor
 `Qwen3VL(Moe)ForConditionalGeneration.generate()` in this process with its image processor and tokenizer (the
 checkpoint's files; `min_new_tokens` = `max_new_tokens`), one request at a time: what serving it without a server
 gives. Ours: the real tritonserver (`VLMClient` on the ensemble: preprocess, the exported tower, our engine), one
-request at a time, then 16 at once (closed loop). Latency is send -> answer; tok/s = new tokens / wall time. The
-rows alternate between the baseline and the server each round; the table gives the median over the rounds. Writes
+request at a time, then 16 at once (closed loop). Latency is send -> answer; tok/s = new tokens / wall time.
+`--torch-threads` (default 1) is OMP_NUM_THREADS of the server's processes and the baseline's torch threads, as
+`bench.server.throughput` sets them: on a 2-core machine shared with other work, 2 OpenMP threads spin-waiting on
+a busy core make matmuls 10-50x slower (a first run with the baseline at torch's default of 2 threads measured it
+at 1.5 tok/s). The rows alternate between the baseline and the server each round; the table gives the median
+over the rounds. Writes
 `bench/results/qwen3_vl.json` and prints a markdown table with the machine.
 """
 from __future__ import annotations
@@ -200,7 +204,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         a, b = (r["rows"]["server, c=16"]["tokens_per_s"] for r in results)
         lines.append(f"\nMoE / dense of the same active parameters, server c=16: {b / a:.2f}x tok/s")
     lines += ["", f"`{meta['command']}`, {meta['date']}, {meta['max_tokens']} tokens per request, one {SIDE}x{SIDE} "
-              "image each (144 tokens)", machine.line(meta)]
+              f"image each (144 tokens), torch threads {meta.get('torch_threads', 'default')}", machine.line(meta)]
     return "\n".join(lines)
 
 
@@ -209,7 +213,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--only", choices=("dense", "moe"), help="one model only")
+    ap.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server's processes and "
+                    "the baseline's torch threads (default 1; 0 = their defaults)")
     args = ap.parse_args(argv)
+    if args.torch_threads:
+        import os  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415
+
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.torch_threads)
+        torch.set_num_threads(args.torch_threads)
     models = ensure_models()
     if args.only:
         models = {k: v for k, v in models.items() if v.name == args.only}
@@ -217,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = measure(models, n1, n16, args.max_tokens, rounds)
     meta = {"command": " ".join(["python -m bench.server.qwen3_vl", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine.describe(),
-            "kernel_races": machine.kernel_races(), "max_tokens": args.max_tokens}
+            "kernel_races": machine.kernel_races(), "max_tokens": args.max_tokens, "torch_threads": args.torch_threads}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(markdown(results, meta))
