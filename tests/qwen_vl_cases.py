@@ -75,19 +75,29 @@ class Reference:
                    "video_grid_thw": torch.tensor(grids)}
             if self.model.config.model_type == "qwen2_5_vl":
                 kw["second_per_grid_ts"] = torch.tensor(seconds)
-            text = _expand(text, "<|video_pad|>", grids)
+            text = self.expand_videos(text, videos, grids)
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         cfg = self.model.config
         kw["mm_token_type_ids"] = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kw}
 
+    def expand_videos(self, text: str, videos, grids) -> str:
+        """Each `<|video_pad|>` in turn -> the processor's placeholders for that video (Qwen2-VL: t*h*w/4 pads)."""
+        return _expand(text, "<|video_pad|>", grids)
+
     def video(self, data: bytes):
+        """(rows, grid, seconds) of a video by the server's own path, under the checkpoint's family's plan."""
+        return self.decoded(data)[1]
+
+    def decoded(self, data: bytes):
+        """(the decoded `videos.Video`, its (rows, grid, seconds)) by the server's own path."""
+        from triton_vlm.families import family_for_config  # noqa: PLC0415
         from triton_vlm.preprocess.videos import VideoProcessor, decode_video, video_config  # noqa: PLC0415
 
-        cfg = video_config(self.model_dir)
-        from triton_vlm.families.qwen2_vl import video_plan  # noqa: PLC0415
-
-        return VideoProcessor(cfg, video_plan)(decode_video(data, "video", cfg, 1 << 24, planner=video_plan))
+        family = family_for_config(self.model.config.to_dict())
+        cfg = video_config(self.model_dir, family.video_defaults)
+        video = decode_video(data, "video", cfg, 1 << 24, planner=family.video_plan)
+        return video, VideoProcessor(cfg, family.video_plan)(video)
 
     @torch.no_grad()
     def generate(self, prompt: str, images: list[bytes], max_new_tokens: int, beams: int = 1,

@@ -119,3 +119,29 @@ def test_medians_over_rounds_and_the_table(tmp_path):
     assert ("| qwen2-vl | 64 / 128 / 256 | 200 / 400 ms | 200 / 200 / 600 ms | 6 (3%) / 30 (15%) / 60 (10%) | 20% | "
             "60.0 |") in md
     assert "qwen2-vl 75 encoded, 0 cache hits" in md and f"- cpu: {machine.cpu_model()} (" in md
+
+
+def test_qwen3_bench_shapes_match_active_parameters_and_the_table_states_the_ratios():
+    """`bench.server.qwen3_vl`: the MoE's active MLP parameters per token equal the dense MLP's (the comparison the
+    table makes), every MoE layer is sparse; the medians over rounds and the table's ratios."""
+    from bench.server import qwen3_vl
+
+    dense, moe = qwen3_vl.SHAPES.values()
+    hidden = qwen3_vl.TEXT["text_hidden"]
+    assert moe["top_k"] * 3 * hidden * moe["moe_intermediate"] == 3 * hidden * dense["intermediate"]
+    assert moe["dense_layers"] == () and "experts" not in dense
+    rows = [{"tokens_per_s": x, "latency_p50_s": x / 10, "requests": 8, "tokens": 256, "latency_max_s": 1.0}
+            for x in (10.0, 30.0, 20.0)]
+    med = qwen3_vl._median(rows)
+    assert (med["tokens_per_s"], med["latency_p50_s"]) == (20.0, 2.0)
+
+    def result(name, hf, s1, s16):
+        return {"model": name, "rows": {"transformers, c=1": dict(med, tokens_per_s=hf),
+                                        "server, c=1": dict(med, tokens_per_s=s1),
+                                        "server, c=16": dict(med, tokens_per_s=s16)}}
+
+    meta = {"command": "python -m bench.server.qwen3_vl", "date": "d", "machine": machine.describe(),
+            "kernel_races": {}, "max_tokens": 32}
+    md = qwen3_vl.markdown([result("dense", 10.0, 40.0, 120.0), result("moe", 4.0, 30.0, 90.0)], meta)
+    assert "| dense | 10.0, 2.00 s | 40.0, 2.00 s | 4.00x | 120.0, 2.00 s |" in md
+    assert "| moe | 4.0, 2.00 s | 30.0, 2.00 s | 7.50x |" in md and "server c=16: 0.75x tok/s" in md

@@ -188,7 +188,7 @@ ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
         doc="prompt; images inline as <img src=\"data:image/...;base64,...\"> or as <image> markers"),
     _in(IMAGES, BYTES, (-1,), doc="encoded image files (or base64 of them), one per <image> marker, in order"),
     _in(VIDEOS, BYTES, (-1,), doc="encoded video files (or base64 of them), one per <video> marker, in order "
-                                  "(checkpoints that take videos: Qwen2-VL, Qwen2.5-VL)"),
+                                  "(checkpoints that take videos: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE)"),
     _in(BAD_WORDS, BYTES, (-1,), doc="words that are never generated"),
     _in(STOP_WORDS, BYTES, (-1,), doc="words that end a sequence (kept in the output)"),
 ) + GENERATION_INPUTS + LORA_INPUTS + CACHE_INPUTS + GUIDED_INPUTS

@@ -10,6 +10,8 @@ cut into `shards` safetensors files with their index:
 - the Qwen tokenizer and chat template of `qwen_checkpoint.py` (the same special tokens and prompt format);
 - `preprocessor_config.json` of `Qwen2VLImageProcessor` with Qwen3-VL's patch 16 and mean / std 0.5, small
   `min_pixels` / `max_pixels` (4 to 64 placeholder tokens per image);
+- `video_preprocessor_config.json` of `Qwen3VLVideoProcessor` (2 fps, 4 to 16 frames, all kept frames together
+  between 8 and 192 units of 32x32 pixels: at most 96 placeholder tokens per video);
 - `generation_config.json` with the eos ids.
 `experts=4` builds Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: layers 0 and 2 sparse, 2 of 4 experts per
 token, layer 1 dense through `mlp_only_layers`). Weights are seeded and scaled so that every piece (QK-norm, the
@@ -29,11 +31,13 @@ from .qwen_checkpoint import IMAGE_PAD, QWEN_VL_SPECIALS, VIDEO_PAD, VISION_END,
 
 PATCH, TEMPORAL, MERGE = 16, 2, 2
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # 4 .. 64 placeholder tokens per image
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 32 * 32 * 8, 32 * 32 * 192  # of all the kept frames together
 
 
 def _config(tok, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
             max_pos: int, vision_hidden: int, vision_layers: int, vision_heads: int, deepstack: list[int],
-            positions: int, mrope_section: list[int], experts: int = 0):
+            positions: int, mrope_section: list[int], experts: int = 0, top_k: int = 2,
+            moe_intermediate: Optional[int] = None, dense_layers: tuple[int, ...] = (1,)):
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig  # noqa: PLC0415
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
@@ -48,8 +52,9 @@ def _config(tok, *, hidden: int, layers: int, heads: int, kv_heads: int, head_di
                   spatial_merge_size=MERGE, in_channels=3, hidden_act="gelu_pytorch_tanh",
                   num_position_embeddings=positions, deepstack_visual_indexes=deepstack)
     if experts:  # layer 1 dense (mlp_only_layers), the others sparse: 2 of `experts` per token
-        text |= dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=3 * hidden // 4,  # != H, H / 2
-                     decoder_sparse_step=1, mlp_only_layers=[1])
+        text |= dict(num_experts=experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=moe_intermediate or 3 * hidden // 4,  # != H, H / 2
+                     decoder_sparse_step=1, mlp_only_layers=list(dense_layers))
     return (Qwen3VLMoeConfig if experts else Qwen3VLConfig)(
         text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
                          video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
@@ -60,8 +65,10 @@ def build_qwen3_vl_model(*, seed: int = 0, text_hidden: int = 64, layers: int = 
                          kv_heads: int = 2, head_dim: int = 24, intermediate: int = 128,
                          max_position_embeddings: int = 1024, vision_hidden: int = 32, vision_layers: int = 3,
                          vision_heads: int = 2, deepstack: Optional[list[int]] = None, positions: int = 16,
-                         mrope_section: Optional[list[int]] = None, experts: int = 0):
-    """(model, tokenizer) of a random Qwen3-VL (see the module doc); `experts` > 0: Qwen3-VL-MoE."""
+                         mrope_section: Optional[list[int]] = None, experts: int = 0, top_k: int = 2,
+                         moe_intermediate: Optional[int] = None, dense_layers: tuple[int, ...] = (1,)):
+    """(model, tokenizer) of a random Qwen3-VL (see the module doc); `experts` > 0: Qwen3-VL-MoE (`top_k` experts
+    per token of `moe_intermediate` each, `dense_layers` with the plain MLP)."""
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration  # noqa: PLC0415
 
     tok = qwen_tokenizer()
@@ -71,7 +78,7 @@ def build_qwen3_vl_model(*, seed: int = 0, text_hidden: int = 64, layers: int = 
                      intermediate=intermediate, max_pos=max_position_embeddings, vision_hidden=vision_hidden,
                      vision_layers=vision_layers, vision_heads=vision_heads,
                      deepstack=[0, 1] if deepstack is None else deepstack, positions=positions, mrope_section=section,
-                     experts=experts)
+                     experts=experts, top_k=top_k, moe_intermediate=moe_intermediate, dense_layers=dense_layers)
     torch.manual_seed(seed)
     model = (Qwen3VLMoeForConditionalGeneration if experts else Qwen3VLForConditionalGeneration)(config).eval()
     with torch.no_grad():  # a livelier model than the init: the tests must see every piece
@@ -99,6 +106,15 @@ def image_processor_config() -> dict:
             "temporal_patch_size": TEMPORAL, "merge_size": MERGE, "processor_class": "Qwen3VLProcessor"}
 
 
+def video_processor_config() -> dict:
+    return {"video_processor_type": "Qwen3VLVideoProcessor", "do_resize": True, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "fps": 2, "min_frames": 4, "max_frames": 16,
+            "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS}, "patch_size": PATCH,
+            "temporal_patch_size": TEMPORAL, "merge_size": MERGE, "cap_pixels_per_frame": False,
+            "processor_class": "Qwen3VLProcessor"}
+
+
 def build_qwen3_vl(out_dir: str | Path, shards: int = 2, **kw) -> Path:
     """Build and save a hub-layout checkpoint directory (see the module doc); returns it."""
     out = Path(out_dir)
@@ -112,6 +128,7 @@ def build_qwen3_vl(out_dir: str | Path, shards: int = 2, **kw) -> Path:
         _hub_experts(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(), indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(), indent=2))
     return out
 
 

@@ -19,7 +19,9 @@ everything that family does differently, and the stages ask it instead of branch
   are saved in to the transformers-5 names (`weight_source.TensorSource` asks `families.family_for_config`);
 - **videos** (families with a `video_token`): `video_plan(cfg, size, frames, fps)` -> a `VideoPlan`, the frames
   sampling keeps, their resized size, the patch grid and the tokens, computed from the container's header before
-  any frame is decoded, so preprocess bounds a request's media cost before paying it.
+  any frame is decoded, so preprocess bounds a request's media cost before paying it; `video_defaults` (the video
+  processor class's defaults under the checkpoint's `video_preprocessor_config.json`) and `video_text(plan)` (what
+  the processor writes for the video's placeholder: Qwen3-VL's timestamps between the temporal patches).
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ class PositionRule:
     tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
     max_position: int = 1 << 30  # positions must stay inside the rotary tables (the context length)
     interleaved: bool = False  # frequencies assigned T, H, W, T, H, W... (Qwen3-VL) instead of in blocks
+    # each temporal patch of a video is a run of placeholders of its own (text timestamps between them), placed
+    # like an image of grid (1, h, w) (Qwen3-VL: `get_rope_index` splits `video_grid_thw` by its t)
+    video_frames: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class VideoPlan:
     grid: tuple[int, int, int]  # (t, h, w) patches
     tokens: int  # placeholder tokens
     pixel_bytes: int  # bytes of the video's pixel_values (float32 rows)
+    timestamps: tuple[float, ...] = ()  # seconds of each temporal patch, written before it (Qwen3-VL); () none
 
     @property
     def frame_bytes(self) -> int:
@@ -197,6 +203,13 @@ class Family:
             raise CheckpointError(f"image processor output size depends on the input image ({sorted(shapes)}); "
                                   "a fixed size is required (e.g. center crop or a fixed height/width)")
         check_tile(shapes.pop(), layout.tile)
+
+    video_defaults: dict[str, Any] = {}  # the video processor class's defaults (`preprocess.videos.VideoConfig`)
+
+    def video_text(self, plan: VideoPlan) -> Optional[str]:
+        """The text the checkpoint's processor writes in place of one video's placeholder token (its `video_token`),
+        or None: the placeholder `plan.tokens` times."""
+        return None
 
     def video_plan(self, cfg: Any, size: Size, frames: int, fps: float) -> VideoPlan:
         """The cost of a video of `frames` frames of `size` (height, width) at `fps`, under the checkpoint's video

@@ -16,7 +16,9 @@ Steps of `Preprocessor.__call__`:
    (the family's `layout.tokens(height, width)`: the same for every image of llava-1.5, a function of the
    image's size for LLaVA-NeXT). Tokenizing in context (not part by part) is what the checkpoint's own
    processor does, so the ids equal `LlavaProcessor` / `LlavaNextProcessor(text=..., images=...)` exactly for
-   any tokenizer (sentencepiece prefix spaces, merges across part boundaries);
+   any tokenizer (sentencepiece prefix spaces, merges across part boundaries). A video's placeholder becomes what the family's
+   processor writes for it (`Family.video_text`: Qwen3-VL's `<t seconds>` timestamp and vision start / end around
+   each temporal patch), tokenized on its own between the marker's special tokens;
 4. truncate when the prompt is longer than `context_length - max_tokens`: keep the LAST tokens, dropping
    whole parts from the left; an image is never split (dropped whole, with its true token count and all its
    tiles); a text part may be cut. The BOS token (when the tokenizer adds one) is kept in front of a truncated prompt and counts
@@ -126,7 +128,8 @@ class Preprocessor:
         if family.video_token is not None:
             from .videos import VideoProcessor, video_config  # noqa: PLC0415 - PyAV only where videos are taken
 
-            self.video = VideoProcessor(video_config(model_dir), family.video_plan)
+            self.video = VideoProcessor(video_config(model_dir, family.video_defaults), family.video_plan)
+            self.video_text = family.video_text
             self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(family.video_token))
             self.video_token = family.video_token
             self.video_markers = (VIDEO_MARKER,) + family.video_markers
@@ -149,9 +152,9 @@ class Preprocessor:
         return out
 
     # --- prompt ------------------------------------------------------------------------------------------
-    def _tokenize(self, parts, counts: Sequence[int]) -> list[_Segment]:
+    def _tokenize(self, parts, media: Sequence["_Media"]) -> list[_Segment]:
         """Parts -> [text ids | image placeholders] segments, tokenized in context (see module doc); image k
-        takes counts[k] placeholders."""
+        takes media[k].count placeholders, a video its `ids` where the family writes more (timestamps)."""
         info = self.info
         video_id = self.video_token_id if self.video is not None else None
         joined = "".join(p.text if isinstance(p, TextPart) else
@@ -169,7 +172,7 @@ class Preprocessor:
             if t == info.image_token_id or (video_id is not None and t == video_id):
                 if current:
                     segments.append(_Segment(current))
-                segments.append(_Segment([t] * counts[k], image=k))
+                segments.append(_Segment(media[k].ids or [t] * media[k].count, image=k))
                 current, k = [], k + 1
             else:
                 current.append(t)
@@ -246,7 +249,7 @@ class Preprocessor:
                 f"{self.max_text_chars} are accepted (context length {info.context_length} x "
                 f"{CHARS_PER_TOKEN_BOUND}); send a shorter prompt")
         media = self._decode([p for p in parts if isinstance(p, ImagePart)], budget, max_tokens)  # also dropped ones
-        segments = self._truncate(self._tokenize(parts, [m.count for m in media]), budget, max_tokens)
+        segments = self._truncate(self._tokenize(parts, media), budget, max_tokens)
         kept = [media[s.image] for s in segments if s.image >= 0]
         self._process([m for m in kept if m.kind == "image"])
         return PreprocessResult(
@@ -309,13 +312,28 @@ class Preprocessor:
 
             video = decode_frames(pending.header, p.what)
             rows, grid, seconds = self.video(video)  # the patches now: a video is never cached here
-            return _Media("video", video.size, video.plan.tokens, grid, seconds, pixels=rows)
+            return _Media("video", video.size, video.plan.tokens, grid, seconds, pixels=rows,
+                          ids=self._video_ids(video.plan))
         hit = pending.hit
         im = None if hit is not None else decode_image(pending.raw, p.what, self.max_pixels)
         size = hit.size if hit is not None else (im.height, im.width)
         grid = self.info.layout.grid(size) if self.whole_images else (0, 0, 0)
         return _Media("image", size, _image_tokens(self.info, size, p.what), grid, 0.0,
                       pixels=None if hit is None else hit.pixels, decoded=im, key=pending.key)
+
+    def _video_ids(self, plan) -> list[int]:
+        """A video's ids where the family's processor writes more than its placeholders (Qwen3-VL: a timestamp and
+        the vision start / end around each temporal patch), else [] (`video_text`). The text is tokenized on its own:
+        it starts after and ends before special tokens (the marker's vision start / end), which the tokenizer never
+        merges across, so the ids are those the processor's whole-prompt tokenization gives."""
+        text = self.video_text(plan)
+        if text is None:
+            return []
+        ids = [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if ids.count(self.video_token_id) != plan.tokens:
+            raise InvalidArgument(f"the family's video text holds {ids.count(self.video_token_id)} placeholders for "
+                                  f"{plan.tokens} video tokens")
+        return ids
 
     def _process(self, images: list["_Media"]) -> None:
         """The checkpoint's image processor on the kept images not found in the cache (all in one call)."""
@@ -348,6 +366,7 @@ class _Media:
     pixels: Optional[np.ndarray] = None  # [tiles, 3, H, W] once processed (or found in the cache)
     decoded: Any = None  # the decoded PIL image still to process
     key: bytes = b""  # an image's cache key (the SHA-256 of its file)
+    ids: list[int] = field(default_factory=list)  # a video's ids when not `count` placeholders (timestamps)
 
 
 def _image_tokens(info: ModelInfo, size: tuple[int, int], what: str) -> int:

@@ -25,6 +25,7 @@ full-size float stack of all frames). Given these pixels, the model's answer is 
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -47,12 +48,13 @@ MAX_DECODED_PIXELS = 1 << 31  # frames x pixels a file may ask the decoder for (
 
 @dataclass(frozen=True)
 class VideoConfig:
-    """The checkpoint's video processor settings (`video_preprocessor_config.json`, else the image processor's)."""
+    """The checkpoint's video processor settings (`video_preprocessor_config.json`, else the image processor's), over
+    the family's video processor class defaults (`Family.video_defaults`; these are Qwen2-VL's)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
-    min_pixels: int = 56 * 56
+    min_pixels: int = 56 * 56  # Qwen3-VL: of all the kept frames together
     max_pixels: int = 28 * 28 * 768
     patch: int = 14
     temporal: int = 2
@@ -60,20 +62,35 @@ class VideoConfig:
     mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     rescale: float = 1 / 255
+    cap_pixels_per_frame: bool = False  # Qwen3-VL: per-frame pixels capped (qwen-vl-utils' rule)
+    max_video_tokens: int = 768  # Qwen3-VL: the per-frame cap in merged patches
 
     @classmethod
-    def from_json(cls, cfg: dict, fallback: dict) -> "VideoConfig":
+    def from_json(cls, cfg: dict, fallback: dict, defaults: Optional[dict] = None) -> "VideoConfig":
+        """Fields that would change the pixels or the frames other than as read here are refused (ValueError)."""
+        base = dataclasses.replace(cls(), **(defaults or {}))
         c = cfg or fallback
+        for key in ("do_sample_frames", "do_resize", "do_rescale", "do_normalize"):
+            if c.get(key) is False:
+                raise ValueError(f"video processor config: {key} = false is not supported; supported: true (frames "
+                                 "sampled at fps, resized, rescaled and normalised as the processor does)")
+        if c.get("num_frames") is not None:
+            raise ValueError(f"video processor config: num_frames = {c['num_frames']!r} is not supported; supported: "
+                             "null (frames sampled at fps between min_frames and max_frames)")
         size = c.get("size") or {}
         pick = lambda *keys, default: next((c[k] for k in keys if c.get(k) is not None), default)  # noqa: E731
-        return cls(fps=float(pick("fps", default=2.0)), min_frames=int(pick("min_frames", default=4)),
-                   max_frames=int(pick("max_frames", default=768)),
-                   min_pixels=int(c.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
-                   max_pixels=int(c.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 768),
-                   patch=int(pick("patch_size", default=14)), temporal=int(pick("temporal_patch_size", default=2)),
-                   merge=int(pick("merge_size", default=2)), mean=tuple(pick("image_mean", default=cls.mean)),
-                   std=tuple(pick("image_std", default=cls.std)),
-                   rescale=float(pick("rescale_factor", default=1 / 255)))
+        return cls(fps=float(pick("fps", default=base.fps)),
+                   min_frames=int(pick("min_frames", default=base.min_frames)),
+                   max_frames=int(pick("max_frames", default=base.max_frames)),
+                   min_pixels=int(c.get("min_pixels") or size.get("shortest_edge") or base.min_pixels),
+                   max_pixels=int(c.get("max_pixels") or size.get("longest_edge") or base.max_pixels),
+                   patch=int(pick("patch_size", default=base.patch)),
+                   temporal=int(pick("temporal_patch_size", default=base.temporal)),
+                   merge=int(pick("merge_size", default=base.merge)), mean=tuple(pick("image_mean", default=base.mean)),
+                   std=tuple(pick("image_std", default=base.std)),
+                   rescale=float(pick("rescale_factor", default=base.rescale)),
+                   cap_pixels_per_frame=bool(pick("cap_pixels_per_frame", default=base.cap_pixels_per_frame)),
+                   max_video_tokens=int(pick("max_video_tokens", default=base.max_video_tokens)))
 
 
 @dataclass
@@ -250,11 +267,17 @@ def encode_mp4(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:
     return buf.getvalue()
 
 
-def video_config(model_dir: Any) -> VideoConfig:
+def video_config(model_dir: Any, defaults: Optional[dict] = None) -> VideoConfig:
+    """`defaults`: the family's video processor class defaults (`Family.video_defaults`)."""
     from pathlib import Path  # noqa: PLC0415
 
     from ..spec import read_json  # noqa: PLC0415
 
+    from ..spec import CheckpointError  # noqa: PLC0415
+
     d = Path(model_dir)
-    return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),
-                                 read_json(d / "preprocessor_config.json"))
+    try:
+        return VideoConfig.from_json(read_json(d / "video_preprocessor_config.json"),
+                                     read_json(d / "preprocessor_config.json"), defaults)
+    except ValueError as e:
+        raise CheckpointError(f"{d}: {e}") from None

@@ -4,7 +4,9 @@ A prompt's positions (transformers' `Qwen2VLModel.get_rope_index`, for one seque
 on all three axes; an image or video of grid (t, h, w) patches takes t*h*w / merge^2 placeholder tokens whose
 positions are `start + (time, row, column)` over the merged grid (t, h / merge, w / merge), time scaled by
 `tokens_per_second * seconds per temporal patch` for a Qwen2.5-VL video (and truncated to an integer), after which
-text continues at `start + max(h, w) / merge`. So a prompt's largest position can be below its length: `delta` =
+text continues at `start + max(h, w) / merge`. Qwen3-VL (`video_frames`) writes a timestamp before each temporal
+patch of a video, so its get_rope_index splits a video's grid (t, h, w) into t grids (1, h, w), each placed like an
+image where its own run of placeholders starts. So a prompt's largest position can be below its length: `delta` =
 largest + 1 - length, and every token after the prompt (decode steps) is at its cache position + delta on every
 axis, where M-RoPE equals the ordinary 1-D rotary embedding (`rope_positions`). A prompt without images has
 delta 0 and needs nothing here.
@@ -39,6 +41,7 @@ class MRopeSpec:
     tokens_per_second: Optional[float] = None  # Qwen2.5-VL: video time positions per second
     max_position: int = 1 << 30  # positions must stay inside the rotary tables (the context length)
     interleaved: bool = False  # frequencies T, H, W, T, H, W, ... (Qwen3-VL) instead of blocks
+    video_frames: bool = False  # a video's temporal patches are runs of their own, each a (1, h, w) grid (Qwen3-VL)
 
 
 @dataclass
@@ -69,6 +72,7 @@ def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRop
     kinds = np.where(ids == spec.image_token_id, 1, np.where(ids == spec.video_token_id, 2, 0))  # [P]
     starts = np.flatnonzero(kinds)  # placeholder positions: a text run ends at the next one
     parts, pos, i, g = [], 0, 0, 0
+    frames_left = 0  # Qwen3-VL: temporal patches of the current video still to place (each its own run)
     n = len(ids)
     while i < n:
         if kinds[i] == 0:
@@ -81,21 +85,28 @@ def prompt_positions(input_ids: Sequence[int], grids: Sequence[Grid], spec: MRop
             raise InvalidArgument(f"input_ids hold more image / video placeholders than the {len(grids)} images' "
                                   "grids (image_sizes) account for")
         grid, kind = tuple(int(x) for x in grids[g]), int(kinds[i])
+        if kind == 2 and spec.video_frames:  # get_rope_index's split: t grids (1, h, w), one per run
+            frames_left = frames_left or grid[0]
+            grid = (1, grid[1], grid[2])
         count = grid[0] * grid[1] * grid[2] // (spec.merge * spec.merge)
         if count <= 0 or i + count > n or not bool((kinds[i:i + count] == kind).all()):
             raise InvalidArgument(f"image {g} of grid {list(grid)} needs {count} adjacent placeholders at position "
                                   f"{i} of input_ids")
         interval = None
-        if kind == 2 and spec.tokens_per_second is not None:
+        if kind == 2 and spec.tokens_per_second is not None and not spec.video_frames:
             sec = float(seconds[g]) if seconds is not None and g < len(seconds) else 1.0
             if not 0.0 <= sec <= MAX_SECONDS:
                 raise InvalidArgument(f"media_seconds of video {g} is {sec}; 0 to {MAX_SECONDS} is allowed")
             interval = spec.tokens_per_second * torch.tensor(sec, dtype=torch.float32)
         parts.append(_vision_positions(pos, grid, spec.merge, interval))
         pos += max(grid[1], grid[2]) // spec.merge
-        g, i = g + 1, i + count
-    if g != len(grids):
-        raise InvalidArgument(f"{len(grids)} image grids but placeholders for {g} images in input_ids")
+        i += count
+        frames_left = max(0, frames_left - 1)
+        if not frames_left:
+            g += 1
+    if g != len(grids) or frames_left:
+        raise InvalidArgument(f"{len(grids)} image grids but placeholders for {g} images in input_ids"
+                              + (f" and {frames_left} temporal patches of video {g} missing" if frames_left else ""))
     positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     top = int(positions.max()) if n else 0
     if top >= spec.max_position:
@@ -149,7 +160,8 @@ class PromptRope:
         if rule is None:
             return None
         return cls(MRopeSpec(tuple(rule.section), rule.image_token_id, rule.video_token_id, rule.merge,
-                             rule.tokens_per_second, rule.max_position, rule.interleaved), rules.grid_of)
+                             rule.tokens_per_second, rule.max_position, rule.interleaved,
+                             getattr(rule, "video_frames", False)), rules.grid_of)
 
     def __call__(self, input_ids: Sequence[int], image_sizes, grids=None, seconds=None) -> Optional[MRopePrompt]:
         """`grids` (t, h, w) per image / video when sent (`media_grids`), else from `image_sizes`; `seconds`: each
