@@ -7,7 +7,8 @@ checkpoint (sharded, the family's processor and chat template), against transfor
   tests/engine/test_deltanet.py's); requests preempted mid-decode (max_utilization) get generate()'s tokens; the KV
   profile refuses state slots that do not fit, naming the numbers;
 - through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
-  images of two sizes, two images in one prompt, text and a long prompt, sent at once; penalties; streaming; seeded
+  images of two sizes, two images in one prompt, a video with an image (Qwen3-VL's timestamps), text and a long
+  prompt, sent at once; penalties; streaming; seeded
   sampling with n; one OpenAI chat request; a burst with a cancelled request leaves every state slot free (the
   gauge) and prefix caching off (the gauge).
 - LoRA on the full-attention and MLP projections equals PEFT; what is not served is refused by name."""
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_vl_cases import Reference, png
+from qwen_vl_cases import png
+from test_qwen3_vl import VIDEOS, Qwen3Reference
 
 NEW = 8
 SIZES = {"small": (100, 60), "tall": (40, 300)}
@@ -29,6 +31,7 @@ IMAGES = {name: png(size, seed=150 + i) for i, (name, size) in enumerate(SIZES.i
 PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image> and <image>: compare them.<|im_end|>\n<|im_start|>assistant\n"
+VIDEO = "<|im_start|>user\n<video> and <image>: what happens?<|im_end|>\n<|im_start|>assistant\n"
 LONG = ("<|im_start|>user\n" + " ".join(f"word{i} and more" for i in range(12)) +
         "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -43,7 +46,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(checkpoint):
-    return Reference(checkpoint)
+    return Qwen3Reference(checkpoint)  # Qwen3-VL's processors: videos sampled with timestamps as transformers does
 
 
 def test_engine_long_prompt_beams_slots_and_the_beam_state_control(ref):
@@ -148,15 +151,17 @@ def _ask(server, prompt, images, **params):
 @pytest.mark.server
 def test_greedy_beams_images_and_long_prompts_equal_generate(served, ref):
     server = served[1]
-    cases = [(PROMPT, [IMAGES["small"]], 1), (PROMPT, [IMAGES["tall"]], 1), (PROMPT, [IMAGES["tall"]], 2), (TEXT, [], 4),
-             (TWO, [IMAGES["tall"], IMAGES["small"]], 2), (LONG, [], 3),
-             (LONG, [], 1)]
+    cases = [(PROMPT, [IMAGES["small"]], 1, ()), (PROMPT, [IMAGES["tall"]], 1, ()), (PROMPT, [IMAGES["tall"]], 2, ()),
+             (TEXT, [], 4, ()), (TWO, [IMAGES["tall"], IMAGES["small"]], 2, ()), (LONG, [], 3, ()), (LONG, [], 1, ()),
+             (VIDEO, [IMAGES["small"]], 2, VIDEOS[:1])]  # a video: its timestamps in the prompt, M-RoPE per patch
     with ThreadPoolExecutor(len(cases)) as pool:  # at once: the engine batches their decode steps
-        futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b) for p, imgs, b in cases]
+        futures = [pool.submit(_ask, server, p, imgs, beam_width=b, num_return_sequences=b,
+                               **({"videos": list(v)} if v else {}))
+                   for p, imgs, b, v in cases]
         results = [f.result() for f in futures]
-    for (prompt, images, beams), res in zip(cases, results):
-        assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams), \
-            (prompt[:30], len(images), beams)
+    for (prompt, images, beams, videos), res in zip(cases, results):
+        assert res.output_ids == ref.generate(prompt, images, NEW, beams=beams, num_return_sequences=beams,
+                                              videos=videos), (prompt[:30], len(images), beams, len(videos))
     assert results[0].output_ids[0] != results[1].output_ids[0], "the answer depends on the image"
 
 

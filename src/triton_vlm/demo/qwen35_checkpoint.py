@@ -8,7 +8,9 @@ Qwen3.5 files hold the transformers-5 names: `model.language_model.*`, `model.vi
   values, interleaved M-RoPE sections [2, 1, 1]); Qwen3-VL's vision tower (16-px patches, temporal 2, 2x2 merge,
   learned positions on a 4x4 grid, no DeepStack);
 - the Qwen tokenizer and chat template of `qwen_checkpoint.py`, `preprocessor_config.json` of
-  `Qwen2VLImageProcessor` (`qwen3_checkpoint.image_processor_config`: 4 to 64 placeholder tokens per image);
+  `Qwen2VLImageProcessor` (`qwen3_checkpoint.image_processor_config`: 4 to 64 placeholder tokens per image) and
+  `video_preprocessor_config.json` of `Qwen3VLVideoProcessor` (Qwen3-VL's: the processor writes each temporal
+  patch's timestamp);
 - `generation_config.json` with the eos ids.
 Weights are seeded and scaled so that every piece moves the tokens (the linear layers' decay and gates, the
 attention gate, the zero-centred norms); nothing touches the network.
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from .qwen3_checkpoint import MERGE, PATCH, TEMPORAL, image_processor_config
+from .qwen3_checkpoint import MERGE, PATCH, TEMPORAL, image_processor_config, video_processor_config
 from .qwen_checkpoint import IMAGE_PAD, QWEN_VL_SPECIALS, VIDEO_PAD, VISION_END, VISION_START, qwen_tokenizer
 
 
@@ -83,4 +85,5 @@ def build_qwen3_5(out_dir: str | Path, shards: int = 2, **kw) -> Path:
     model.save_pretrained(out, max_shard_size=max(1, size // shards + 1))  # the hub's sharded layout + index
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(), indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(), indent=2))
     return out

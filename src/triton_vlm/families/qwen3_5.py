@@ -5,7 +5,8 @@ Image processing, prompts and the vision graph are Qwen3-VL's (`qwen3_vl.py`): `
 patches and a 2x2 merge, `<|vision_start|><|image_pad|>...<|vision_end|>` per image, the tower of kind qwen3_vl
 (learned position embeddings interpolated per image, 2-D rotary) with no DeepStack in the released configs
 (`deepstack_visual_indexes` absent: 0 levels). The checkpoint's files hold the transformers-5 names
-(`model.visual.*`, `model.language_model.*`, `lm_head`): no renames. Videos are not taken (as Qwen3-VL here).
+(`model.visual.*`, `model.language_model.*`, `lm_head`): no renames. Videos as Qwen3-VL's (timestamps per temporal
+patch; transformers' Qwen3.5 `get_rope_index` is Qwen3-VL's).
 
 Text model, as data for the engine (`spec.TextSpec`, read from the `qwen3_5_text` config; `spec.HYBRID_TEXT`):
 `layer_kinds` from `layer_types` (3 linear : 1 full in the released configs), partial rotary (`rotary_dim` =
