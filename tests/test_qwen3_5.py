@@ -209,8 +209,9 @@ def test_openai_chat_equals_generate(served, ref):
 
 @pytest.mark.server
 def test_burst_with_a_cancellation_frees_every_state_slot(served):
-    """Beams, samples and a cancelled long request at once: afterwards every state slot is free (the gauge), and
-    the gauges say prefix caching is off for this model."""
+    """32 requests at once: beams 2-4, samples with n = 2, greedy with and without an image, and two long requests
+    cancelled mid-decode: afterwards every state slot is free (the gauge), and the gauges say prefix caching is off
+    for this model."""
     import tritonclient.grpc as grpcclient
     from test_server_engine import _gauge, _grpc_input, _metric, _wait_for
 
@@ -218,27 +219,32 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
     total = _gauge(server, "state_slots_total")
     assert total == 16 and _gauge(server, "prefix_caching") == 0  # one slot per row (max_rows 16)
     assert _metric(server, "triton_vlm_engine_memory_bytes", 'part="state_slots"') == 16 * 18432
-    q: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=lambda result, error: q.put((result, error)))
-    c.async_stream_infer("llm", [
-        _grpc_input("input_ids", np.array([[1, 50, 60, 70]], np.int32), "INT32"),
-        _grpc_input("max_tokens", np.array([[400]], np.int32), "INT32"),
-        _grpc_input("min_tokens", np.array([[400]], np.int32), "INT32"),
-        _grpc_input("beam_width", np.array([[3]], np.int32), "INT32"),
-        _grpc_input("stream", np.array([[True]]), "BOOL")])
-    _, err = q.get(timeout=60)
-    assert err is None
-    with ThreadPoolExecutor(4) as pool:
-        others = [pool.submit(_ask, server, TEXT, [], beam_width=b, num_return_sequences=b) for b in (2, 3)]
+    streams = []
+    for beams in (3, 1):  # two long requests, cancelled while the others run: a beam search and a greedy one
+        q: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        c.start_stream(callback=lambda result, error, q=q: q.put((result, error)))
+        c.async_stream_infer("llm", [
+            _grpc_input("input_ids", np.array([[1, 50, 60 + beams, 70]], np.int32), "INT32"),
+            _grpc_input("max_tokens", np.array([[400]], np.int32), "INT32"),
+            _grpc_input("min_tokens", np.array([[400]], np.int32), "INT32"),
+            _grpc_input("beam_width", np.array([[beams]], np.int32), "INT32"),
+            _grpc_input("stream", np.array([[True]]), "BOOL")])
+        _, err = q.get(timeout=60)
+        assert err is None
+        streams.append(c)
+    with ThreadPoolExecutor(30) as pool:  # 30 more at once (32 in all, over the 16 rows: some wait for slots)
+        others = [pool.submit(_ask, server, TEXT, [], beam_width=b, num_return_sequences=b) for b in (2, 3, 4) * 3]
         others += [pool.submit(_ask, server, TEXT, [], temperature=1.0, seed=s, num_return_sequences=2)
-                   for s in (1, 2)]
+                   for s in range(11)]
+        others += [pool.submit(_ask, server, PROMPT if i % 2 else TEXT, [IMAGES["small"]] if i % 2 else [])
+                   for i in range(10)]
         _wait_for(lambda: _gauge(server, "state_slots_free") < total, "the running rows hold state slots")
-        c.stop_stream(cancel_requests=True)
+        for c in streams:
+            c.stop_stream(cancel_requests=True)
         assert all(len(f.result().output_ids) >= 1 for f in others)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and "cancelled by the client;" not in server.log_file.read_text(errors="replace"):
-        time.sleep(0.2)
+    _wait_for(lambda: server.log_file.read_text(errors="replace").count("cancelled by the client;") >= 2,
+              "both long requests cancelled mid-decode")
     _wait_for(lambda: _gauge(server, "running_requests") == 0 and _gauge(server, "state_slots_free") == total,
               "every state slot free after the burst")
 
