@@ -9,17 +9,19 @@ processor call; then the engine's busy share through the live server at concurre
 The checkpoint (random weights, built once, cached): a Qwen2.5-VL (`build_qwen_vl`) whose `preprocessor_config.json`
 has Qwen2.5-VL-7B-Instruct's `min_pixels` 3136 / `max_pixels` 12845056, so a 1920x1080 image is resized to
 1932x1092: 78x138 = 10,764 patches, 2,691 tokens, as the real processor does. The towers are tiny (the text model
-hidden 64, 2 layers, a 16,384-token context; the vision tower hidden 32, 2 layers, one of them full attention): the
-CPU side of the front half (decode, resize, normalise, patchify, hashing, the wire) is the real cost, the
-encoder's is a small model's (a real 670M-parameter tower runs on the GPU).
+hidden 64, 2 layers, a 16,384-token context; the vision tower hidden 32, 2 layers, both windowed: a full-attention
+block is quadratic in the 10,764 patches, 3.5 s an image on a 2-core Xeon even this narrow, where a GPU's
+attention kernels take milliseconds): the CPU side of the front half (decode, resize, normalise, patchify, hashing,
+the wire) is the real cost, the encoder's is a small model's (a real 670M-parameter tower runs on the GPU).
 
 1. In-process rows (the models' Python classes, no Triton): an "instance" is a process holding a
    `preprocess.service.Preprocessor` (the preprocess model's class) and a `vision.service.VisionService` (the vision
    model's, backend `auto`: onnxruntime on a CPU), as Triton's python stubs do; each instance takes requests from a
    shared counter and runs preprocess then vision on each. Mode `preprocess` stops after preprocess. Every JPEG
    is distinct (no cache hit). images/s = images / wall time from the moment every instance is warm.
-   `transformers` row: `AutoProcessor.from_pretrained(dir)(text=..., images=[4 PIL images])` (the JPEGs opened and
-   converted to RGB by PIL in the timing, as ours decode them), in 1 and 2 processes.
+   `transformers` row: `Qwen2_5_VLProcessor`'s image half as it runs it (`AutoImageProcessor(images=[4 PIL
+   images])`, then the tokenizer on the expanded prompt; the JPEGs opened and converted to RGB by PIL in the timing,
+   as ours decode them), in 1 and 2 processes.
 2. Through the server (`TritonServer`, the launcher's rule for this machine, or `--set`): `--server-requests`
    requests from 16 clients, each 4 distinct JPEGs and `max_tokens` 8; images/s at the client and the engine's
    busy share (its step-time gauges: prefill + decode seconds / wall time, `bench.peers.procs.engine_line`).
@@ -43,7 +45,7 @@ from bench.common import machine
 from triton_vlm.paths import cache_dir
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "front_half.json"
-VERSION = "v1"
+VERSION = "v2"
 SIZE = (1920, 1080)  # PIL (width, height)
 PER_REQUEST = 4
 PROMPT = ("<|im_start|>user\n<image><image><image><image>\nCompare the four pictures.<|im_end|>\n"
@@ -65,6 +67,10 @@ def ensure_model() -> Path:
         build_qwen_vl(tmp, "qwen2_5_vl", seed=5, text_hidden=64, layers=2, max_position_embeddings=16384)
         cfg = tmp / "preprocessor_config.json"
         cfg.write_text(json.dumps(json.loads(cfg.read_text()) | QWEN25_PIXELS, indent=2))
+        cfg = tmp / "config.json"  # every tower block windowed: see the module doc
+        c = json.loads(cfg.read_text())
+        c["vision_config"]["fullatt_block_indexes"] = []
+        cfg.write_text(json.dumps(c, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return path
@@ -93,14 +99,14 @@ def jpeg(i: int) -> bytes:
 
 def request_images(r: int) -> list[bytes]:
     """Request `r`'s JPEGs, written once under the cache (every process reads the same files)."""
-    folder = cache_dir() / f"bench-front-half-{VERSION}-images"
+    folder = cache_dir() / "bench-front-half-v1-images"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for k in range(PER_REQUEST):
         f = folder / f"{r}-{k}.jpg"
         if not f.is_file():
             tmp = f.with_suffix(".tmp")
-            tmp.write_bytes(jpeg(1000 * r + k))
+            tmp.write_bytes(jpeg(1000 * (r + 1) + k))
             tmp.replace(f)
         out.append(f.read_bytes())
     return out
@@ -113,9 +119,14 @@ def _worker(kind: str, model: str, threads: int, counter, total: int, ready, go,
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(1)  # as the server's stubs on a small machine (install.server_env)
-    run = _ours(model, threads, kind) if kind != "transformers" else _transformers(model)
-    images = {r: request_images(r) for r in range(-1, total)}
-    run(images[-1])  # warm up (ONNX session, processor tables)
+    try:
+        run = _ours(model, threads, kind) if kind != "transformers" else _transformers(model)
+        images = {r: request_images(r) for r in range(-1, total)}
+        run(images[-1])  # warm up (ONNX session, processor tables)
+    except Exception as e:  # noqa: BLE001 - said by the parent, which must not wait for this worker
+        out.put({"error": f"{type(e).__name__}: {e}"})
+        ready.release()
+        return
     ready.release()
     go.wait()
     stages = {"preprocess_s": 0.0, "vision_s": 0.0, "requests": 0}
@@ -151,16 +162,23 @@ def _ours(model: str, threads: int, kind: str):
 
 
 def _transformers(model: str):
+    """`Qwen2_5_VLProcessor`'s image half as it runs it: the checkpoint's image processor on the 4 PIL images, then
+    the tokenizer on the prompt with each `<|image_pad|>` expanded to its grid's tokens (the processor class itself
+    cannot be built here: its video half needs torchvision, which is not installed)."""
     from PIL import Image  # noqa: PLC0415
-    from transformers import AutoProcessor  # noqa: PLC0415
+    from transformers import AutoImageProcessor, AutoTokenizer  # noqa: PLC0415
 
-    proc = AutoProcessor.from_pretrained(model)
+    ip, tok = AutoImageProcessor.from_pretrained(model), AutoTokenizer.from_pretrained(model)
     text = PROMPT.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
 
     def run(images: list[bytes]) -> dict:
         t0 = time.perf_counter()
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        proc(text=[text], images=pil, return_tensors="np")
+        out = ip(images=pil, return_tensors="np")
+        expanded = text
+        for grid in out["image_grid_thw"]:
+            expanded = expanded.replace("<|image_pad|>", "<|hold|>" * (int(np.prod(grid)) // ip.merge_size ** 2), 1)
+        tok([expanded.replace("<|hold|>", "<|image_pad|>")])
         return {"preprocess_s": time.perf_counter() - t0}
 
     return run
@@ -181,6 +199,9 @@ def in_process_row(kind: str, model: Path, instances: int, threads: int, request
     wall = time.perf_counter() - t0
     for p in procs:
         p.join()
+    errors = [s["error"] for s in stages if "error" in s]
+    if errors:
+        raise RuntimeError(f"{kind}: an instance failed: {errors[0]}")
     images = PER_REQUEST * sum(s["requests"] for s in stages)
     row = {"kind": kind, "instances": instances, "decode_threads": threads, "images": images,
            "wall_s": round(wall, 3), "images_per_s": round(images / wall, 3)}
@@ -199,7 +220,9 @@ def server_row(model: Path, requests: int, params: dict) -> dict:
     from triton_vlm_client import VLMClient  # noqa: PLC0415
 
     payloads = {r: request_images(10_000 + r) for r in range(requests + 1)}
-    with TritonServer(str(model), free_port(), free_port(), free_port(), params=params, exit_timeout=10) as server:
+    params = {**params, "llm": {"kv_cache_mb": "256", **params.get("llm", {})}}  # 16 x 11k tokens fit in 90 MB
+    with TritonServer(str(model), free_port(), free_port(), free_port(), params=params, exit_timeout=10,
+                      models=("ensemble", "preprocess", "vision", "llm")) as server:
         server.wait_ready(600)
         with VLMClient(server.grpc_url, timeout=600) as c:
             c.generate(PROMPT, payloads[requests], max_tokens=8)  # warm up
@@ -237,7 +260,7 @@ def server_row(model: Path, requests: int, params: dict) -> dict:
 def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"# The multimodal front half ({meta['date']})", "", machine.line(meta), "",
            f"1920x1080 JPEGs, {PER_REQUEST} a request, Qwen2.5-VL processor bounds (10,764 patches, 2,691 tokens an "
-           "image); `transformers` = `AutoProcessor(text, images)`.", "",
+           "image); `transformers` = the checkpoint's image processor + tokenizer as `Qwen2_5_VLProcessor` calls them.", "",
            "| what | instances | decode threads | images/s | preprocess ms/image | vision ms/image |",
            "|---|---|---|---|---|---|"]
     for r in rows:
@@ -260,6 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--server-requests", type=int, default=None, help="default 32, --quick 16")
     ap.add_argument("--threads", type=int, default=2, help="the decode threads of the parallel rows")
     ap.add_argument("--no-server", action="store_true")
+    ap.add_argument("--no-rows", action="store_true", help="only the server run")
     ap.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="server parameters")
     args = ap.parse_args(argv)
     n = args.requests or (3 if args.quick else 6)
@@ -267,7 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in range(-1, n):
         request_images(r)  # written once, before any row
     rows = []
-    for instances in (1, 2):
+    for instances in (1, 2) if not args.no_rows else ():
         rows.append(in_process_row("transformers", model, instances, 0, n))
         for threads in (1, args.threads):
             for kind in ("preprocess", "preprocess + vision"):
