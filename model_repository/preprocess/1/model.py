@@ -21,6 +21,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from triton_vlm.params import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS
         from triton_vlm.preprocess.service import Preprocessor
+        from triton_vlm.server import front_half
 
         config.setup_logging()
         p = config.model_parameters(args)
@@ -36,6 +37,9 @@ class TritonPythonModel:
             max_videos=config.parse_int(p, "max_videos", 2),
             max_media_tokens=config.parse_int(p, "max_media_tokens", 0) or DEFAULT_MAX_MEDIA_TOKENS,
             max_media_bytes=config.parse_int(p, "max_media_bytes", 0) or DEFAULT_MAX_MEDIA_BYTES,
+            # the launcher writes its rule's count; "0" (this repository served as is): the rule, llm on a GPU
+            decode_threads=(config.parse_int(p, "decode_threads", 0)
+                            or front_half.plan(front_half.usable_cpus()).decode_threads),
         )
         self.lora = _LoraCheck(self.pre.info.model_dir, p.get("lora_dir") or None,
                                config.parse_int(p, "max_lora_rank", 64))
@@ -46,6 +50,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
+
+    def finalize(self):
+        self.pre.pool.close()
 
     def _one(self, request):
         from triton_vlm.preprocess.service import stack_rows

@@ -8,7 +8,8 @@ Steps of `Preprocessor.__call__`:
    `videos.probe_video` with the family's `video_plan`): its tokens and the bytes of pixels it will hold, checked
    against the request's media budget (`max_media_tokens`, `max_media_bytes`: `params.check_media_budget`); a video
    whose tokens alone exceed `context_length - max_tokens` is refused (it could never be kept). Then decode and
-   validate EVERY image (`images.decode_image`) and video (`videos.decode_frames`: one frame at a time, resized as
+   validate EVERY image (`images.decode_image`; a request's images on `decode_threads` threads at once,
+   `media_pool.py`) and video (`videos.decode_frames`: one frame at a time, resized as
    it arrives), also those truncation will drop: a broken, oversized or non-image payload is an error whatever
    `max_tokens` is, so a request's validity never depends on the token budget;
 3. tokenize the whole prompt once, each image written as ONE placeholder token, with the tokenizer's special
@@ -24,7 +25,8 @@ Steps of `Preprocessor.__call__`:
    tiles); a text part may be cut. The BOS token (when the tokenizer adds one) is kept in front of a truncated prompt and counts
    against the budget. If the last part alone cannot fit, InvalidArgument states the sizes;
 5. run the checkpoint's image processor on the kept images only: each image's tiles (one for llava-1.5; the
-   base tile and the grid's for LLaVA-NeXT) and its size;
+   base tile and the grid's for LLaVA-NeXT) and its size (with `decode_threads` > 1, one call per image on the
+   pool: the same bytes as one call on them all);
 6. tokenize bad / stop words one by one without special tokens (empty words ignored).
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..families import get_family
 from .. import names as N
 from ..errors import InvalidArgument
 from .image_cache import ImageCache, ProcessedImage, image_key
+from .media_pool import MediaPool
 from .images import (DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageProcessor, decode_image, header_size,
                      payload_to_bytes)
 from ..params import (DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS, DEFAULT_MAX_VIDEOS, MediaCost,
@@ -104,10 +107,13 @@ class Preprocessor:
         max_videos: int = DEFAULT_MAX_VIDEOS,
         max_media_tokens: int = DEFAULT_MAX_MEDIA_TOKENS,
         max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+        decode_threads: int = 1,
     ):
         """`max_text_chars`: longest prompt text accepted (inline images not counted); 0 = context length x
         `CHARS_PER_TOKEN_BOUND`. Longer text is refused before tokenization, which is linear but costs ~1 s per
-        MB: a prompt many times the context would be truncated to a small fraction of itself anyway."""
+        MB: a prompt many times the context would be truncated to a small fraction of itself anyway.
+        `decode_threads`: a request's images decoded and processed by that many threads at once (`MediaPool`;
+        1 = one after another), after its media budget was checked."""
         if max_images < 0 or max_pixels <= 0 or max_media_tokens <= 0 or max_media_bytes <= 0:
             raise ValueError(f"max_images must be >= 0 and max_pixels, max_media_tokens, max_media_bytes > 0, got "
                              f"{max_images}, {max_pixels}, {max_media_tokens}, {max_media_bytes}")
@@ -135,6 +141,7 @@ class Preprocessor:
             self.video_markers = (VIDEO_MARKER,) + family.video_markers
         self.max_videos = max_videos
         self.cache = ImageCache(image_cache_size)
+        self.pool = MediaPool(decode_threads)
         self.max_text_chars = max_text_chars or self.info.context_length * CHARS_PER_TOKEN_BOUND
 
     # --- words -------------------------------------------------------------------------------------------
@@ -270,7 +277,7 @@ class Preprocessor:
         validity never depends on what truncation drops."""
         pending = [self._probe(p, budget, max_tokens) for p in parts]
         check_media_budget([c.cost for c in pending], self.max_media_tokens, self.max_media_bytes)
-        return [self._load(p, c) for p, c in zip(parts, pending)]
+        return self.pool.map(lambda pc: self._load(*pc), list(zip(parts, pending)))
 
     def _probe(self, p: ImagePart, budget: int, max_tokens: int) -> "_Pending":
         """One medium's cost from its header (nothing decoded); a video that cannot fit the context is refused."""
@@ -338,7 +345,11 @@ class Preprocessor:
     def _process(self, images: list["_Media"]) -> None:
         """The checkpoint's image processor on the kept images not found in the cache (all in one call)."""
         todo = [m for m in images if m.pixels is None]
-        for m, px in zip(todo, self.image_processor.per_image([m.decoded for m in todo])):
+        if self.pool.threads > 1 and len(todo) > 1:  # each image on its own: the same bytes (tested)
+            processed = self.pool.map(lambda m: self.image_processor.per_image([m.decoded])[0], todo)
+        else:
+            processed = self.image_processor.per_image([m.decoded for m in todo])
+        for m, px in zip(todo, processed):
             m.pixels = px  # [tiles, 3, H, W], its own array
             self.cache.put(m.key, ProcessedImage(px, m.size))
 

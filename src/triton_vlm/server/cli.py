@@ -262,6 +262,8 @@ def _print_banner(args, server: TritonServer, model: Path, log_file: Path | None
           + (f"  log     {log_file}\n" if log_file else "")
           + (f"  CPUs    {layout.describe()} ({cpu_layout.MODE_ENV}=none: every process on every CPU)\n"
              if layout is not None else "")
+          + (f"  front   {server.front_half.describe()} (--set preprocess.instance_count=N, ...)\n"
+             if server.front_half is not None else "")
           + (f"  LoRA    {args.lora_dir} (pass \"lora_name\")\n" if args.lora_dir else "")
           + ("  API key required on the OpenAI API (/health and /metrics too) and on Triton's HTTP and gRPC (all\n"
              "          but health); the client and curl below read it from $TRITON_VLM_API_KEY\n"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import REPO_ROOT
-from . import cpu_layout, diagnose, gpu, procs, rundir
+from . import cpu_layout, diagnose, front_half, gpu, procs, rundir
 from .auth import ADMIN_HEADER, LOOPBACK, connect_host, restricted_args
 from .install import prepare_server_tree, server_env
 from .repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
@@ -76,6 +76,7 @@ class TritonServer:
     api_key: str | None = None
     name: str = "tritonserver"
     cpu_layout: "cpu_layout.CpuLayout | None" = None  # set by start(): the CPUs of the llm stub and of the rest
+    front_half: "front_half.FrontHalf | None" = None  # set by start(): preprocess / vision instances, decode threads
     host: str = LOOPBACK  # the address HTTP, gRPC and metrics listen on (`auth.exposure_error` says when not)
     _own_run_dir: bool = field(default=False, repr=False)
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
@@ -137,13 +138,16 @@ class TritonServer:
             self.run_dir, self._own_run_dir = rundir.create(), True
         self.run_dir = Path(self.run_dir)
         params = self.model_params()
+        device = params.get("llm", {}).get("device") or params.get("*", {}).get("device") or "cpu"
+        threads = int(env.get("OMP_NUM_THREADS") or 1)
+        # preprocess / vision instances and decode threads from the machine (`front_half.py`; ValueError: a bad
+        # override, refused before anything starts)
+        self.front_half = front_half.resolve(params, threads if device.startswith("cpu") else 0)
         repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models,
-                                        self.renames)
+                                        self.renames, front=self.front_half)
         procs.remove_stale_shm()
         self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = self.command(binary, tree, repo, params)
-        device = params.get("llm", {}).get("device") or params.get("*", {}).get("device") or "cpu"
-        threads = int(env.get("OMP_NUM_THREADS") or 1)
         self.cpu_layout = cpu_layout.plan(env.get(cpu_layout.MODE_ENV), device, threads)
         if self.cpu_layout is not None:  # vLLM's CPU layout: the llm stub on its own cores (`cpu_layout.py`)
             env = dict(env, **{cpu_layout.LLM_CPUS_ENV: ",".join(map(str, self.cpu_layout.llm))})

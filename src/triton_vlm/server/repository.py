@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from . import front_half
+from .front_half import FrontHalf
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
@@ -46,9 +48,11 @@ def check_parameters(params: dict[str, dict[str, str]], src: Path = DEFAULT_MODE
 
 
 def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src: Path = DEFAULT_MODEL_REPOSITORY,
-                             models: tuple[str, ...] | None = None, renames: dict[str, str] | None = None) -> Path:
+                             models: tuple[str, ...] | None = None, renames: dict[str, str] | None = None,
+                             front: "FrontHalf | None" = None) -> Path:
     """Copy the model repository to `dest`, filling parameters per model (`params[model][key] = value`;
-    `params["*"]` applies to every model that declares the key). A key no model declares is refused. `renames`:
+    `params["*"]` applies to every model that declares the key). A key no model declares is refused. `front`: the
+    preprocess / vision instance counts and decode threads (`front_half.apply`; None: as the configs say). `renames`:
     model -> the name it is served under (e.g. `tensorrt_llm` under another name; the others call no renamed
     model, so only a model no other model calls may be renamed: `tensorrt_llm`)."""
     check_parameters(params, src)
@@ -64,6 +68,8 @@ def prepare_model_repository(dest: Path, params: dict[str, dict[str, str]], src:
         text = fill_parameters(cfg.read_text(), values)
         if model in ("vision", "llm"):
             text = embeds_dtype(text, {**params.get("*", {}), **params.get("llm", {})}.get("dtype", "float32"))
+        if front is not None:
+            text = front_half.apply(text, model, front)
         cfg.write_text(text)
     for model, name in (renames or {}).items():
         rename_model(dest, model, name)
