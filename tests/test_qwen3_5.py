@@ -11,7 +11,11 @@ checkpoint (sharded, the family's processor and chat template), against transfor
   prompt, sent at once; penalties; streaming; seeded
   sampling with n; one OpenAI chat request; a burst with a cancelled request leaves every state slot free (the
   gauge) and prefix caching off (the gauge).
-- LoRA on the full-attention and MLP projections equals PEFT; what is not served is refused by name."""
+- LoRA on the full-attention and MLP projections equals PEFT; what is not served is refused by name;
+- Qwen3.5-MoE (every layer sparse: 2 of 4 routed experts plus a sigmoid-gated shared expert; the hub's per-expert
+  files), in process: greedy over a prompt of three chunks, beams 2 with num_return_sequences and seeded sampling
+  with n equal generate(); the control: the shared expert's gate ignored gives other tokens; LoRA on the experts or
+  the shared expert is refused by name."""
 from __future__ import annotations
 
 import queue
@@ -252,20 +256,17 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
 def test_lora_equals_peft_and_what_is_not_served_is_refused_by_name(ref, tmp_path):
     """A PEFT LoRA on the full-attention layer's q_proj (its doubled output: query and gate) and v_proj and on MLPs
     of a linear and a full layer equals PEFT's generate(); adapters on a linear layer's projections or on q_proj of
-    a linear layer, and a Qwen3.5-MoE checkpoint (its shared expert is not computed by the engine's MoE layers), are
-    refused at load, never applied in part."""
+    a linear layer are refused at load, never applied in part."""
     import json
 
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
-    from transformers import Qwen3_5MoeConfig
 
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.errors import InvalidArgument
-    from triton_vlm.families import family_of
     from triton_vlm.lora.peft import load_peft
     from triton_vlm.params import GenerationParams, GenerationRequest
-    from triton_vlm.spec import CheckpointError, CheckpointSpec
+    from triton_vlm.spec import CheckpointSpec
 
     torch.manual_seed(2)
     peft_model = get_peft_model(type(ref.model).from_pretrained(str(ref.model_dir)), LoraConfig(
@@ -294,9 +295,72 @@ def test_lora_equals_peft_and_what_is_not_served_is_refused_by_name(ref, tmp_pat
                    torch.zeros(shape[1], 2)}, str(bad / "adapter_model.safetensors"))
         with pytest.raises(InvalidArgument, match=what.replace("layer 0 is", "layer 0: that layer is")):
             load_peft(bad, spec.text, "bad")
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    Qwen3_5MoeConfig(text_config={"num_hidden_layers": 4, "eos_token_id": 2}).save_pretrained(moe)
-    with pytest.raises(CheckpointError, match="linear_attention layers are served for .'qwen3_5_text'. text models "
-                                              "only, not model_type 'qwen3_5_moe_text'"):
-        family_of(CheckpointSpec.load(moe))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3.5-MoE (every layer sparse: 2 of 4 experts plus the shared expert), its experts one tensor per
+    expert as the hub's files hold them, and its reference."""
+    from triton_vlm.demo.qwen35_checkpoint import build_qwen3_5
+
+    torch.set_num_threads(1)
+    return Qwen3Reference(build_qwen3_5(tmp_path_factory.mktemp("qwen3-5-moe") / "qwen3_5_moe", shards=2, seed=6,
+                                        max_position_embeddings=512, experts=4))
+
+
+def test_moe_greedy_beams_and_sampling_equal_generate_and_the_shared_gate_control(moe, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from triton_vlm.engine.engine import Engine, EngineConfig
+    from triton_vlm.engine.model.model import Experts
+    from triton_vlm.errors import InvalidArgument
+    from triton_vlm.families import family_of
+    from triton_vlm.lora.peft import load_peft
+    from triton_vlm.params import GenerationParams, GenerationRequest
+    from triton_vlm.spec import CheckpointSpec
+
+    spec = CheckpointSpec.load(moe.model_dir)
+    assert family_of(spec).name == "qwen3_5_moe"
+    assert (spec.text.sparse_layers, spec.text.shared_expert_size, spec.text.experts_per_token) == ((0, 1, 2, 3), 48, 2)
+    assert any(".mlp.experts.0.gate_proj." in k for k in json.loads(
+        (moe.model_dir / "model.safetensors.index.json").read_text())["weight_map"]), "the hub's per-expert layout"
+    ids = moe.inputs(LONG, [])["input_ids"][0].tolist()
+    eng = Engine(moe.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=16, prefill_chunk=64))
+
+    def run(rid, **params):
+        req = GenerationRequest(request_id=rid, input_ids=ids, params=GenerationParams(max_tokens=10, **params))
+        last = eng.generate([req])[rid][-1]
+        assert last.error is None, last.error
+        return [s.token_ids for s in last.sequences]
+
+    try:
+        greedy = moe.generate(LONG, [], 10)
+        assert run("greedy") == greedy
+        assert run("beams", beam_width=2, num_return_sequences=2) == moe.generate(LONG, [], 10, beams=2,
+                                                                                  num_return_sequences=2)
+        x = moe.inputs(LONG, [])
+        torch.manual_seed(11)  # as the engine seeds its rows
+        with torch.no_grad():
+            out = moe.model.generate(**x, max_new_tokens=10, do_sample=True, temperature=0.9, top_k=30, top_p=1.0,
+                                     num_return_sequences=2, pad_token_id=0)
+        want = [row[:row.index(moe.eos) + 1] if moe.eos in row else row for row in out[:, len(ids):].tolist()]
+        assert run("sample", do_sample=True, temperature=0.9, top_k=30, seed=11, num_return_sequences=2) == want
+        shared = [m.shared for m in eng.model.mlps if isinstance(m, Experts)]
+        assert len(shared) == 4 and all(s is not None for s in shared)
+        for s in shared:  # the control: the shared expert's output without its sigmoid gate
+            s.gated = False
+        assert run("ungated") != greedy
+    finally:
+        eng.shutdown()
+    for key, what in (("layers.1.mlp.shared_expert.gate_proj", "mixture-of-experts weights"),
+                      ("layers.1.mlp.down_proj", "down_proj of layer 1 is in a mixture-of-experts layer")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+        prefix = f"base_model.model.model.language_model.{key}"
+        save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 2)},
+                  str(bad / "adapter_model.safetensors"))
+        with pytest.raises(InvalidArgument, match=what):
+            load_peft(bad, spec.text, "bad")

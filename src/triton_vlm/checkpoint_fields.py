@@ -57,6 +57,7 @@ TEXT_IMPLEMENTED = {
     "num_experts": "spec._moe", "num_local_experts": "spec._moe (transformers' name behind num_experts)",
     "num_experts_per_tok": "spec._moe", "moe_intermediate_size": "spec._moe",
     "decoder_sparse_step": "spec._moe", "mlp_only_layers": "spec._moe",
+    "shared_expert_intermediate_size": "spec._moe (Qwen3.5-MoE's shared expert, engine/model/model.SharedExpert)",
     # Qwen3.5's Gated DeltaNet layers (engine/model/deltanet.py through spec._hybrid)
     "linear_conv_kernel_dim": "spec._hybrid (the conv window)", "linear_key_head_dim": "spec._hybrid",
     "linear_value_head_dim": "spec._hybrid", "linear_num_key_heads": "spec._hybrid",

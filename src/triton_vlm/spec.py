@@ -29,8 +29,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # hybrid text models (transformers' model_type of the nested text config): what their modules compute besides the
 # config's fields (transformers' Qwen3_5RMSNorm is zero-centred, its attention gated, its M-RoPE always interleaved
 # with sections [11, 11, 10] unless the config says otherwise); the hybrid forward serves these only
-HYBRID_TEXT = {"qwen3_5_text": dict(norm_offset=1.0, attn_output_gate=True, mrope_interleaved=True,
-                                    mrope_section=(11, 11, 10))}
+_QWEN3_5 = dict(norm_offset=1.0, attn_output_gate=True, mrope_interleaved=True, mrope_section=(11, 11, 10))
+HYBRID_TEXT = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
+# mixture-of-experts text models whose modules differ from Qwen3-VL-MoE's (every layer sparse, `decoder_sparse_step`
+# / `mlp_only_layers` not read; a shared expert of `shared_expert_intermediate_size` with its sigmoid gate beside the
+# routed experts): transformers' Qwen3_5MoeSparseMoeBlock
+MOE_TEXT = {"qwen3_5_moe_text": dict(every_layer=True, shared_expert=True)}
 FEATURE_STRATEGIES = ("default", "full")
 VISION_TOWERS_WITH_CLS = ("clip_vision_model",)  # towers whose output starts with a CLS token
 VISION_TOWERS_WITHOUT_CLS = ("siglip_vision_model",)
@@ -76,11 +80,15 @@ class TextSpec:
     mrope_interleaved: bool = False  # the sections interleaved across the frequencies (T, H, W, T, H, W, ...)
     video_token_id: Optional[int] = None  # Qwen2-VL's video placeholder id; None for a family without videos
     # mixture of experts (Qwen3-VL-MoE): experts per sparse layer, experts per token, each expert's width, and
-    # which layers are sparse (`num_experts` > 0, (i + 1) % `decoder_sparse_step` == 0, not in `mlp_only_layers`)
+    # which layers are sparse (`num_experts` > 0, (i + 1) % `decoder_sparse_step` == 0, not in `mlp_only_layers`;
+    # Qwen3.5-MoE: every layer, `MOE_TEXT`)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: tuple[int, ...] = ()
+    # Qwen3.5-MoE: each sparse layer's shared expert (a SiLU-gated MLP this wide, times sigmoid of its own gate,
+    # added to the routed experts' sum); 0 = none (Qwen3-VL-MoE)
+    shared_expert_size: int = 0
     # hybrid text models (Qwen3.5's `layer_types`): each layer's token mixer, "full_attention" or
     # "linear_attention" (Gated DeltaNet, `engine/model/hybrid.py`); () = attention everywhere (the Llama forward)
     layer_kinds: tuple[str, ...] = ()
@@ -206,7 +214,7 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
             f"language model type {text.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(text, "hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {text.hidden_act!r} is not supported; only 'silu' (Llama family)")
-    hybrid = _hybrid(text)  # first: refuses linear-attention layers of a text model not served (Qwen3.5-MoE)
+    hybrid = _hybrid(text)  # first: refuses linear-attention layers of a text model not served
     max_pos = int(text.max_position_embeddings)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -215,7 +223,7 @@ def _text_spec(text: Any, top: Any, eos: tuple[int, ...], image_token_id: Option
     tie = bool(getattr(top, "tie_word_embeddings", False)) or bool(getattr(text, "tie_word_embeddings", False))
     return TextSpec(
         vocab_size=int(text.vocab_size), hidden_size=int(text.hidden_size),
-        intermediate_size=int(text.intermediate_size), num_layers=int(text.num_hidden_layers),
+        intermediate_size=int(getattr(text, "intermediate_size", 0) or 0), num_layers=int(text.num_hidden_layers),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=int(getattr(text, "head_dim", None) or
                                                              text.hidden_size // heads),
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=max_pos, rope=_rope(text),
@@ -259,18 +267,25 @@ def _hybrid(text: Any) -> dict:
 
 
 def _moe(text: Any) -> dict:
-    """The mixture-of-experts fields as transformers' Qwen3-VL-MoE decoder layers read them ({} for a dense model;
-    its router always renormalises the top-k weights, as transformers' does)."""
+    """The mixture-of-experts fields as transformers' Qwen3-VL-MoE decoder layers read them, or Qwen3.5-MoE's
+    (`MOE_TEXT`: every layer sparse, a shared expert); {} for a dense model. Their routers always renormalise the
+    top-k weights, as transformers' do."""
     experts = int(getattr(text, "num_experts", 0) or 0)
     if not experts:
         return {}
+    rules = MOE_TEXT.get(getattr(text, "model_type", None), {})
     step, dense = int(getattr(text, "decoder_sparse_step", 1) or 1), set(getattr(text, "mlp_only_layers", None) or ())
+    if rules.get("every_layer"):  # transformers' Qwen3_5MoeDecoderLayer: a sparse block in every layer
+        step, dense = 1, set()
     layers = tuple(i for i in range(int(text.num_hidden_layers)) if i not in dense and (i + 1) % step == 0)
     top_k = int(text.num_experts_per_tok)
     if not 0 < top_k <= experts:
         raise CheckpointError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {experts}")
+    shared = int(text.shared_expert_intermediate_size) if rules.get("shared_expert") else 0
+    if rules.get("shared_expert") and shared <= 0:
+        raise CheckpointError(f"shared_expert_intermediate_size {shared} must be positive")
     return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=int(text.moe_intermediate_size),
-                sparse_layers=layers)
+                sparse_layers=layers, shared_expert_size=shared)
 
 
 def _rope_fields(text: Any) -> dict:

@@ -12,6 +12,9 @@ Qwen3.5 files hold the transformers-5 names: `model.language_model.*`, `model.vi
   `video_preprocessor_config.json` of `Qwen3VLVideoProcessor` (Qwen3-VL's: the processor writes each temporal
   patch's timestamp);
 - `generation_config.json` with the eos ids.
+`experts=4` builds Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`): every layer sparse (its config has no dense
+layers), `top_k` of `experts` routed experts of width 32 per token plus a shared expert of width 48 with its sigmoid
+gate; transformers' `save_pretrained` writes the experts one tensor per expert, as the hub's files hold them.
 Weights are seeded and scaled so that every piece moves the tokens (the linear layers' decay and gates, the
 attention gate, the zero-centred norms); nothing touches the network.
 """
@@ -27,8 +30,8 @@ from .qwen3_checkpoint import MERGE, PATCH, TEMPORAL, image_processor_config, vi
 from .qwen_checkpoint import IMAGE_PAD, QWEN_VL_SPECIALS, VIDEO_PAD, VISION_END, VISION_START, qwen_tokenizer
 
 
-def _config(tok, *, hidden: int, layers: int, max_pos: int):
-    from transformers import Qwen3_5Config  # noqa: PLC0415
+def _config(tok, *, hidden: int, layers: int, max_pos: int, experts: int = 0, top_k: int = 2):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig  # noqa: PLC0415
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIALS}
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -39,22 +42,28 @@ def _config(tok, *, hidden: int, layers: int, max_pos: int):
                 layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)],
                 rope_parameters={"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1],
                                  "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+    if experts:
+        del text["intermediate_size"]
+        text |= dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48)
     vision = dict(depth=2, hidden_size=32, out_hidden_size=hidden, num_heads=2, intermediate_size=64,
                   patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, in_channels=3,
                   hidden_act="gelu_pytorch_tanh", num_position_embeddings=16)
-    return Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD],
-                         video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-                         vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
+    return (Qwen3_5MoeConfig if experts else Qwen3_5Config)(
+        text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
 
 
-def build_qwen3_5_model(*, seed: int = 0, hidden: int = 64, layers: int = 4, max_position_embeddings: int = 1024):
-    """(model, tokenizer) of a random Qwen3.5 (see the module doc)."""
-    from transformers import Qwen3_5ForConditionalGeneration  # noqa: PLC0415
+def build_qwen3_5_model(*, seed: int = 0, hidden: int = 64, layers: int = 4, max_position_embeddings: int = 1024,
+                        experts: int = 0, top_k: int = 2):
+    """(model, tokenizer) of a random Qwen3.5 (see the module doc); `experts` > 0: Qwen3.5-MoE."""
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration  # noqa: PLC0415
 
     tok = qwen_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(_config(tok, hidden=hidden, layers=layers,
-                                                    max_pos=max_position_embeddings)).eval()
+    cls = Qwen3_5MoeForConditionalGeneration if experts else Qwen3_5ForConditionalGeneration
+    model = cls(_config(tok, hidden=hidden, layers=layers, max_pos=max_position_embeddings, experts=experts,
+                        top_k=top_k)).eval()
     with torch.no_grad():  # a livelier model than the init: the tests must see every piece
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -71,6 +80,10 @@ def build_qwen3_5_model(*, seed: int = 0, hidden: int = 64, layers: int = 4, max
                 p.normal_(0.0, 1.0)
             elif name == "lm_head.weight":  # spread logits: near-ties would make fp ulps decide tokens
                 p.normal_(0.0, 0.4)
+            elif ".mlp.experts." in name or ".shared_expert." in name:  # distinct experts, a shared one that counts
+                p.normal_(0.0, 0.2)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # a flat router; gates that vary
+                p.normal_(0.0, 0.05 if name.endswith("mlp.gate.weight") else 0.3)
     return model, tok
 
 

@@ -9,6 +9,7 @@
 | `qwen3_vl` | `qwen3_vl.py` | `Qwen3VLForConditionalGeneration` (Qwen3-VL, dense) |
 | `qwen3_vl_moe` | `qwen3_vl.py` | `Qwen3VLMoeForConditionalGeneration` (Qwen3-VL-MoE) |
 | `qwen3_5` | `qwen3_5.py` | `Qwen3_5ForConditionalGeneration` (Qwen3.5 / 3.6 dense: hybrid linear attention) |
+| `qwen3_5_moe` | `qwen3_5.py` | `Qwen3_5MoeForConditionalGeneration` (Qwen3.5-MoE: hybrid, shared expert) |
 
 Adding a family (LLaVA-OneVision, Qwen2-VL, ...) is a new module with a `Family` subclass, registered in
 `FAMILIES` below: its checkpoint recognition and layout (`weight_renames`), `ImageLayout` (tiles and tokens per
@@ -25,11 +26,11 @@ from .base import Family, ImageLayout, Packer, PositionRule, Size, TextRules
 from .llava import LLAVA
 from .llava_next import LLAVA_NEXT, AnyResLayout
 from .qwen2_vl import QWEN2_5_VL, QWEN2_VL, PatchLayout
-from .qwen3_5 import QWEN3_5
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAVA, LLAVA_NEXT, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE,
-                                                  QWEN3_5)}
+                                                  QWEN3_5, QWEN3_5_MOE)}
 
 __all__ = ["FAMILIES", "AnyResLayout", "PatchLayout", "Family", "ImageLayout", "Packer", "PositionRule", "Size",
            "TextRules", "describe_families", "family_for_config", "family_of", "get_family", "text_rules"]

@@ -17,10 +17,15 @@ slots beside the paged KV), prefix caching off (docs/families.md). LoRA: the ful
 (q_proj's doubled output: `lora.format.module_shape`) and every layer's MLP; a linear layer's projections are not
 LoRA targets (refused by name).
 
-Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`) is not served: its sparse layers add a
-shared expert with its own sigmoid gate beside the routed experts, which the engine's MoE layers (Qwen3-VL-MoE's)
-do not compute; such a checkpoint is refused at load (`spec._hybrid`: linear-attention layers of a text model
-not served, naming its model_type), and no family matches it.
+Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, model_type `qwen3_5_moe`, text `qwen3_5_moe_text`): the same
+hybrid model with a sparse block in every layer (transformers' `Qwen3_5MoeSparseMoeBlock`; the config has no
+`decoder_sparse_step` / `mlp_only_layers`: `spec.MOE_TEXT`): the router's softmax (fp32) over `num_experts`, the top
+`num_experts_per_tok` renormalised, each token through its experts' SiLU-gated MLPs (`moe_intermediate_size`),
+weighted and summed (Qwen3-VL-MoE's `model.Experts`), plus the shared expert (a SiLU-gated MLP of
+`shared_expert_intermediate_size`) times sigmoid(`shared_expert_gate`(x)) (`model.SharedExpert`). The hub's files
+hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight` ...: transformers' qwen2_moe conversion), stacked at
+load (`hybrid_weights._sparse`); fused ones load too. LoRA: the full-attention layers' q/k/v/o_proj only; an
+adapter on the experts, the shared expert or its gate is refused at load by name (no layer has a dense MLP).
 """
 from __future__ import annotations
 
@@ -36,3 +41,14 @@ class Qwen3_5(Qwen3VL):
 
 
 QWEN3_5 = Qwen3_5()
+
+
+class Qwen3_5Moe(Qwen3_5):
+    name = "qwen3_5_moe"
+    model_type = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    model_class = "Qwen3_5MoeForConditionalGeneration"
+    text_model_types = ("qwen3_5_moe_text",)
+
+
+QWEN3_5_MOE = Qwen3_5Moe()

@@ -69,7 +69,7 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[tuple[str, int,
         if "lora_magnitude_vector" in key:
             raise InvalidArgument(f"{where}: DoRA adapters are not supported ({key})")
         m = _KEY.match(key)
-        if ".experts." in key or (m is not None and m.group("module") == "experts"):
+        if ".experts." in key or ".shared_expert" in key or (m is not None and m.group("module") == "experts"):
             raise InvalidArgument(f"{where}: the adapter targets mixture-of-experts weights ({key}); LoRA on the "
                                   "experts is not served (adapters may target the attention projections and the "
                                   "dense layers' MLP)")

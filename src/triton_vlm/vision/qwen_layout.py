@@ -37,7 +37,8 @@ QWEN2_VL, QWEN2_5_VL, QWEN3_VL = "qwen2_vl", "qwen2_5_vl", "qwen3_vl"
 MODEL_TYPES = {"qwen2_vl_vision": QWEN2_VL, "qwen2_vl": QWEN2_VL,
                "qwen2_5_vl_vision": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL,
                "qwen3_vl_vision": QWEN3_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe_vision": QWEN3_VL,
-               "qwen3_vl_moe": QWEN3_VL, "qwen3_5_vision": QWEN3_VL, "qwen3_5": QWEN3_VL}  # Qwen3.5: Qwen3-VL's
+               "qwen3_vl_moe": QWEN3_VL, "qwen3_5_vision": QWEN3_VL, "qwen3_5": QWEN3_VL,  # Qwen3.5: Qwen3-VL's
+               "qwen3_5_moe_vision": QWEN3_VL, "qwen3_5_moe": QWEN3_VL}
 POSITION_IDS, ATTN_INDEX, ATTN_SLOT = "position_ids", "attn_index", "attn_slot"
 WINDOW_INDEX, WINDOW_SLOT = "window_index", "window_slot"
 POS_INDEX, POS_WEIGHT = "pos_index", "pos_weight"  # Qwen3-VL: the learned position table's bilinear taps

@@ -11,7 +11,8 @@
   and a preempted request's recompute) by the recurrent rule, a decode step's rows batched (their states gathered
   from the slots and scattered back).
 Norms (`norm_offset` 1: zero-centred RMSNorm, the factor `1 + weight` precomputed at load) in fp32 as transformers'
-`Qwen3_5RMSNorm`; a SiLU-gated MLP. Everything here is torch ops (no C decode kernel, no CUDA graphs, no packed
+`Qwen3_5RMSNorm`; a SiLU-gated MLP, or in a sparse layer (Qwen3.5-MoE, `TextSpec.sparse_layers`) `model.Experts`
+with its shared expert (`model.SharedExpert`: sigmoid-gated, added to the routed sum). Everything here is torch ops (no C decode kernel, no CUDA graphs, no packed
 oneDNN weights: a first, exact version; the linear layers' flash-linear-attention kernels are not wired).
 
 Same interface as `model.LlamaModel` for the runner and the profile: `forward`, `forward_ragged` (segments run one
@@ -30,7 +31,7 @@ from ..kv.hybrid_cache import HybridCache, StateBatch
 from ..kv.kv_cache import AttentionBatch
 from ..kv.state_cache import StateSpec
 from .hybrid_weights import FULL, LINEAR, load_hybrid_weights
-from .model import DTYPES, AdapterBatch, Linear, Segment, silu_mul
+from .model import DTYPES, AdapterBatch, Experts, Linear, Segment, silu_mul
 from .weights import load_config
 from ...spec import TextSpec
 
@@ -137,7 +138,9 @@ class HybridModel:
                 self.layers.append(LinearLayer(w, i, lin, shape))
                 lin += 1
         self.norms = [(w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"]) for i in range(c.num_layers)]
-        self.mlps = [(Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), False),
+        # per layer: its experts (a sparse layer), else its MLP's (gate_up, down)
+        self.mlps = [Experts.of(w, i, c.experts_per_token) or
+                     (Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), False),
                       Linear.fused(w, i, "down_proj", ("down_proj",), False)) for i in range(c.num_layers)]
         self.kv_layers, self.state_slots = kv, state_slots
         self.state_spec = StateSpec(layers=lin, states=(("conv", shape.conv_shape(), self.dtype),
@@ -164,7 +167,7 @@ class HybridModel:
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin_rot]
         for layer, norms, mlp in zip(self.layers, self.norms, self.mlps):
-            out += list(norms) + [lin.weight for lin in mlp]
+            out += list(norms) + (mlp.tensors() if isinstance(mlp, Experts) else [lin.weight for lin in mlp])
             if isinstance(layer, FullLayer):
                 out += [layer.qkv_proj.weight, layer.o_proj.weight, layer.q_norm, layer.k_norm]
             else:
@@ -202,14 +205,17 @@ class HybridModel:
         if deepstack is not None:
             raise ValueError("DeepStack features given to a hybrid model, which has none")
         c, tables = self.config, self._tables(batch, rope)
-        for layer, (n_in, n_post), (gate_up, down) in zip(self.layers, self.norms, self.mlps):
+        for layer, (n_in, n_post), mlp in zip(self.layers, self.norms, self.mlps):
             h = zc_norm(x, n_in, c.rms_norm_eps)
             if isinstance(layer, FullLayer):
                 x = x + layer(h, batch, cache, tables, adapters)
             else:
                 x = x + layer(h, batch.states, cache)
             h = zc_norm(x, n_post, c.rms_norm_eps)
-            x = x + down(silu_mul(gate_up(h, adapters)), adapters)
+            if isinstance(mlp, Experts):
+                x = x + mlp(h)
+            else:
+                x = x + mlp[1](silu_mul(mlp[0](h, adapters)), adapters)
         if not all_logits:
             x = x[:, -1:]
         logits = self.lm_head(zc_norm(x, self.norm, c.rms_norm_eps), adapters).float()

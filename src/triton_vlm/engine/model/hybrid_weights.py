@@ -4,6 +4,11 @@ Tensors by transformers-5 names under the language model's prefix (`weights.LAYO
 names the model reads:
 - `embed`, `norm`, `lm_head` (tied as `weights._lm_head` decides);
 - every layer: `layers.{i}.input_norm`, `layers.{i}.post_norm`, the MLP's `gate_proj` / `up_proj` / `down_proj`;
+- a sparse layer (Qwen3.5-MoE: `TextSpec.sparse_layers`) instead of the MLP: `router`, the fused experts
+  `experts.gate_up_proj` [E, 2 I, hidden] / `experts.down_proj` [E, hidden, I] (the hub's files hold one tensor per
+  expert, `mlp.experts.{e}.gate_proj.weight` ..., which transformers' qwen2_moe conversion stacks and concatenates
+  as done here; fused files load as `weights._experts` reads them), the shared expert's `shared_expert.gate_proj` /
+  `up_proj` / `down_proj` and its gate `shared_expert_gate` [1, hidden];
 - a full-attention layer: `q_proj` ([heads * head_dim * 2, hidden] with the output gate: per head, the query's
   head_dim rows then the gate's), `k_proj`, `v_proj`, `o_proj` (+ `.bias` where held), `q_norm`, `k_norm`;
 - a linear-attention layer: `layers.{i}.linear_attn.` + transformers' names (`in_proj_qkv`, `in_proj_z`,
@@ -20,7 +25,7 @@ import torch
 
 from ...spec import CheckpointError, TextSpec
 from ...weight_source import TensorSource
-from .weights import LAYOUTS, _lm_head
+from .weights import LAYOUTS, _experts, _lm_head
 
 FULL, LINEAR = "full_attention", "linear_attention"
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -51,8 +56,11 @@ def load_hybrid_weights(model_dir: str | Path, c: TextSpec, dtype: torch.dtype,
         p = f"{layers}layers.{i}."
         out[f"layers.{i}.input_norm"] = norm(p + "input_layernorm.weight")
         out[f"layers.{i}.post_norm"] = norm(p + "post_attention_layernorm.weight")
-        for m in ("gate_proj", "up_proj", "down_proj"):
-            out[f"layers.{i}.{m}"] = take(f"{p}mlp.{m}.weight")
+        if i in c.sparse_layers:
+            out |= _sparse(src, p, i, c, take)
+        else:
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                out[f"layers.{i}.{m}"] = take(f"{p}mlp.{m}.weight")
         if kind == LINEAR:
             for name in LINEAR_TENSORS:
                 # A_log / dt_bias / the gated norm stay as stored in fp32 where the model computes in fp32
@@ -68,11 +76,36 @@ def load_hybrid_weights(model_dir: str | Path, c: TextSpec, dtype: torch.dtype,
     return out
 
 
+def _sparse(src: TensorSource, p: str, i: int, c: TextSpec, take) -> dict[str, torch.Tensor]:
+    """A sparse layer's router, fused experts and shared expert (module doc)."""
+    if f"{p}mlp.experts.gate_up_proj" in src or f"{p}mlp.experts.0.gate_proj.weight" not in src:
+        out = _experts(p, i, c, take)
+    else:  # the hub's per-expert tensors, stacked as transformers' MergeModulelist(dim=0) + Concatenate(dim=1)
+        def stack(m: str) -> torch.Tensor:  # [E, out, in]
+            return torch.stack([take(f"{p}mlp.experts.{e}.{m}.weight") for e in range(c.num_experts)])
+        fused = {f"{p}mlp.gate.weight": take(f"{p}mlp.gate.weight"),
+                 f"{p}mlp.experts.gate_up_proj": torch.cat([stack("gate_proj"), stack("up_proj")], dim=1),
+                 f"{p}mlp.experts.down_proj": stack("down_proj")}
+        out = _experts(p, i, c, fused.__getitem__)  # its shape checks
+    if c.shared_expert_size:
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            out[f"layers.{i}.shared_expert.{m}"] = take(f"{p}mlp.shared_expert.{m}.weight")
+        out[f"layers.{i}.shared_expert_gate"] = take(f"{p}mlp.shared_expert_gate.weight")
+    return out
+
+
 def _check_shapes(w: dict[str, torch.Tensor], c: TextSpec) -> None:
     hd, gate = c.head_dim, 2 if c.attn_output_gate else 1
     want = {"embed": (c.vocab_size, c.hidden_size), "lm_head": (c.vocab_size, c.hidden_size)}
     for i, kind in enumerate(c.layer_kinds):
-        want[f"layers.{i}.down_proj"] = (c.hidden_size, c.intermediate_size)
+        if i not in c.sparse_layers:
+            want[f"layers.{i}.down_proj"] = (c.hidden_size, c.intermediate_size)
+        elif c.shared_expert_size:
+            s = c.shared_expert_size
+            want |= {f"layers.{i}.shared_expert.gate_proj": (s, c.hidden_size),
+                     f"layers.{i}.shared_expert.up_proj": (s, c.hidden_size),
+                     f"layers.{i}.shared_expert.down_proj": (c.hidden_size, s),
+                     f"layers.{i}.shared_expert_gate": (1, c.hidden_size)}
         if kind == FULL:
             want |= {f"layers.{i}.q_proj": (c.num_heads * hd * gate, c.hidden_size),
                      f"layers.{i}.k_proj": (c.num_kv_heads * hd, c.hidden_size),

@@ -227,26 +227,51 @@ def window_masks(batch: AttentionBatch, windows: set[int]) -> dict[int, torch.Te
     return masks
 
 
+class SharedExpert:
+    """Qwen3.5-MoE's shared expert (transformers' `Qwen3_5MoeSparseMoeBlock`): every token through one SiLU-gated MLP,
+    times sigmoid of its own gate (a [1, hidden] projection), added to the routed experts' sum."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor):
+        self.gate_up, self.down, self.gate = gate_up, down, gate  # [2 S, H], [H, S], [1, H]
+        self.gated = True  # transformers' shared expert is always gated (a test turns it off as a control)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up, self.down, self.gate]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        y = F.linear(silu_mul(F.linear(x, self.gate_up)), self.down)
+        return torch.sigmoid(F.linear(x, self.gate)) * y if self.gated else y
+
+
 class Experts:
     """A sparse layer (transformers' `Qwen3VLMoeTextSparseMoeBlock`): the router's softmax over the experts (fp32),
     the top k renormalised to sum to 1, each token through its k experts' SiLU-gated MLPs, weighted and summed.
     The tokens are grouped by expert: one product per active expert over its tokens, the experts in ascending
-    order (transformers' order, so the same sums)."""
+    order (transformers' order, so the same sums). With `shared` (Qwen3.5-MoE's `Qwen3_5MoeSparseMoeBlock`): the
+    routed sum plus the gated shared expert's output."""
 
-    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int):
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                 shared: Optional[SharedExpert] = None):
         self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2 I, H], [E, H, I]
         self.top_k = top_k
+        self.shared = shared
         self.renormalize = True  # transformers' router always renormalises (a test turns it off as a control)
 
     @classmethod
     def of(cls, w: dict[str, torch.Tensor], i: int, top_k: int) -> Optional["Experts"]:
         if f"layers.{i}.router" not in w:
             return None
+        shared = None
+        if f"layers.{i}.shared_expert_gate" in w:
+            shared = SharedExpert(torch.cat([w[f"layers.{i}.shared_expert.gate_proj"],
+                                             w[f"layers.{i}.shared_expert.up_proj"]]),
+                                  w[f"layers.{i}.shared_expert.down_proj"], w[f"layers.{i}.shared_expert_gate"])
         return cls(w[f"layers.{i}.router"], w[f"layers.{i}.experts.gate_up_proj"], w[f"layers.{i}.experts.down_proj"],
-                   top_k)
+                   top_k, shared)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        return [self.router, self.gate_up, self.down] + (self.shared.tensors() if self.shared is not None else [])
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])  # [T, H]
@@ -268,6 +293,8 @@ class Experts:
             gate, up = F.linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights.reshape(-1)[picks, None]
             out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
         return out.reshape(h.shape)
 
 
