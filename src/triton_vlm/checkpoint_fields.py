@@ -56,7 +56,8 @@ TEXT_IMPLEMENTED = {
     # Qwen3-VL-MoE's sparse layers (engine/model: router softmax, top-k renormalised, experts grouped by expert)
     "num_experts": "spec._moe", "num_local_experts": "spec._moe (transformers' name behind num_experts)",
     "num_experts_per_tok": "spec._moe", "moe_intermediate_size": "spec._moe",
-    "decoder_sparse_step": "spec._moe", "mlp_only_layers": "spec._moe",
+    "decoder_sparse_step": "spec._moe (Qwen3.5-MoE: every layer sparse whatever it says, as transformers)",
+    "mlp_only_layers": "spec._moe (Qwen3.5-MoE: every layer sparse whatever it says, as transformers)",
     "shared_expert_intermediate_size": "spec._moe (Qwen3.5-MoE's shared expert, engine/model/model.SharedExpert)",
     # Qwen3.5's Gated DeltaNet layers (engine/model/deltanet.py through spec._hybrid)
     "linear_conv_kernel_dim": "spec._hybrid (the conv window)", "linear_key_head_dim": "spec._hybrid",

@@ -523,7 +523,8 @@ class Engine:
             if self.config.spare_cpus and self.model.device.type == "cpu":
                 c = self.model_config
                 self.spare = spare.SpareThreads.start(tuple(self.config.spare_cpus), c.hidden_size,
-                                                      2 * c.intermediate_size)
+                                                      2 * (c.intermediate_size or c.shared_expert_size
+                                                           or c.moe_intermediate_size))  # all-sparse: no dense MLP
         except Exception:  # noqa: BLE001 - a speed path never stops the engine (start() itself never raises)
             log.exception("spare CPUs not used")
         finally:

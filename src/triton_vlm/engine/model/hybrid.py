@@ -12,8 +12,9 @@
   from the slots and scattered back).
 Norms (`norm_offset` 1: zero-centred RMSNorm, the factor `1 + weight` precomputed at load) in fp32 as transformers'
 `Qwen3_5RMSNorm`; a SiLU-gated MLP, or in a sparse layer (Qwen3.5-MoE, `TextSpec.sparse_layers`) `model.Experts`
-with its shared expert (`model.SharedExpert`: sigmoid-gated, added to the routed sum). Everything here is torch ops (no C decode kernel, no CUDA graphs, no packed
-oneDNN weights: a first, exact version; the linear layers' flash-linear-attention kernels are not wired).
+with its shared expert (`model.SharedExpert`: sigmoid-gated, added to the routed sum). Everything here is torch ops
+(no C decode kernel, no CUDA graphs, no packed oneDNN weights: a first, exact version; the linear layers'
+flash-linear-attention kernels are not wired).
 
 Same interface as `model.LlamaModel` for the runner and the profile: `forward`, `forward_ragged` (segments run one
 by one), `embed`, `new_cache` (a `HybridCache`: KV for the full layers, `state_slots` state slots), `tensors`.
