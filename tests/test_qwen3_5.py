@@ -326,6 +326,7 @@ def test_moe_greedy_beams_and_sampling_equal_generate_and_the_shared_gate_contro
     assert (spec.text.sparse_layers, spec.text.shared_expert_size, spec.text.experts_per_token) == ((0, 1, 2, 3), 48, 2)
     assert any(".mlp.experts.0.gate_proj." in k for k in json.loads(
         (moe.model_dir / "model.safetensors.index.json").read_text())["weight_map"]), "the hub's per-expert layout"
+    _check_expert_layouts(moe, spec, tmp_path)
     ids = moe.inputs(LONG, [])["input_ids"][0].tolist()
     eng = Engine(moe.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=16, prefill_chunk=64))
 
@@ -364,3 +365,28 @@ def test_moe_greedy_beams_and_sampling_equal_generate_and_the_shared_gate_contro
                   str(bad / "adapter_model.safetensors"))
         with pytest.raises(InvalidArgument, match=what):
             load_peft(bad, spec.text, "bad")
+
+
+def _check_expert_layouts(moe, spec, tmp_path):
+    """The hub's per-expert tensors load stacked as transformers' conversion stacks them (its in-memory fused
+    parameters), and a checkpoint holding the fused tensors (transformers' in-memory names) loads the same."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from triton_vlm.engine.model.hybrid_weights import load_hybrid_weights
+
+    got = load_hybrid_weights(moe.model_dir, spec.text, torch.float32, "cpu")
+    mem = {k: v.detach() for k, v in moe.model.state_dict().items()}
+    for i in range(4):
+        p = f"model.language_model.layers.{i}.mlp."
+        assert torch.equal(got[f"layers.{i}.experts.gate_up_proj"], mem[p + "experts.gate_up_proj"])
+        assert torch.equal(got[f"layers.{i}.experts.down_proj"], mem[p + "experts.down_proj"])
+        assert torch.equal(got[f"layers.{i}.shared_expert_gate"], mem[p + "shared_expert_gate.weight"])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(moe.model_dir / "config.json", fused)
+    save_file({k: v.contiguous() for k, v in mem.items() },
+              str(fused / "model.safetensors"))
+    again = load_hybrid_weights(fused, spec.text, torch.float32, "cpu")
+    assert again.keys() == got.keys() and all(torch.equal(again[k], got[k]) for k in got)
