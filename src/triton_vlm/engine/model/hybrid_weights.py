@@ -82,7 +82,11 @@ def _sparse(src: TensorSource, p: str, i: int, c: TextSpec, take) -> dict[str, t
         out = _experts(p, i, c, take)
     else:  # the hub's per-expert tensors, stacked as transformers' MergeModulelist(dim=0) + Concatenate(dim=1)
         def stack(m: str) -> torch.Tensor:  # [E, out, in]
-            return torch.stack([take(f"{p}mlp.experts.{e}.{m}.weight") for e in range(c.num_experts)])
+            ts = [take(f"{p}mlp.experts.{e}.{m}.weight") for e in range(c.num_experts)]
+            if len({tuple(t.shape) for t in ts}) != 1:
+                raise CheckpointError(f"layer {i}: the experts' mlp.experts.*.{m}.weight differ in shape: "
+                                      f"{sorted({tuple(t.shape) for t in ts})}")
+            return torch.stack(ts)
         fused = {f"{p}mlp.gate.weight": take(f"{p}mlp.gate.weight"),
                  f"{p}mlp.experts.gate_up_proj": torch.cat([stack("gate_proj"), stack("up_proj")], dim=1),
                  f"{p}mlp.experts.down_proj": stack("down_proj")}
