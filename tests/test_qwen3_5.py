@@ -6,7 +6,8 @@ checkpoint (sharded, the family's processor and chat template), against transfor
   not copied when they fork give other tokens (the layer-level controls, chunk size among them, are
   tests/engine/test_deltanet.py's); requests preempted mid-decode (max_utilization) get generate()'s tokens; the KV
   profile refuses state slots that do not fit, naming the numbers;
-- through one live tritonserver and its OpenAI front end: greedy and beams 2-4 with num_return_sequences over
+- through one live tritonserver (scheduler_policy max_utilization on a small KV cache) and its OpenAI front end:
+  12 long greedy requests, some preempted mid-decode, each equal to generate(); greedy and beams 2-4 with num_return_sequences over
   images of two sizes, two images in one prompt, a video with an image (Qwen3-VL's timestamps), text and a long
   prompt, sent at once; penalties; streaming; seeded
   sampling with n; one OpenAI chat request; a burst with a cancelled request leaves every state slot free (the
@@ -30,6 +31,7 @@ from qwen_vl_cases import png
 from test_qwen3_vl import VIDEOS, Qwen3Reference
 
 NEW = 8
+KV_TOKENS, LONG_NEW = 1024, 120  # the live server's KV cache (max_utilization): 12 requests of 120 tokens overflow it
 SIZES = {"small": (100, 60), "tall": (40, 300)}
 IMAGES = {name: png(size, seed=150 + i) for i, (name, size) in enumerate(SIZES.items())}
 PROMPT = "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
@@ -133,7 +135,8 @@ def served(tmp_path_factory, checkpoint):
     from conftest import _start_server, _stop_server
     from test_openai import FrontendConfig, Running
 
-    server = _start_server(tmp_path_factory, checkpoint, {"llm": {"max_rows": "16"}}, "qwen3-5-server")
+    params = {"llm": {"max_rows": "16", "scheduler_policy": "max_utilization", "kv_cache_tokens": str(KV_TOKENS)}}
+    server = _start_server(tmp_path_factory, checkpoint, params, "qwen3-5-server")
     try:
         fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=checkpoint,
                                     triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
@@ -230,8 +233,8 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
         c.start_stream(callback=lambda result, error, q=q: q.put((result, error)))
         c.async_stream_infer("llm", [
             _grpc_input("input_ids", np.array([[1, 50, 60 + beams, 70]], np.int32), "INT32"),
-            _grpc_input("max_tokens", np.array([[400]], np.int32), "INT32"),
-            _grpc_input("min_tokens", np.array([[400]], np.int32), "INT32"),
+            _grpc_input("max_tokens", np.array([[200]], np.int32), "INT32"),
+            _grpc_input("min_tokens", np.array([[200]], np.int32), "INT32"),
             _grpc_input("beam_width", np.array([[beams]], np.int32), "INT32"),
             _grpc_input("stream", np.array([[True]]), "BOOL")])
         _, err = q.get(timeout=60)
@@ -251,6 +254,24 @@ def test_burst_with_a_cancellation_frees_every_state_slot(served):
               "both long requests cancelled mid-decode")
     _wait_for(lambda: _gauge(server, "running_requests") == 0 and _gauge(server, "state_slots_free") == total,
               "every state slot free after the burst")
+
+
+@pytest.mark.server
+def test_requests_preempted_mid_decode_through_the_server_equal_generate(served, ref):
+    """The module's server runs scheduler_policy max_utilization on a cache of KV_TOKENS: 12 greedy requests of
+    LONG_NEW tokens start together, some are preempted mid-decode (the counter moves: their KV blocks and state
+    slots freed), and each gets generate()'s tokens: the recompute rebuilt its linear layers' states."""
+    from test_server_preemption import preemptions
+
+    server = served[1]
+    before = preemptions(server)
+    prompts = [f"<|im_start|>user\nCount to {i} slowly.<|im_end|>\n<|im_start|>assistant\n" for i in range(12)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_ask, server, p, [], max_tokens=LONG_NEW, min_tokens=LONG_NEW) for p in prompts]
+        results = [f.result() for f in futures]
+    assert preemptions(server) > before, "no request was preempted: nothing recomputed its states"
+    for prompt, res in zip(prompts, results):
+        assert res.output_ids == ref.generate(prompt, [], LONG_NEW, min_new_tokens=LONG_NEW), prompt[:40]
 
 
 def test_lora_equals_peft_and_what_is_not_served_is_refused_by_name(ref, tmp_path):

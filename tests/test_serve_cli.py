@@ -151,10 +151,13 @@ def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_mode
     ("visio.vision_backend=onnxruntime", "there is no model 'visio'; models: ensemble, llm, preprocess, tensorrt_llm, vision"),
     ("no_such_key=1", "any model declares no parameter 'no_such_key'"),
 ])
-def test_launcher_refuses_a_setting_no_model_declares(setting, message):
-    """A typo in --set used to start the server silently with the default; now nothing starts."""
+def test_launcher_refuses_a_setting_no_model_declares(setting, message, tmp_path):
+    """A typo in --set used to start the server silently with the default; now nothing starts, and it is refused
+    first: in an empty cache the demo model (minutes to build) is not built before the typo is named."""
+    env = dict(os.environ, TRITON_VLM_CACHE=str(tmp_path / "empty-cache"))
     proc = subprocess.run([sys.executable, "-m", "triton_vlm.server", "--set", setting], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=60, env=env)
+    assert not (tmp_path / "empty-cache").exists() or not list((tmp_path / "empty-cache").iterdir())
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "vision_backend" in proc.stderr or "models:" in proc.stderr  # the keys that exist are listed
 

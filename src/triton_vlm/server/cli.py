@@ -211,7 +211,13 @@ def _supervise(stopping: threading.Event, ready_timeout: float, *children: Super
 
 def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
     """The checkpoint (the demo model, built if missing, when none is given) and the model parameters of the
-    command line; SystemExit with the reason for a bad one."""
+    command line; SystemExit with the reason for a bad one. The settings are checked first: a typo is refused at
+    once, not after the checkpoint is read (or the demo model built: minutes on a fresh machine)."""
+    params = _parse_set(args.set)
+    try:
+        check_parameters(params)
+    except ValueError as e:
+        raise SystemExit(f"triton-vlm: {e}") from None
     if args.model:
         model = Path(args.model).expanduser().resolve()
         if not (model / "config.json").exists():
@@ -227,11 +233,6 @@ def _model_and_params(args) -> tuple[Path, dict[str, dict[str, str]]]:
 
         model = ensure_demo_model()
         args.lora_dir = args.lora_dir or str(ensure_demo_adapters())  # the demo's adapters: french, sentence
-    params = _parse_set(args.set)
-    try:
-        check_parameters(params)
-    except ValueError as e:
-        raise SystemExit(f"triton-vlm: {e}") from None
     if args.device:
         params.setdefault("*", {})["device"] = args.device
     if args.lora_dir:
