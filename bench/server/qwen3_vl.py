@@ -3,6 +3,7 @@ the MoE against the dense model of the same active parameters at concurrency 16.
 
     python -m bench.server.qwen3_vl            # 8 requests per c=1 row, 32 at c=16, 2 rounds
     python -m bench.server.qwen3_vl --quick    # 4 and 16, 1 round
+    python -m bench.server.qwen3_vl --family qwen3_5   # a Qwen3.5-shaped hybrid model (issue 36) instead
 
 Two random checkpoints (`demo/qwen3_checkpoint.py`, built once, cached), Qwen3-VL-2B and Qwen3-VL-30B-A3B scaled
 down alike to fit a small CPU machine (widths / 4, 8 layers):
@@ -78,6 +79,23 @@ def ensure_models(root: Optional[Path] = None, text: Optional[dict] = None, towe
             tmp.rename(path)  # whole: a half-built folder is never taken for a checkpoint
         out[name] = path
     return out
+
+
+def ensure_qwen3_5(root: Optional[Path] = None) -> dict[str, Path]:
+    """`--family qwen3_5`: a Qwen3.5-shaped random checkpoint (`demo/qwen35_checkpoint.py`: hybrid, 3 Gated DeltaNet
+    layers to 1 gated full-attention layer, hidden 256, 8 layers, as `bench.engine.hybrid`), built once."""
+    from triton_vlm.demo.qwen35_checkpoint import build_qwen3_5  # noqa: PLC0415
+
+    path = (root or cache_dir() / f"bench-qwen3-vl-{VERSION}") / "qwen3_5"
+    if not (path / "config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=".qwen3_5-", dir=path.parent if path.parent.exists() else None))
+        build_qwen3_5(tmp, shards=2, seed=7, hidden=256, layers=8, max_position_embeddings=2048)
+        cfg = tmp / "preprocessor_config.json"
+        cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"max_pixels": MAX_PIXELS}, indent=2))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.move(str(tmp), str(path))  # whole: a half-built folder is never taken for a checkpoint
+    return {"Qwen3.5 (hybrid, hidden 256, 8 layers)": path}
 
 
 def image(i: int) -> bytes:
@@ -213,6 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--only", choices=("dense", "moe"), help="one model only")
+    ap.add_argument("--family", choices=("qwen3_vl", "qwen3_5"), default="qwen3_vl",
+                    help="qwen3_5: a Qwen3.5-shaped hybrid model instead of the two Qwen3-VL ones")
     ap.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server's processes and "
                     "the baseline's torch threads (default 1; 0 = their defaults)")
     args = ap.parse_args(argv)
@@ -223,7 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.torch_threads)
         torch.set_num_threads(args.torch_threads)
-    models = ensure_models()
+    models = ensure_qwen3_5() if args.family == "qwen3_5" else ensure_models()
     if args.only:
         models = {k: v for k, v in models.items() if v.name == args.only}
     n1, n16, rounds = (4, 16, 1) if args.quick else (8, 32, 2)
@@ -231,8 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"command": " ".join(["python -m bench.server.qwen3_vl", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine.describe(),
             "kernel_races": machine.kernel_races(), "max_tokens": args.max_tokens, "torch_threads": args.torch_threads}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    out = RESULTS.with_name(f"{args.family}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(markdown(results, meta))
     return 0
 
