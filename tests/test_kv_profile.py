@@ -42,6 +42,7 @@ def test_budget_follows_the_memory_given(monkeypatch, ckpt):
     large = engine_with_memory(monkeypatch, ckpt, 96 * MiB, max_rows=512).memory
     for plan in (small, large):
         assert plan.rule == "cpu_memory_utilization" and plan.weights_bytes > 0
+        assert plan.graph_bytes == 0  # no CUDA graphs on a CPU
         left = plan.limit_bytes - plan.weights_bytes - plan.activation_bytes - plan.other_bytes
         assert plan.kv_tokens == left // plan.token_bytes // 16 * 16  # what is left, in whole blocks
         assert plan.other_bytes == 1 * MiB  # the LoRA device level is set aside
@@ -143,6 +144,23 @@ def test_gpu_rule_is_vllms(ckpt):
         profile.plan_kv_cache(eng.model, cfg, FakeGPU(1000 * MiB, 200 * MiB, 0, 0), worst)
 
 
+def test_the_cuda_graphs_part_comes_out_of_the_kv_budget(ckpt):
+    """With decode graphs (a GPU), their part (the decode step's own peak + slack as the pool, and their buffers)
+    is taken from the budget before the KV cache is sized, and shown apart."""
+    eng = Engine(ckpt, EngineConfig(kv_cache_tokens=256))
+    cfg = EngineConfig(gpu_memory_utilization=0.5, lora_cache_device_mb=1)
+    worst = eng.memory.worst
+    off = profile.plan_kv_cache(eng.model, cfg, FakeGPU(1000 * MiB, 900 * MiB, 30 * MiB, 5 * MiB), worst)
+    on = profile.plan_kv_cache(eng.model, cfg, FakeGPU(1000 * MiB, 900 * MiB, 30 * MiB, 5 * MiB), worst,
+                               graphs=7 * MiB)
+    assert off.graph_bytes == off.graph_pool_bytes == 0 and on.activation_bytes == off.activation_bytes == 30 * MiB
+    assert on.graph_pool_bytes == 30 * MiB + profile.GRAPH_POOL_SLACK
+    assert on.graph_bytes == on.graph_pool_bytes + 7 * MiB
+    left = 500 * MiB - on.weights_bytes - 30 * MiB - on.other_bytes - on.graph_bytes
+    assert on.kv_tokens == left // 512 // 16 * 16 < off.kv_tokens
+    assert f"CUDA graphs {on.graph_bytes / MiB:.1f} MiB" in on.summary()
+
+
 @pytest.mark.gpu
 def test_gpu_budget_follows_gpu_memory_utilization(ckpt):
     """On a real device: the share is the fraction of its memory, the peak comes from torch's allocator."""
@@ -153,7 +171,8 @@ def test_gpu_budget_follows_gpu_memory_utilization(ckpt):
         plan = eng.memory
         assert plan.rule == "gpu_memory_utilization" and plan.limit_bytes == int(total * util)
         assert plan.activation_bytes > 0 and plan.weights_bytes > 0
-        left = plan.limit_bytes - plan.weights_bytes - plan.activation_bytes - plan.other_bytes
+        assert plan.graph_bytes > 0  # CUDA graphs on by default: their part is taken too
+        left = plan.limit_bytes - plan.weights_bytes - plan.activation_bytes - plan.other_bytes - plan.graph_bytes
         assert plan.kv_tokens == left // plan.token_bytes // 16 * 16
         assert eng.cache.k.device.type == "cuda" and eng.cache.num_blocks * 16 == plan.kv_tokens
         plans.append(plan)
@@ -161,7 +180,7 @@ def test_gpu_budget_follows_gpu_memory_utilization(ckpt):
         torch.cuda.empty_cache()
     small, large = plans
     extra = large.limit_bytes - small.limit_bytes - (large.activation_bytes - small.activation_bytes) - \
-        (large.other_bytes - small.other_bytes)
+        (large.other_bytes - small.other_bytes) - (large.graph_bytes - small.graph_bytes)
     assert abs((large.kv_tokens - small.kv_tokens) - extra // small.token_bytes) <= 16
 
 

@@ -10,13 +10,17 @@ decode step synchronises with the host a constant number of times.
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import pytest
 import torch
 
 from triton_vlm.demo.checkpoint import build_random_llava_objects, save_checkpoint
 from triton_vlm.engine import scheduler as scheduler_mod
-from triton_vlm.engine.model.cuda_graph import DecodeGraphs, keys_buckets, rows_buckets
+from triton_vlm.engine.lora.graph_slots import GraphAdapters, buffer_bytes
+from triton_vlm.engine.lora.lora import LoraBatch, StackCache
+from triton_vlm.engine.model import cuda_graph
+from triton_vlm.engine.model.cuda_graph import DecodeGraphs, keys_buckets, rows_buckets, static_bytes
 from triton_vlm.engine.engine import Engine, EngineConfig
 from triton_vlm.engine.model.model import LlamaModel
 from triton_vlm.errors import InvalidArgument
@@ -205,18 +209,169 @@ def tiny_adapter(spec) -> Adapter:
                                                    torch.randn(n_out, 2, generator=g) * 0.1, 1.0)})
 
 
-def test_lora_and_oversized_steps_run_eager(ckpt):
-    """A step with a LoRA row, or with more rows than the largest bucket (4 here), runs the eager forward;
-    tokens are the plain engine's either way."""
-    eng_plain, eng = engine(ckpt, padded=False), engine(ckpt, padded=True, cuda_graph_max_rows=4)
-    ad = tiny_adapter(eng.model_config)
+def adapter(spec, name: str, rank: int, seed: int, modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+            dtype=torch.float32) -> Adapter:
+    """Random deltas large enough to change the logits, on several projections of every layer."""
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    for layer in range(spec.num_layers):
+        for m in modules:
+            n_in, n_out = module_shape(spec, m)
+            mods[(layer, m)] = LoraModule((torch.randn(rank, n_in, generator=g) * 0.3).to(dtype),
+                                          (torch.randn(n_out, rank, generator=g) * 0.3).to(dtype), 0.5 + seed % 3)
+    return Adapter(name, mods)
+
+
+def lora_graphs(model, cache, slots: int = 2, rank: int = 4) -> DecodeGraphs:
+    return DecodeGraphs(model, cache, max_rows=8, context=CONTEXT, min_keys=8, capture=False,
+                        lora=GraphAdapters(model.config, slots, rank, model.device))
+
+
+def eager_step(model, cache, rows, tokens, row_adapters):
+    """The eager forward of one decode step (runner.decode's), LoRA by `LoraBatch`."""
+    x = model.embed(torch.tensor(tokens))[:, None]  # [rows, 1, hidden]
+    adapters = LoraBatch.build(list(row_adapters), StackCache(), model.device)
+    return model.forward(x, cache.plan(rows, 1), cache, adapters)  # [rows, vocab]
+
+
+def test_lora_rows_on_the_static_slots_equal_the_eager_lora_path(ckpt):
+    """A step of 5 rows (bucket 8) with two adapters of ranks 2 and 4 (fp32, bf16) and rows without one: the LoRA
+    rows' logits equal the eager `LoraBatch` step's to fp32 rounding (the GEMMs see every slot's columns), and
+    differ from the plain step's; the rows without an adapter are the plain graph's bit for bit (they add 0)."""
+    model = LlamaModel.from_pretrained(ckpt)
+    cache = model.new_cache(32, 4)
+    rows, tokens = prefilled_rows(model, cache, (5, 6, 7, 3, 9))
+    state = [(list(r.blocks), r.length) for r in rows]
+    a = adapter(model.config, "a", 2, 1)
+    b = adapter(model.config, "b", 4, 2, modules=("q_proj", "k_proj", "gate_proj"), dtype=torch.bfloat16)
+    row_adapters = [a, None, b, a, None]
+    graphs = lora_graphs(model, cache)
+    plain = graphs.decode(rows, tokens)
+    restore(rows, state)
+    got = graphs.decode(rows, tokens, row_adapters)
+    assert graphs.static_steps == 2 and graphs.fallbacks == 0 and graphs.lora.loads == 2
+    restore(rows, state)
+    want = eager_step(model, cache, rows, tokens, row_adapters)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for i in (0, 2, 3):
+        assert (got[i] - plain[i]).abs().max() > 0.1, i  # the adapters change these rows
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[4], plain[4])  # and only these
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_an_adapter_reloaded_into_a_slot_updates_results_without_new_buffers(ckpt):
+    """One slot: a step with adapter a, then one with b (reloaded into the same slot's buffers, the same tensors),
+    then a again: each step equals the eager step with its adapter. An adapter whose rank exceeds the slots' runs
+    eager (None, rows untouched), as does a step with more adapters than slots."""
+    model = LlamaModel.from_pretrained(ckpt)
+    cache = model.new_cache(32, 4)
+    rows, tokens = prefilled_rows(model, cache, (5, 6, 7), seed=4)
+    state = [(list(r.blocks), r.length) for r in rows]
+    graphs = lora_graphs(model, cache, slots=1, rank=4)
+    slots = graphs.lora
+    ptrs = [t.data_ptr() for s in slots.buffers.values() for t in (s.a, s.b, s.scale)]
+    a, b = adapter(model.config, "a", 3, 5), adapter(model.config, "b", 4, 6, modules=("k_proj", "down_proj"))
+    for n, ad in enumerate((a, b, a)):
+        restore(rows, state)
+        got = graphs.decode(rows, tokens, [ad, None, ad])
+        restore(rows, state)
+        torch.testing.assert_close(got, eager_step(model, cache, rows, tokens, [ad, None, ad]), rtol=1e-5, atol=1e-4)
+        assert slots.loads == n + 1
+    assert ptrs == [t.data_ptr() for s in slots.buffers.values() for t in (s.a, s.b, s.scale)]
+    restore(rows, state)
+    lengths = [r.length for r in rows]
+    assert graphs.decode(rows, tokens, [adapter(model.config, "big", 5, 7), None, None]) is None
+    assert graphs.decode(rows, tokens, [a, b, None]) is None  # two adapters, one slot
+    assert [r.length for r in rows] == lengths and graphs.fallbacks == 2
+
+
+class FakeGraph:
+    """A recorded graph on the CPU: replay runs the bucket's step (as a replay would), or raises `error`."""
+
+    def __init__(self, graphs: DecodeGraphs, b, lora: bool, error: Optional[Exception] = None):
+        self.graphs, self.b, self.lora, self.error = graphs, b, lora, error
+
+    def replay(self):
+        if self.error is not None:
+            raise self.error
+        self.graphs._run(self.b, self.lora)
+
+
+def test_a_failed_capture_is_retried_with_backoff_and_a_failed_replay_runs_that_step(ckpt, monkeypatch):
+    """A capture that fails leaves its steps eager until RETRY_STEPS (doubling) decode steps later, then is tried
+    again; after CAPTURE_TRIES failures it stays eager. A replay that raises (no CUDA fault) is counted, that step
+    runs uncaptured with the same result, and the graph is captured again after the back-off; a CUDA fault raises."""
+    monkeypatch.setattr(cuda_graph, "RETRY_STEPS", 3)
+    model = LlamaModel.from_pretrained(ckpt)
+    cache = model.new_cache(32, 4)
+    rows, tokens = prefilled_rows(model, cache, (5, 6, 7), seed=8)
+    state = [(list(r.blocks), r.length) for r in rows]
+    graphs = lora_graphs(model, cache)
+    want = graphs.decode(rows, tokens)  # the uncaptured step
+    graphs.capture = True  # from here, steps need a graph (recorded by `record` below)
+    outcomes = [RuntimeError("not capturable"), RuntimeError("still not"), None]
+    tried = []
+
+    def record(b, lora):
+        tried.append(graphs.steps)
+        if outcomes[len(tried) - 1] is not None:
+            raise outcomes[len(tried) - 1]
+        return FakeGraph(graphs, b, lora)
+
+    monkeypatch.setattr(graphs, "_record", record)
+    got = []
+    for _ in range(11):
+        restore(rows, state)
+        got.append(graphs.decode(rows, tokens))
+    assert tried == [2, 5, 11]  # failed at 2: retry at 2 + 3; failed at 5: retry at 5 + 6
+    assert all(g is None for g in got[:9]) and graphs.capture_failures == 2 and graphs.replays == 2
+    assert torch.equal(got[9], want) and torch.equal(got[10], want)
+    b = next(iter(graphs._buckets.values()))
+    b.graphs[False].graph = FakeGraph(graphs, b, False, ValueError("replay broke"))
+    restore(rows, state)
+    assert torch.equal(graphs.decode(rows, tokens), want)  # that step ran uncaptured
+    assert graphs.replay_errors == 1 and b.graph is None and b.graphs[False].retry_at == graphs.steps + 12
+    b.graphs[False].graph = FakeGraph(graphs, b, False, RuntimeError("CUDA error: an illegal memory access"))
+    restore(rows, state)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        graphs.decode(rows, tokens)
+    rec = cuda_graph.Recorded()
+    for _ in range(cuda_graph.CAPTURE_TRIES):
+        assert rec.due(10**6)
+        rec.failed(0)
+    assert not rec.due(10**9)  # bounded: eager for good after CAPTURE_TRIES failures
+
+
+def test_lora_and_oversized_steps(ckpt):
+    """Through the engine: LoRA rows run on the padded path from their slots, steps with more rows than the largest
+    bucket (4 here) or an adapter above the slots' rank run eager; tokens are the plain engine's either way."""
+    eng_plain = engine(ckpt, padded=False)
+    eng = engine(ckpt, padded=True, cuda_graph_max_rows=4, cuda_graph_lora_rank=2, max_loras=2)
+    ad, big = tiny_adapter(eng.model_config), adapter(eng.model_config, "big", 3, 9)
     reqs = {0: [request("lora", prompt(9, 1), max_tokens=6, adapter=ad)],
             8: [request("wide", prompt(7, 2), max_tokens=6, beam=6)],
-            16: [request("small", prompt(11, 3), max_tokens=6, beam=2)]}
+            16: [request("small", prompt(11, 3), max_tokens=6, beam=2)],
+            24: [request("big", prompt(5, 4), max_tokens=4, adapter=big)]}
     want = finals(run_staggered(eng_plain, reqs))
     assert_same(finals(run_staggered(eng, reqs)), want)
     g = eng.decode_graphs
-    assert g.fallbacks >= 10 and g.static_steps >= 4  # lora / wide steps eager, small's steps padded
+    assert g.lora is not None and g.lora.loads == 1 and g.lora_steps >= 4  # the rank-2 adapter, loaded once
+    assert g.fallbacks >= 6 and g.static_steps >= 8  # wide / big steps eager, lora's and small's padded
+
+
+def test_the_graphs_buffers_are_what_the_profile_counts(ckpt):
+    """`static_bytes` and `buffer_bytes` (what the KV profile takes for the graphs besides their pool) are the bytes
+    of the buffers the graphs hold once every bucket exists; on a CPU no graph runs at start and nothing is taken."""
+    eng = engine(ckpt, padded=True, max_loras=3, cuda_graph_lora_rank=8)
+    g = eng.decode_graphs
+    for rows in g.rows_buckets:
+        for keys in g.keys_buckets:
+            g._bucket(rows, keys)
+    held = g._out.nbytes + sum(b.inputs.nbytes for b in g._buckets.values())
+    assert static_bytes(eng.model_config.vocab_size, 32, CONTEXT, 8, 4) == held
+    assert buffer_bytes(eng.model_config, 3, 8) == g.lora.nbytes > 0
+    assert eng._graph_buffer_bytes() == held + g.lora.nbytes
+    assert eng.memory.graph_bytes == 0 and engine(ckpt, padded=True, cuda_graph_lora_rank=0).decode_graphs.lora is None
 
 
 # --- CUDA graphs (a GPU) -------------------------------------------------------------------------------------
@@ -307,3 +462,39 @@ def test_a_graphed_greedy_decode_step_syncs_a_constant_number_of_times(ckpt, mon
                         monkeypatch)
     assert len(set(few) | set(many)) == 1 and 1 <= many[0] <= 3, (few, many)
     assert min(eager) > many[0], (eager, many)  # eager copies its plan and tokens to the device, synchronously
+
+
+def lora_arrivals(spec) -> dict[int, list[GenerationRequest]]:
+    """Three adapters (ranks 2, 4, 3) and plain requests, greedy and beam 2, arriving over the steps."""
+    ads = [adapter(spec, f"a{i}", r, 20 + i) for i, r in enumerate((2, 4, 3))]
+    arrivals: dict[int, list] = {}
+    for i in range(8):
+        r = request(f"l{i}", prompt(4 + (5 * i) % 17, 200 + i), max_tokens=6 + i % 5, beam=1 + i % 2,
+                    adapter=None if i % 4 == 3 else ads[i % 3])
+        arrivals.setdefault(i * 2, []).append(r)
+    return arrivals
+
+
+@pytest.mark.gpu
+def test_lora_rows_replay_graphs_with_the_eager_tokens(ckpt):
+    """LoRA steps replay their captured graphs (3 adapters through 2 slots: reloads between replays) and generate
+    the eager engine's tokens."""
+    eager = engine(ckpt, padded=False, device="cuda", cuda_graphs=False, max_loras=2)
+    want = finals(run_staggered(eager, lora_arrivals(eager.model_config)))
+    eng = engine(ckpt, padded=False, device="cuda", enable_prefix_caching=False, max_loras=2, cuda_graph_lora_rank=4)
+    assert_same(finals(run_staggered(eng, lora_arrivals(eng.model_config))), want)
+    g = eng.decode_graphs
+    assert g.lora_replays == g.lora_steps > 5 and g.lora.loads >= 3 and g.fallbacks == 0
+    assert g.capture_failures == g.replay_errors == 0
+
+
+@pytest.mark.gpu
+def test_the_graph_pool_is_within_the_profiles_estimate(ckpt):
+    """The memory the captures reserved (measured at start) is within the profile's estimate, which the KV budget
+    was sized without."""
+    eng = engine(ckpt, padded=False, device="cuda", kv_cache_tokens=0, gpu_memory_utilization=0.05)
+    plan, g = eng.memory, eng.decode_graphs
+    assert g.captured > 1 and 0 < g.pool_bytes <= plan.graph_pool_bytes, (g.pool_bytes, plan.summary())
+    assert plan.graph_bytes == plan.graph_pool_bytes + eng._graph_buffer_bytes()
+    left = plan.limit_bytes - plan.weights_bytes - plan.activation_bytes - plan.other_bytes - plan.graph_bytes
+    assert plan.kv_tokens == left // plan.token_bytes // 4 * 4

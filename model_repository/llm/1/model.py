@@ -47,6 +47,7 @@ class TritonPythonModel:
                                enable_prefix_caching=config.parse_int(p, "enable_prefix_caching", 1) != 0,
                                cuda_graphs=config.parse_int(p, "cuda_graphs", 1) != 0,
                                cuda_graph_max_rows=config.parse_int(p, "cuda_graph_max_rows", 64),
+                               cuda_graph_lora_rank=config.parse_int(p, "cuda_graph_lora_rank", 16),
                                async_scheduling=config.parse_int(p, "async_scheduling", 0) != 0,
                                scheduler_policy=p.get("scheduler_policy") or "guaranteed_no_evict",
                                spare_cpus=_spare_cpus(llm_cpus), guides=GuideLimits.from_parameters(p))

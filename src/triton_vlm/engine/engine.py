@@ -18,8 +18,9 @@ with the tokens it would have produced alone. `stats()` counts `preemptions` and
 Spare CPUs (`spare_cpus`, a CPU device): the loop's thread starts OpenMP workers on those CPUs, and each step takes
 one extra intra-op thread per spare CPU while few requests are in flight and that CPU was not busy with others
 (`cpu/spare.py`; chosen by a race at start). CUDA graphs (`cuda_graphs`, on by default, effective on a CUDA device only): decode steps of up to
-`cuda_graph_max_rows` rows without LoRA run on bucketed static shapes, each bucket's step captured once as a
-CUDA graph and replayed (`cuda_graph.py`); `decode_graphs` is None where they are off.
+`cuda_graph_max_rows` rows (LoRA rows too, from static adapter slots of rank <= `cuda_graph_lora_rank`) run on
+bucketed static shapes, each bucket's step captured once as a CUDA graph and replayed (`cuda_graph.py`);
+`decode_graphs` is None where they are off. Their memory is taken from the KV budget (`profile.py`, part `cuda_graphs`).
 Async scheduling (`async_scheduling`, off by default; `overlap.py`): a steady decode step (greedy / one-row sampling
 rows without grammars, context processors or LoRA) is launched before the previous step's results are processed.
 
@@ -59,7 +60,9 @@ from ..params import GenerationParams, GenerationRequest, GenerationResult, Guid
 from .cpu import spare
 from .delivery import Delivery
 from .lora.adapter_slots import DeviceAdapters
-from .model.cuda_graph import DecodeGraphs
+from .lora import graph_slots
+from .lora.graph_slots import GraphAdapters
+from .model.cuda_graph import DecodeGraphs, static_bytes
 from .search.decoder import Decoder
 from .model.faults import Backoff, as_error, is_device_fault
 from .search.guide_compiler import GuideCompiler
@@ -106,6 +109,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_rows: int = 64
     cuda_graph_min_keys: int = 256
+    # LoRA inside those graphs (`lora/graph_slots.py`): max_loras static slots of this rank (vLLM's max_lora_rank:
+    # its default 16); steps with an adapter of a higher rank run eager; 0: every LoRA step eager, no slot buffers
+    cuda_graph_lora_rank: int = 16
     # guaranteed_no_evict: worst-case KV reserved at admission, never preempted; max_utilization: KV on demand,
     # preemption by recompute (`preempt.py`)
     scheduler_policy: str = GUARANTEED_NO_EVICT
@@ -133,6 +139,9 @@ class EngineConfig:
                      "instances", "cuda_graph_max_rows", "cuda_graph_min_keys"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_lora_rank < 0:
+            raise InvalidArgument("cuda_graph_lora_rank must be >= 0 (0: LoRA steps run eager), got "
+                                  f"{self.cuda_graph_lora_rank}")
         if self.kv_cache_tokens < 0 or self.kv_cache_mb < 0 or self.context_length < 0:
             raise InvalidArgument("kv_cache_tokens, kv_cache_mb and context_length must be >= 0 (0: automatic)")
         for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
@@ -214,7 +223,9 @@ class Engine:
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
                                   eos_ids=tuple(self.eos_ids))
         worst = worst_case(self.max_context, max_image_tokens(model_dir), config.max_rows)
-        self.memory = plan_kv_cache(self.model, config, probe, worst)  # refuses a cache short of one request
+        graphed = config.cuda_graphs and self.model.device.type == "cuda" and not (mc.sparse_layers or mc.layer_kinds)
+        self.memory = plan_kv_cache(self.model, config, probe, worst,  # refuses a cache short of one request
+                                    self._graph_buffer_bytes() if graphed else None)
         config.kv_cache_tokens = self.memory.kv_tokens
         self.cache = self.model.new_cache(config.kv_cache_tokens // config.block_size, config.block_size)
         self.lora_slots = DeviceAdapters(config.max_loras, config.lora_cache_device_mb * 2**20, self.model.device)
@@ -222,8 +233,7 @@ class Engine:
                                    prefill_chunk=config.prefill_chunk, decode_text=self._decode_text,
                                    scheduler_policy=config.scheduler_policy)
         self.decode_graphs: Optional[DecodeGraphs] = None
-        if config.cuda_graphs and self.model.device.type == "cuda" and not (mc.sparse_layers or mc.layer_kinds):
-            # (experts, hybrid layers: eager)
+        if graphed:  # (experts, hybrid layers: eager)
             self.decode_graphs = self.make_decode_graphs(capture=True)
             self._capture_graphs()
         if config.async_scheduling and mc.layer_kinds:  # a finished row's state slot could be handed on while the
@@ -257,12 +267,21 @@ class Engine:
         n = self.decode_graphs.capture_all()
         log.info("captured %d CUDA graphs of decode steps in %.1f s", n, time.perf_counter() - t0)
 
+    def _graph_buffer_bytes(self) -> int:
+        """Bytes of the CUDA graphs' buffers outside their pool (`cuda_graph.static_bytes`, the LoRA slots)."""
+        c = self.config
+        lora = graph_slots.buffer_bytes(self.model_config, c.max_loras, c.cuda_graph_lora_rank)
+        return lora + static_bytes(self.model_config.vocab_size, min(c.cuda_graph_max_rows, c.max_rows),
+                                   self.max_context, c.cuda_graph_min_keys, c.block_size)
+
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Route decode steps through bucketed static shapes (`cuda_graph.py`), captured as CUDA graphs with
         `capture`; without, the same padded steps run uncaptured (any device: how tests check that path)."""
         c = self.config
+        lora = GraphAdapters(self.model_config, c.max_loras, c.cuda_graph_lora_rank, self.model.device) \
+            if c.cuda_graph_lora_rank else None  # LoRA steps inside the graphs: static slots
         graphs = DecodeGraphs(self.model, self.cache, max_rows=min(c.cuda_graph_max_rows, c.max_rows),
-                              context=self.max_context, min_keys=c.cuda_graph_min_keys, capture=capture)
+                              context=self.max_context, min_keys=c.cuda_graph_min_keys, capture=capture, lora=lora)
         self.decode_graphs = self.scheduler.runner.graphs = graphs
         return graphs
 

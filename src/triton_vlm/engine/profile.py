@@ -12,8 +12,15 @@ It measures the activation peak of those forwards above what was held before the
   tokens); else
 - on a GPU, vLLM's rule: `gpu_memory_utilization` (default 0.9) x the device's memory, shared between the
   `instances` of the model on the device, less the weights, the activation peak, memory the process holds
-  outside torch's allocator and the LoRA device level (`lora_cache_device_mb`). Refused when the device's free
-  memory at start is below that share (other processes hold it), as vLLM does;
+  outside torch's allocator, the LoRA device level (`lora_cache_device_mb`) and, when decode steps run as CUDA
+  graphs, the graphs' part (`cuda_graphs`): their pool, estimated as the peak of the profile's decode step alone
+  (`max_rows` rows at the full context, measured apart from the prefill's: the pool holds about the largest
+  graph's activations and is kept apart from the allocator's other memory) + 96 MiB (`GRAPH_POOL_SLACK`: the
+  allocator's segment rounding, the capture stream's cuBLAS workspace), plus their buffers outside the pool
+  (`cuda_graph.static_bytes`: the shared logits [max B, vocab] fp32 and every bucket's int64 inputs) and the
+  LoRA slot buffers (`graph_slots.buffer_bytes`: max_loras x cuda_graph_lora_rank x the sum over layers and
+  projections of (in + out + 1) x 4 bytes). Refused when the device's free memory at start is below that share (other
+  processes hold it), as vLLM does;
 - on a CPU: `cpu_memory_utilization` (default 0.5) x the memory available at start (MemAvailable, bounded by the
   cgroup's limit), shared between the instances, less the same terms, and at most what `max_rows` rows at the
   full context can hold at once (more could only keep idle prefix-cache blocks, in memory the host shares).
@@ -43,6 +50,9 @@ from .model.merge import merge_image_embeds
 log = logging.getLogger(__name__)
 
 MAX_MB_TOKENS = 1 << 20  # kv_cache_mb: at most this many tokens
+# the CUDA graphs' pool beyond the decode step's peak: the allocator's segments (2 MiB for small blocks, 20 MiB for
+# mid-size ones, large ones rounded to 2 MiB) and the capture stream's cuBLAS / cuBLASLt workspaces (up to 32 MiB each)
+GRAPH_POOL_SLACK = 96 * 2**20
 GiB, MiB = float(2**30), float(2**20)
 
 
@@ -77,6 +87,8 @@ class MemoryPlan:
     worst: WorstCase
     state_slots: int = 0  # hybrid models: sequences whose linear-layer states are preallocated (max_rows)
     state_bytes: int = 0  # their bytes (taken before the KV cache is sized)
+    graph_bytes: int = 0  # CUDA graphs of decode steps: their pool's estimate + their static buffers (0: no graphs)
+    graph_pool_bytes: int = 0  # the pool's estimate alone: the profile's decode step's own peak
 
     @property
     def sequences(self) -> int:
@@ -88,7 +100,8 @@ class MemoryPlan:
         w = self.worst
         return (f"KV cache {self.kv_tokens} tokens ({self.kv_bytes / MiB:.1f} MiB, {self.token_bytes} B/token) by "
                 f"{self.rule}; limit {self.limit_bytes / MiB:.1f} MiB, weights {self.weights_bytes / MiB:.1f} MiB, "
-                f"activations {self.activation_bytes / MiB:.1f} MiB, other {self.other_bytes / MiB:.1f} MiB; "
+                f"activations {self.activation_bytes / MiB:.1f} MiB, other {self.other_bytes / MiB:.1f} MiB, "
+                f"CUDA graphs {self.graph_bytes / MiB:.1f} MiB (pool {self.graph_pool_bytes / MiB:.1f} MiB); "
                 f"worst case: a {w.prompt_tokens}-token prompt with {w.images} images of {w.image_tokens} tokens, "
                 f"{w.rows} rows at context {w.context} ({self.device})"
                 + (f"; {self.state_slots} state slots ({self.state_bytes / MiB:.2f} MiB): {self.sequences} "
@@ -199,8 +212,9 @@ def scratch_cache(model, worst: WorstCase, block_size: int) -> KVCache:
 
 
 @torch.inference_mode()
-def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: int) -> None:
-    """Run the worst-case prefill and decode step (module doc) on `model`, in the scratch `cache`."""
+def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: int, between=None) -> None:
+    """Run the worst-case prefill and decode step (module doc) on `model`, in the scratch `cache`; `between()`, if
+    given, is called after the prefill, before the decode step (a second reading of the peak)."""
     c, dev = model.config, model.device
     levels = getattr(model, "deepstack_levels", 0)
     ids = torch.zeros(worst.prompt_tokens, dtype=torch.long, device=dev)  # [P]
@@ -218,6 +232,8 @@ def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: i
         stack = x[..., c.hidden_size:].unflatten(-1, (levels, c.hidden_size)).movedim(-2, 0) if levels else None
         model.forward(x[..., :c.hidden_size], cache.plan([row], n), cache, deepstack=stack)
     del embeds, feats
+    if between is not None:
+        between()
     rows = [row] + [cache.fork(row) for _ in range(worst.rows - 1)]
     tokens = torch.zeros(worst.rows, dtype=torch.long, device=dev)
     logits = model.forward(model.embed(tokens)[:, None], cache.plan(rows, 1), cache)  # [rows, vocab]
@@ -226,17 +242,25 @@ def profile_forward(model, cache: KVCache, worst: WorstCase, *, prefill_chunk: i
 
 
 def measure_activations(model, probe: MemoryProbe, worst: WorstCase, *, block_size: int,
-                        prefill_chunk: int) -> int:
-    """Peak bytes of `profile_forward` above what was held before it (the weights and its scratch cache)."""
+                        prefill_chunk: int, decode_apart: bool = False) -> tuple[int, int]:
+    """(peak bytes of `profile_forward` above what was held before it (the weights and its scratch cache), and with
+    `decode_apart` the peak of its decode step alone above what was held before that step (else 0): the estimate
+    of the CUDA graphs' pool, which holds about the largest graphed decode step's activations)."""
     import gc  # noqa: PLC0415
 
     cache = scratch_cache(model, worst, block_size)
     collecting = gc.isenabled()
     gc.disable()  # garbage freed by a collection during the profile would lower the peak below the truth
+    readings: list[int] = []
+
+    def between() -> None:  # the prefill's peak, then the decode step's alone
+        readings.append(probe.peak())
+        probe.reset_peak()
+        readings.append(probe.held())
     try:
         probe.reset_peak()
         before = probe.held()
-        profile_forward(model, cache, worst, prefill_chunk=prefill_chunk)
+        profile_forward(model, cache, worst, prefill_chunk=prefill_chunk, between=between if decode_apart else None)
         peak = probe.peak()
     finally:
         if collecting:
@@ -244,7 +268,10 @@ def measure_activations(model, probe: MemoryProbe, worst: WorstCase, *, block_si
     del cache  # the forwards' tensors are freed by reference counting when they return
     if probe.cuda:
         torch.cuda.empty_cache()
-    return max(0, peak - before)
+    if not readings:
+        return max(0, peak - before), 0
+    prefill_peak, held = readings
+    return max(0, max(prefill_peak, peak) - before), max(0, peak - held)
 
 
 def token_bytes(model) -> int:
@@ -274,12 +301,16 @@ def model_bytes(model) -> int:
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
-def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase) -> MemoryPlan:
+def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase, graphs: Optional[int] = None) -> MemoryPlan:
     """Size the KV cache (module doc) for `config` (an `EngineConfig`); raise `KVBudgetError` naming the numbers
-    when it cannot hold one request at the full context."""
+    when it cannot hold one request at the full context. `graphs`: the bytes of the CUDA graphs' static buffers when
+    decode steps will run as graphs (None: they will not); their pool is estimated here (module doc)."""
     per_token, bs = token_bytes(model), config.block_size
     weights = model_bytes(model)
-    activations = measure_activations(model, probe, worst, block_size=bs, prefill_chunk=config.prefill_chunk)
+    activations, pool = measure_activations(model, probe, worst, block_size=bs, prefill_chunk=config.prefill_chunk,
+                                            decode_apart=graphs is not None)
+    pool = 0 if graphs is None else pool + GRAPH_POOL_SLACK
+    graph_bytes = 0 if graphs is None else pool + graphs
     other = config.lora_cache_device_mb * 2**20 + probe.outside_allocator()
     slots, states = state_bytes(model)
     limit, left = 0, 0
@@ -302,7 +333,7 @@ def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase) -> Memory
                 f"{probe.total / GiB:.2f} GiB) is less than gpu_memory_utilization {util} x the device / "
                 f"{config.instances} instance(s) = {limit / GiB:.2f} GiB; lower gpu_memory_utilization or free "
                 "the device")
-        left = limit - weights - activations - other - states
+        left = limit - weights - activations - other - graph_bytes - states
         if states and left < 0 <= left + states:
             raise KVBudgetError(
                 f"the state slots do not fit: {slots} slots (max_rows) x {states // slots} B = {states / MiB:.2f} "
@@ -316,7 +347,7 @@ def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase) -> Memory
     plan = MemoryPlan(device=str(probe.device), rule=rule, limit_bytes=limit, weights_bytes=weights,
                       activation_bytes=activations, other_bytes=other, kv_bytes=kv_tokens * per_token,
                       kv_tokens=kv_tokens, token_bytes=per_token, worst=worst, state_slots=slots,
-                      state_bytes=states)
+                      state_bytes=states, graph_bytes=graph_bytes, graph_pool_bytes=pool)
     need = blocks_needed(worst.prompt_tokens, 1, 1, bs) * bs
     if kv_tokens < need:
         raise KVBudgetError(_refusal(plan, config, probe, need, left))
@@ -338,8 +369,8 @@ def _refusal(plan: MemoryPlan, config, probe: MemoryProbe, need: int, left: int)
         f"instance(s) = {plan.limit_bytes / MiB:.1f} MiB, less weights {plan.weights_bytes / MiB:.1f} MiB, "
         f"activations {plan.activation_bytes / MiB:.1f} MiB (the worst case: {plan.worst.prompt_tokens} prompt "
         f"tokens with {plan.worst.images} images, {plan.worst.rows} rows), other {plan.other_bytes / MiB:.1f} MiB "
-        f"(LoRA device level {config.lora_cache_device_mb} MiB), leaves {left / MiB:.2f} MiB = {plan.kv_tokens} "
-        f"tokens; raise {plan.rule}, lower context_length, max_rows or lora_cache_device_mb, or set kv_cache_mb")
+        f"(LoRA device level {config.lora_cache_device_mb} MiB), CUDA graphs {plan.graph_bytes / MiB:.1f} MiB, "
+        f"leaves {left / MiB:.2f} MiB = {plan.kv_tokens} tokens; raise {plan.rule}, lower context_length, max_rows or lora_cache_device_mb, or set kv_cache_mb")
 
 
 def max_image_tokens(model_dir: str | Path) -> Optional[int]:

@@ -22,7 +22,8 @@
   child hands its blocks over, further children fork them (copy-on-write), rows nobody continues are freed.
 
 Decode steps on static shapes (`cuda_graph.DecodeGraphs`, when the engine sets `graphs`: CUDA graphs on a GPU)
-take every step they can (no LoRA row, rows and keys within their largest buckets); the others run eager here.
+take every step they can (rows and keys within their largest buckets, LoRA rows from their static adapter slots);
+the others run eager here.
 
 The per-row adapter map (`lora.LoraBatch`) is built here for every forward from the rows' requests: rows of
 different requests may use different LoRA adapters, or none. Each row reads its request's device copy

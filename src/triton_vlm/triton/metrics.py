@@ -190,7 +190,8 @@ class LLMMetrics(MetricsBase):
         fam = self._family("triton_vlm_engine_memory_bytes", "llm memory plan made at start, bytes by part", F.GAUGE)
         for part, value in (("limit", plan.limit_bytes), ("weights", plan.weights_bytes),
                             ("activations", plan.activation_bytes), ("other", plan.other_bytes),
-                            ("kv_cache", plan.kv_bytes), ("state_slots", plan.state_bytes)):
+                            ("kv_cache", plan.kv_bytes), ("state_slots", plan.state_bytes),
+                            ("cuda_graphs", plan.graph_bytes)):
             self._memory[part] = fam.Metric(labels={**labels, "part": part})
             self._memory[part].set(float(value))
         fam = self._family("triton_vlm_engine_kv_cache_tokens", "llm KV cache size in tokens (planned at start)",

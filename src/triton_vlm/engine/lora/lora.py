@@ -162,8 +162,9 @@ class LoraBatch:
         mask = self._masks.get(layout)
         if mask is None:
             owner = torch.tensor([j for j, r, _ in layout for _ in range(r)], device=self.device)  # [R]
-            scale = torch.tensor([s for _, r, s in layout for _ in range(r)], device=self.device)  # [R]
-            mask = ((self.row_adapter[:, None] == owner[None, :]).to(torch.float32) * scale[None, :])[:, None]
+            scale = torch.tensor([s for _, r, s in layout for _ in range(r)], dtype=torch.float32,
+                                 device=self.device)  # [R]
+            mask = row_mask(self.row_adapter, owner, scale)
             self._masks[layout] = mask
         return mask
 
@@ -173,12 +174,28 @@ class LoraBatch:
         stack = self.stack(layer, module)
         if stack is None:  # no adapter of the batch adapts this module
             return y
-        h = F.linear(x.to(torch.float32), stack.a).mul_(self.mask(stack.layout))  # [rows, q_len, R]
-        if y.dtype == torch.float32:
-            y2 = y.view(-1, y.shape[-1])  # [rows * q_len, out]
-            y2.addmm_(h.view(-1, h.shape[-1]), stack.b.t())
-            return y
-        return (y.to(torch.float32) + F.linear(h, stack.b)).to(y.dtype)  # the sum in fp32, then the model's dtype
+        return add_masked_delta(x, y, stack.a, stack.b, self.mask(stack.layout))
+
+
+def row_mask(row_slot: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, R]: row i keeps the columns whose owner is its own (row_slot[i], -1: none), times their scale.
+    row_slot [rows] int64, owner [R] int64, scale [R] fp32."""
+    return ((row_slot[:, None] == owner[None, :]).to(torch.float32) * scale[None, :])[:, None]
+
+
+def add_masked_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """y [rows, q_len, out] (the base projection of x [rows, q_len, in]) plus the masked stacked deltas: a [R, in],
+    b [out, R] fp32, mask [rows, 1, R] (`row_mask`). In fp32 as PEFT; added in place when y is fp32 (`addmm_`: B's
+    GEMM and the sum in one), else summed in fp32 and cast back. The one function of both the eager batches
+    (`LoraBatch`) and the CUDA graphs' static slots (`graph_slots.GraphLoraBatch`); a column whose mask is 0 (another
+    row's adapter, a zero-padded rank) adds exactly 0."""
+    h = F.linear(x.to(torch.float32), a).mul_(mask)  # [rows, q_len, R]
+    if y.dtype == torch.float32:
+        y2 = y.view(-1, y.shape[-1])  # [rows * q_len, out]
+        y2.addmm_(h.view(-1, h.shape[-1]), b.t())
+        return y
+    return (y.to(torch.float32) + F.linear(h, b)).to(y.dtype)  # the sum in fp32, then the model's dtype
 
 
 _MISSING = object()
