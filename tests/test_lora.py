@@ -89,6 +89,12 @@ def test_engine_matches_peft_with_mixed_adapters_in_one_batch(base, adapters):
     out = eng.generate(reqs)  # all six in one engine: different adapters (and none) share the decode batches
     got = {rid: res[-1].sequences[0].token_ids for rid, res in out.items()}
     assert got == expected
+    # the CUDA graphs' path (`cuda_graph.py`, uncaptured on the CPU): LoRA rows from the static slots, the same tokens
+    graphed = Engine(base, EngineConfig(max_rows=16, kv_cache_tokens=2048, cuda_graph_lora_rank=8))
+    graphs = graphed.make_decode_graphs(capture=False)
+    out = graphed.generate([dataclasses.replace(r) for r in reqs])
+    assert {rid: res[-1].sequences[0].token_ids for rid, res in out.items()} == expected
+    assert graphs.lora_steps >= 10 and graphs.lora.loads == 2 and graphs.fallbacks == 0
     # the adapters matter: the same prompt without them answers differently
     assert expected["r0"] != reference(base, None, PROMPTS[0], max_new_tokens=12, num_beams=1)
 
