@@ -91,4 +91,5 @@ def test_memory_plan_on_the_metrics_port(qwen):
     assert value("triton_vlm_engine_memory_bytes", "kv_cache") == tokens * 2 * 2 * 2 * 16 * 4
     assert value("triton_vlm_engine_memory_bytes", "weights") > 0
     assert value("triton_vlm_engine_memory_bytes", "other") == 256 * 2**20  # the LoRA device level
+    assert value("triton_vlm_engine_memory_bytes", "cuda_graphs") == 0  # no decode CUDA graphs on a CPU
     assert value("triton_vlm_engine_memory_bytes", "limit") > value("triton_vlm_engine_memory_bytes", "kv_cache")
