@@ -16,11 +16,11 @@ It measures the activation peak of those forwards above what was held before the
   graphs, the graphs' part (`cuda_graphs`): their pool, estimated as the peak of the profile's decode step alone
   (`max_rows` rows at the full context, measured apart from the prefill's: the pool holds about the largest
   graph's activations and is kept apart from the allocator's other memory) + 96 MiB (`GRAPH_POOL_SLACK`: the
-  allocator's segment rounding, the capture stream's cuBLAS workspace), plus their buffers outside the pool
+  allocator's segment rounding, the capture stream's cuBLAS workspaces), plus their buffers outside the pool
   (`cuda_graph.static_bytes`: the shared logits [max B, vocab] fp32 and every bucket's int64 inputs) and the
   LoRA slot buffers (`graph_slots.buffer_bytes`: max_loras x cuda_graph_lora_rank x the sum over layers and
-  projections of (in + out + 1) x 4 bytes). Refused when the device's free memory at start is below that share (other
-  processes hold it), as vLLM does;
+  projections of (in + out + 1) x 4 bytes). Refused when the device's free memory at start is below that share
+  (other processes hold it), as vLLM does;
 - on a CPU: `cpu_memory_utilization` (default 0.5) x the memory available at start (MemAvailable, bounded by the
   cgroup's limit), shared between the instances, less the same terms, and at most what `max_rows` rows at the
   full context can hold at once (more could only keep idle prefix-cache blocks, in memory the host shares).
@@ -88,7 +88,7 @@ class MemoryPlan:
     state_slots: int = 0  # hybrid models: sequences whose linear-layer states are preallocated (max_rows)
     state_bytes: int = 0  # their bytes (taken before the KV cache is sized)
     graph_bytes: int = 0  # CUDA graphs of decode steps: their pool's estimate + their static buffers (0: no graphs)
-    graph_pool_bytes: int = 0  # the pool's estimate alone: the profile's decode step's own peak
+    graph_pool_bytes: int = 0  # the pool's estimate alone: the profile's decode step's own peak + GRAPH_POOL_SLACK
 
     @property
     def sequences(self) -> int:
@@ -370,7 +370,8 @@ def _refusal(plan: MemoryPlan, config, probe: MemoryProbe, need: int, left: int)
         f"activations {plan.activation_bytes / MiB:.1f} MiB (the worst case: {plan.worst.prompt_tokens} prompt "
         f"tokens with {plan.worst.images} images, {plan.worst.rows} rows), other {plan.other_bytes / MiB:.1f} MiB "
         f"(LoRA device level {config.lora_cache_device_mb} MiB), CUDA graphs {plan.graph_bytes / MiB:.1f} MiB, "
-        f"leaves {left / MiB:.2f} MiB = {plan.kv_tokens} tokens; raise {plan.rule}, lower context_length, max_rows or lora_cache_device_mb, or set kv_cache_mb")
+        f"leaves {left / MiB:.2f} MiB = {plan.kv_tokens} tokens; raise {plan.rule}, lower context_length, "
+        "max_rows or lora_cache_device_mb, or set kv_cache_mb")
 
 
 def max_image_tokens(model_dir: str | Path) -> Optional[int]:
