@@ -55,9 +55,10 @@ and captured again after the same back-off. A CUDA fault is the engine's to repo
 
 Memory (`profile.py`, part `cuda_graphs`): the pool is estimated before the KV cache is sized as the measured
 activation peak of the profile's decode step (`max_rows` rows at the full context, an upper bound of the largest
-bucket's) + `profile.GRAPH_POOL_SLACK` (segment rounding, the capture stream's cuBLAS workspaces), plus the buffers outside the pool (`static_bytes`: the shared logits and the buckets' inputs) and the LoRA
-slot buffers (`graph_slots.buffer_bytes`); the KV budget is what is left. `capture_all` measures what the captures
-reserved (`pool_bytes`, logged beside the estimate).
+bucket's) + `profile.GRAPH_POOL_SLACK` (segment rounding, the capture stream's cuBLAS workspaces), plus the buffers
+outside the pool (`static_bytes`: the shared logits and the buckets' inputs) and the LoRA slot buffers
+(`graph_slots.buffer_bytes`); the KV budget is what is left. `capture_all` measures what the captures reserved
+(`pool_bytes`, logged beside the estimate).
 
 Known limits: a step with more rows or keys than the largest bucket, or with adapters the LoRA slots cannot hold
 (a rank above `cuda_graph_lora_rank`, more distinct adapters than slots), runs the eager forward (`ModelRunner.decode`);
