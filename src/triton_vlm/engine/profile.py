@@ -15,7 +15,7 @@ It measures the activation peak of those forwards above what was held before the
   outside torch's allocator, the LoRA device level (`lora_cache_device_mb`) and, when decode steps run as CUDA
   graphs, the graphs' part (`cuda_graphs`): their pool, estimated as the peak of the profile's decode step alone
   (`max_rows` rows at the full context, measured apart from the prefill's: the pool holds about the largest
-  graph's activations and is kept apart from the allocator's other memory) + 96 MiB (`GRAPH_POOL_SLACK`: the
+  graph's activations and is kept apart from the allocator's other memory) + 128 MiB (`GRAPH_POOL_SLACK`: the
   allocator's segment rounding, the capture stream's cuBLAS workspaces), plus their buffers outside the pool
   (`cuda_graph.static_bytes`: the shared logits [max B, vocab] fp32 and every bucket's int64 inputs) and the
   LoRA slot buffers (`graph_slots.buffer_bytes`: max_loras x cuda_graph_lora_rank x the sum over layers and
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 MAX_MB_TOKENS = 1 << 20  # kv_cache_mb: at most this many tokens
 # the CUDA graphs' pool beyond the decode step's peak: the allocator's segments (2 MiB for small blocks, 20 MiB for
 # mid-size ones, large ones rounded to 2 MiB) and the capture stream's cuBLAS / cuBLASLt workspaces (up to 32 MiB each)
-GRAPH_POOL_SLACK = 96 * 2**20
+GRAPH_POOL_SLACK = 128 * 2**20
 GiB, MiB = float(2**30), float(2**20)
 
 
