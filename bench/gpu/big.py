@@ -337,7 +337,11 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
             if not graphs:
                 if engine.decode_graphs is not None:
                     g = engine.decode_graphs
-                    out["graphs_counters"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks}
+                    out["graphs_counters"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks,
+                                              "capture_failures": g.capture_failures,
+                                              "replay_errors": g.replay_errors,
+                                              "pool_mib_measured": round(g.pool_bytes / 2**20, 1),
+                                              "pool_mib_estimate": round(engine.memory.graph_pool_bytes / 2**20, 1)}
                 engine.decode_graphs = engine.scheduler.runner.graphs = None
                 if check.left() < 20:
                     check.note(f"graphs off: skipped, {check.left():.0f} s left")
