@@ -223,33 +223,37 @@ def adapter(spec, name: str, rank: int, seed: int, modules=("q_proj", "v_proj", 
 
 
 def lora_graphs(model, cache, slots: int = 2, rank: int = 4) -> DecodeGraphs:
-    return DecodeGraphs(model, cache, max_rows=8, context=CONTEXT, min_keys=8, capture=False,
+    """Captured on a GPU, uncaptured (the same code) on the CPU."""
+    return DecodeGraphs(model, cache, max_rows=8, context=CONTEXT, min_keys=8, capture=model.device.type == "cuda",
                         lora=GraphAdapters(model.config, slots, rank, model.device))
 
 
 def eager_step(model, cache, rows, tokens, row_adapters):
     """The eager forward of one decode step (runner.decode's), LoRA by `LoraBatch`."""
     x = model.embed(torch.tensor(tokens))[:, None]  # [rows, 1, hidden]
-    adapters = LoraBatch.build(list(row_adapters), StackCache(), model.device)
+    row_adapters = [None if a is None else a.to(model.device) for a in row_adapters]
+    adapters = LoraBatch.build(row_adapters, StackCache(), model.device)
     return model.forward(x, cache.plan(rows, 1), cache, adapters)  # [rows, vocab]
 
 
-def test_lora_rows_on_the_static_slots_equal_the_eager_lora_path(ckpt):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # cuda: captured
+def test_lora_rows_on_the_static_slots_equal_the_eager_lora_path(ckpt, device):
     """A step of 5 rows (bucket 8) with two adapters of ranks 2 and 4 (fp32, bf16) and rows without one: the LoRA
     rows' logits equal the eager `LoraBatch` step's to fp32 rounding (the GEMMs see every slot's columns), and
     differ from the plain step's; the rows without an adapter are the plain graph's bit for bit (they add 0)."""
-    model = LlamaModel.from_pretrained(ckpt)
+    model = LlamaModel.from_pretrained(ckpt, device=device)
     cache = model.new_cache(32, 4)
     rows, tokens = prefilled_rows(model, cache, (5, 6, 7, 3, 9))
     state = [(list(r.blocks), r.length) for r in rows]
     a = adapter(model.config, "a", 2, 1)
     b = adapter(model.config, "b", 4, 2, modules=("q_proj", "k_proj", "gate_proj"), dtype=torch.bfloat16)
-    row_adapters = [a, None, b, a, None]
+    row_adapters = [None if x is None else x.to(device) for x in (a, None, b, a, None)]
     graphs = lora_graphs(model, cache)
     plain = graphs.decode(rows, tokens)
     restore(rows, state)
     got = graphs.decode(rows, tokens, row_adapters)
-    assert graphs.static_steps == 2 and graphs.fallbacks == 0 and graphs.lora.loads == 2
+    assert graphs.static_steps + graphs.replays == 2 and graphs.fallbacks == 0 and graphs.lora.loads == 2
+    assert graphs.lora_replays == graphs.captures - 1 == (device == "cuda")  # cuda: a plain and a LoRA graph
     restore(rows, state)
     want = eager_step(model, cache, rows, tokens, row_adapters)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -259,11 +263,13 @@ def test_lora_rows_on_the_static_slots_equal_the_eager_lora_path(ckpt):
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
-def test_an_adapter_reloaded_into_a_slot_updates_results_without_new_buffers(ckpt):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # cuda: captured
+def test_an_adapter_reloaded_into_a_slot_updates_results_without_new_buffers(ckpt, device):
     """One slot: a step with adapter a, then one with b (reloaded into the same slot's buffers, the same tensors),
-    then a again: each step equals the eager step with its adapter. An adapter whose rank exceeds the slots' runs
-    eager (None, rows untouched), as does a step with more adapters than slots."""
-    model = LlamaModel.from_pretrained(ckpt)
+    then a again: each step equals the eager step with its adapter (on a GPU: one LoRA graph, captured once and
+    replayed with each). An adapter whose rank exceeds the slots' runs eager (None, rows untouched), as does a step
+    with more adapters than slots."""
+    model = LlamaModel.from_pretrained(ckpt, device=device)
     cache = model.new_cache(32, 4)
     rows, tokens = prefilled_rows(model, cache, (5, 6, 7), seed=4)
     state = [(list(r.blocks), r.length) for r in rows]
@@ -271,6 +277,7 @@ def test_an_adapter_reloaded_into_a_slot_updates_results_without_new_buffers(ckp
     slots = graphs.lora
     ptrs = [t.data_ptr() for s in slots.buffers.values() for t in (s.a, s.b, s.scale)]
     a, b = adapter(model.config, "a", 3, 5), adapter(model.config, "b", 4, 6, modules=("k_proj", "down_proj"))
+    a, b = a.to(device), b.to(device)
     for n, ad in enumerate((a, b, a)):
         restore(rows, state)
         got = graphs.decode(rows, tokens, [ad, None, ad])
@@ -278,6 +285,7 @@ def test_an_adapter_reloaded_into_a_slot_updates_results_without_new_buffers(ckp
         torch.testing.assert_close(got, eager_step(model, cache, rows, tokens, [ad, None, ad]), rtol=1e-5, atol=1e-4)
         assert slots.loads == n + 1
     assert ptrs == [t.data_ptr() for s in slots.buffers.values() for t in (s.a, s.b, s.scale)]
+    assert graphs.lora_replays == 3 * graphs.captures == 3 * (device == "cuda")
     restore(rows, state)
     lengths = [r.length for r in rows]
     assert graphs.decode(rows, tokens, [adapter(model.config, "big", 5, 7), None, None]) is None
