@@ -47,7 +47,8 @@ pay nothing for LoRA).
 Capture (`_capture`, `_record`): the bucket's buffers are first set to all padding rows (so warm-up writes only the
 scratch slot), two warm-up runs on a side stream (lazy initialisation: cuBLAS workspaces, kernel choices), then
 `torch.cuda.graph(g, pool=...)` records one run; everything in `torch.inference_mode()`. Failures never turn the
-graphs off for good: a capture that fails (an operation that cannot be captured) is logged, that graph's steps run
+graphs off for good: a capture that fails (an operation that cannot be captured, including CUDA's own capture
+errors, "operation not permitted when stream is capturing") is logged, that graph's steps run
 eager, and it is captured again after RETRY_STEPS decode steps, doubling after each failure, up to CAPTURE_TRIES
 tries (`Recorded`); the other buckets keep their graphs. A replay that raises an error that is no CUDA fault is
 counted (`replay_errors`), that step runs uncaptured on the same inputs (the same math), and the graph is dropped
@@ -329,7 +330,7 @@ class DecodeGraphs:
         try:
             graph = self._record(b, lora)
         except Exception as e:  # noqa: BLE001
-            if is_device_fault(e):
+            if is_device_fault(e) and not _capture_error(e):
                 raise
             rec.failed(self.steps)
             self.capture_failures += 1
@@ -361,6 +362,17 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._run(b, lora)
         return graph
+
+
+def _capture_error(e: BaseException) -> bool:
+    """An error of the capture itself (cudaErrorStreamCaptureUnsupported / Invalidated: "operation not permitted
+    when stream is capturing"): a CUDA error, but the context is intact (the capture, thread-local, was ended), so it
+    is a failed capture, not a device fault."""
+    while e is not None:
+        if "captur" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _reserved(device: torch.device) -> int:
