@@ -383,6 +383,23 @@ def test_the_graphs_buffers_are_what_the_profile_counts(ckpt):
     assert eng.memory.graph_bytes == 0 and engine(ckpt, padded=True, cuda_graph_lora_rank=0).decode_graphs.lora is None
 
 
+def test_the_graphs_lora_slots_fit_the_lora_device_budget(ckpt):
+    """The static slots never take more than `lora_cache_device_mb`: a 7B Llama's rank-16 slot is ~153 MiB, so the
+    default 256 MiB holds one of the 16 `max_loras` (not 2.6 GB of every deployment's KV budget), 1 GiB holds six; a
+    budget below one slot leaves LoRA steps eager (no buffers)."""
+    from dataclasses import replace
+    from triton_vlm.engine.lora.graph_slots import slot_count
+    eng = engine(ckpt, padded=True, max_loras=3, cuda_graph_lora_rank=8)
+    llama7b = replace(eng.model_config, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                      intermediate_size=11008, num_layers=32)
+    one = buffer_bytes(llama7b, 1, 16)
+    assert 150 * 2**20 < one < 155 * 2**20
+    assert [slot_count(llama7b, 16, 16, mb * 2**20) for mb in (100, 256, 1024, 4096)] == [0, 1, 6, 16]
+    small = engine(ckpt, padded=True, max_loras=3, cuda_graph_lora_rank=8, lora_cache_device_mb=1)
+    per_slot = buffer_bytes(small.model_config, 1, 8)
+    assert small.decode_graphs.lora.slots == min(3, 2**20 // per_slot)
+
+
 # --- CUDA graphs (a GPU) -------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_eager_tokens_and_are_reused(ckpt):

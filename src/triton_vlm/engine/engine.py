@@ -270,16 +270,28 @@ class Engine:
     def _graph_buffer_bytes(self) -> int:
         """Bytes of the CUDA graphs' buffers outside their pool (`cuda_graph.static_bytes`, the LoRA slots)."""
         c = self.config
-        lora = graph_slots.buffer_bytes(self.model_config, c.max_loras, c.cuda_graph_lora_rank)
+        lora = graph_slots.buffer_bytes(self.model_config, self._graph_lora_slots(), c.cuda_graph_lora_rank)
         return lora + static_bytes(self.model_config.vocab_size, min(c.cuda_graph_max_rows, c.max_rows),
                                    self.max_context, c.cuda_graph_min_keys, c.block_size)
+
+    def _graph_lora_slots(self) -> int:
+        """The CUDA graphs' static LoRA slots (`graph_slots.slot_count`): max_loras, bounded by the LoRA device budget."""
+        c = self.config
+        if not c.cuda_graph_lora_rank:
+            return 0
+        return graph_slots.slot_count(self.model_config, c.max_loras, c.cuda_graph_lora_rank,
+                                      c.lora_cache_device_mb * 2**20)
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Route decode steps through bucketed static shapes (`cuda_graph.py`), captured as CUDA graphs with
         `capture`; without, the same padded steps run uncaptured (any device: how tests check that path)."""
         c = self.config
-        lora = GraphAdapters(self.model_config, c.max_loras, c.cuda_graph_lora_rank, self.model.device) \
-            if c.cuda_graph_lora_rank else None  # LoRA steps inside the graphs: static slots
+        slots = self._graph_lora_slots()
+        if c.cuda_graph_lora_rank and not slots:
+            log.info("LoRA steps run eager: one static adapter slot of rank %d does not fit lora_cache_device_mb=%d",
+                     c.cuda_graph_lora_rank, c.lora_cache_device_mb)
+        lora = GraphAdapters(self.model_config, slots, c.cuda_graph_lora_rank, self.model.device) \
+            if slots else None  # LoRA steps inside the graphs: static slots
         graphs = DecodeGraphs(self.model, self.cache, max_rows=min(c.cuda_graph_max_rows, c.max_rows),
                               context=self.max_context, min_keys=c.cuda_graph_min_keys, capture=capture, lora=lora)
         self.decode_graphs = self.scheduler.runner.graphs = graphs

@@ -8,7 +8,8 @@ of every layer),
     b [out, S * r]   fp32: slot s's B in the same columns, zero past its rank
     scale [S * r]    fp32: the adapter's scale in its rank's columns, 0 elsewhere (and in an empty slot)
 
-S = `max_loras` (the engine's device adapter slots), r = `cuda_graph_lora_rank`. A step's rows name their slot in
+S = `max_loras` (the engine's device adapter slots) or fewer: as many as fit `lora_cache_device_mb` (`slot_count`),
+r = `cuda_graph_lora_rank`. A step's rows name their slot in
 one more int64 column of the step's input buffer (`cuda_graph.Bucket.lora_slots`, -1: no adapter), and each projection
 adds `lora.add_masked_delta(x, y, a, b, row_mask(slots, owner, scale))`: the same function, in the same order of
 operations, as the eager batches (`lora.LoraBatch`), over every slot's columns. A column of another slot or past an
@@ -38,6 +39,14 @@ from ...lora.format import MODULE_IDS, Adapter, module_shape
 from .lora import add_masked_delta, row_mask
 
 F32 = torch.float32
+
+
+def slot_count(spec, max_loras: int, rank: int, budget_bytes: int) -> int:
+    """How many static slots of rank `rank` the graphs hold: `max_loras`, fewer where they would not fit the LoRA
+    device budget (`lora_cache_device_mb`): a 7B Llama's slot of rank 16 is ~153 MiB in fp32, so the default 256 MiB
+    holds one (raise the budget for more). 0 (no LoRA graphs) where not even one fits."""
+    one = buffer_bytes(spec, 1, rank)
+    return min(max_loras, budget_bytes // one) if one else 0
 
 
 def buffer_bytes(spec, slots: int, rank: int) -> int:
