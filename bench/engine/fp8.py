@@ -43,10 +43,10 @@ BLOCK = (128, 128)
 def fp8_bench_model() -> tuple[Path, Path]:
     """(the fp32 benchmark model, its block-wise FP8 copy), built and cached."""
     from bench.common.model import ensure_bench_model
-    from triton_vlm.demo.fp8_checkpoint import quantize_checkpoint
+    from triton_vlm.demo.fp8_checkpoint import VERSION, quantize_checkpoint
 
     base = ensure_bench_model(verbose=False)
-    out = base.with_name(base.name + "-fp8-block128")
+    out = base.with_name(f"{base.name}-fp8-block128-v{VERSION}")
     if not (out / "model.safetensors").is_file():
         quantize_checkpoint(base, out, "fp8-block", BLOCK)
     return base, out
