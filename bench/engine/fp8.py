@@ -1,7 +1,8 @@
 """One-stream decode rate and resident memory: the benchmark model's fp32 weights against the same weights quantized
-to block-wise FP8 (Qwen's `-FP8` layout, [128, 128] blocks).
+to block-wise FP8 (Qwen's `-FP8` layout, [128, 128] blocks; the embedding, lm_head, norms and vision tower in bf16
+as the releases store them) and against the same weights in bf16 (a plain bf16 release), each served in fp32.
 
-    python -m bench.engine.fp8                   # both, 3 greedy requests of 64 tokens each, JSON + one line each
+    python -m bench.engine.fp8                   # every side, 3 greedy requests of 64 tokens each, JSON + a line each
 
 Each side runs in its own process (so its resident memory is its own): `triton_vlm.engine.Engine` on the
 checkpoint, driven directly (no Triton), greedy requests one at a time with random image features; the rate is
@@ -9,12 +10,15 @@ decoded tokens (all but the first, which the prefill gives) / the time after the
 process's peak resident set (`ru_maxrss`), the resident set the engine's load and run add (VmRSS after the run
 minus VmRSS before the engine, torch and transformers already imported; with and without the KV cache), and the
 bytes of the engine's weight tensors, all of them and the decoder's projections alone (what the checkpoint
-quantizes: the embedding and lm_head stay as it stores them).
+quantizes: the embedding and lm_head stay as it stores them). Every side has the same 4,096-token KV cache, so the
+growth is also given without it.
 
-Where the FP8 gemv (`engine/cpu/gemv_fp8.py`) builds and wins its race, the FP8 checkpoint's projections stay
-e4m3 in memory and decode reads them by that kernel (the C decode forward included); prefill dequantizes a few
-MiB of them at a time; elsewhere they are dequantized once at load (`quant/dequant.py`), as before (then 19.8 vs
-20.9 tok/s, 903 vs 919 MiB). Issue 38's target: >= 1.5x the rate, <= 0.35x the memory.
+The sides: `fp32` (the bench model), `bf16` (its tensors in bf16; the 16-bit gemv, `engine/cpu/gemv_bf16.py`, keeps
+every matrix bf16 and computes in fp32), `fp8` (the FP8 copy: projections e4m3 by the FP8 gemv,
+`engine/cpu/gemv_fp8.py`, embedding and lm_head bf16 by the 16-bit gemv) and `fp8-upcast` (the same with
+`TRITON_VLM_CPU_GEMV_BF16=0`: embedding and lm_head upcast to fp32 at load, as before). A kernel that does not
+build or lose its race here leaves those weights dequantized / upcast at load (the JSON's `held` says what was
+held). Issue 38's target: FP8 >= 1.5x fp32's rate, <= 0.35x its memory.
 
     python -m bench.engine.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
 
@@ -38,6 +42,25 @@ from pathlib import Path
 import torch
 
 BLOCK = (128, 128)
+
+
+def bf16_copy(base: Path) -> Path:
+    """`base` with every floating tensor in bf16 (a plain bf16 release), built and cached beside it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = base.with_name(base.name + "-bf16")
+    if not (out / "model.safetensors").is_file():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("*.safetensors*", "*.bin", ".complete"))
+        tensors = {}
+        for f in sorted(base.glob("*.safetensors")):
+            tensors |= load_file(str(f))
+        save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tmp.rename(out)
+    return out
 
 
 def fp8_bench_model() -> tuple[Path, Path]:
@@ -84,7 +107,8 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
         if i:
             rates.append((tokens - 1) / (stamps[-1] - stamps[0]))
             firsts.append(stamps[0] - t_submit)
-    return {"model": str(model_dir), "tok_s": sorted(rates)[len(rates) // 2], "rates": rates,
+    return {"model": str(model_dir), "held": engine.model.weights_held(), "tok_s": sorted(rates)[len(rates) // 2],
+            "rates": rates,
             "prompt_tokens": len(ids), "first_token_s": sorted(firsts)[len(firsts) // 2],
             "weight_bytes": weight_bytes(engine), "linear_bytes": linear_bytes(engine),
             "kv_bytes": engine.cache.k.numel() * engine.cache.k.element_size() * 2,
@@ -112,7 +136,7 @@ def linear_bytes(engine) -> int:
     """Bytes of the decoder layers' projections alone (what the checkpoint quantizes; not the embedding, lm_head)."""
     from triton_vlm.engine.cpu import gemm
 
-    lins = [lin for layer in engine.model.layers for lin in layer.linears()]
+    lins = [lin for layer in engine.model.layers for lin in layer.linears()]  # (bf16 ones: gemm.nbytes counts 2 B)
     return sum(gemm.nbytes(lin.weight) + (lin.fp8_packed.scale.numel() * 4 if lin.fp8_packed is not None else 0)
                for lin in lins)
 
@@ -179,31 +203,40 @@ def main(argv: list[str] | None = None) -> int:
               f"{out['projection_bytes']['fp32'] / 2**20:.1f} vs {out['projection_bytes']['fp8'] / 2**20:.1f} MiB")
         return 0
     fp32, fp8 = fp8_bench_model()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = {}
-    for name, path in (("fp32", fp32), ("fp8", fp8)):
+    sides = {"fp32": (fp32, {}), "bf16": (bf16_copy(fp32), {}), "fp8": (fp8, {}),
+             "fp8-upcast": (fp8, {"TRITON_VLM_CPU_GEMV_BF16": "0"})}
+    out = {"load_average_before": os.getloadavg()}
+    for name, (path, extra) in sides.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
         proc = subprocess.run([sys.executable, "-m", "bench.engine.fp8", "--one", str(path), "--requests", str(a.requests),
                                "--tokens", str(a.tokens)], env=env, capture_output=True, text=True, check=True)
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["ratio"] = {"tok_s": out["fp8"]["tok_s"] / out["fp32"]["tok_s"],
-                    "max_rss": out["fp8"]["max_rss_bytes"] / out["fp32"]["max_rss_bytes"],
-                    "weight_bytes": out["fp8"]["weight_bytes"] / max(1, out["fp32"]["weight_bytes"]),
-                    "linear_bytes": out["fp8"]["linear_bytes"] / max(1, out["fp32"]["linear_bytes"]),
-                    "rss_growth": out["fp8"]["rss_growth_bytes"] / max(1, out["fp32"]["rss_growth_bytes"]),
-                    "rss_growth_without_kv": (out["fp8"]["rss_growth_bytes"] - out["fp8"]["kv_bytes"])
-                    / max(1, out["fp32"]["rss_growth_bytes"] - out["fp32"]["kv_bytes"])}
-    out["checkpoint_bytes"] = {"fp32": file_bytes(fp32), "fp8": file_bytes(fp8)}
+    out["ratio"] = {name: ratios(out[name], out["fp32"]) for name in sides if name != "fp32"}
+    out["checkpoint_bytes"] = {name: file_bytes(path) for name, (path, _) in sides.items()}
     out["load_average"] = os.getloadavg()
     print(json.dumps(out, indent=2))
-    for name in ("fp32", "fp8"):
+    for name in sides:
         r = out[name]
-        print(f"{name}: {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f} MiB "
-              f"(+{r['rss_growth_bytes'] / 2**20:.0f} MiB from loading the engine, of which KV cache "
+        print(f"{name} (held {r['held']}): {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f}"
+              f" MiB (+{r['rss_growth_bytes'] / 2**20:.0f} MiB from loading the engine, of which KV cache "
               f"{r['kv_bytes'] / 2**20:.0f} MiB), weights {r['weight_bytes'] / 2**20:.1f} MiB (projections "
               f"{r['linear_bytes'] / 2**20:.1f} MiB), prefill of {r['prompt_tokens']} tokens "
               f"{r['first_token_s'] * 1e3:.0f} ms")
-    print("fp8 / fp32: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratio"].items()))
+    for name, r in out["ratio"].items():
+        print(f"{name} / fp32: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     return 0
+
+
+def ratios(side: dict, fp32: dict) -> dict:
+    """One side's figures over fp32's (rate: higher is better; bytes and time: lower is)."""
+    return {"tok_s": side["tok_s"] / fp32["tok_s"],
+            "weight_bytes": side["weight_bytes"] / max(1, fp32["weight_bytes"]),
+            "linear_bytes": side["linear_bytes"] / max(1, fp32["linear_bytes"]),
+            "rss_growth": side["rss_growth_bytes"] / max(1, fp32["rss_growth_bytes"]),
+            "rss_growth_without_kv": (side["rss_growth_bytes"] - side["kv_bytes"])
+            / max(1, fp32["rss_growth_bytes"] - fp32["kv_bytes"]),
+            "max_rss": side["max_rss_bytes"] / fp32["max_rss_bytes"],
+            "prefill_s": side["first_token_s"] / fp32["first_token_s"]}
 
 
 if __name__ == "__main__":

@@ -18,9 +18,13 @@ dequantization computes in the scale's dtype (bf16 scales round `q * s` to bf16)
 scales, so `pack` takes fp32 scales only and the caller keeps the dequantized path for the others. The two NaN
 codes (0x7f, 0xff) are refused by `pack` (they would read as 480).
 
-Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` of fp32 at a time (a group of 64-output
-blocks, transposed, by `triton_vlm_fp8_dequantize_t`) and takes each chunk's product by torch, so the whole fp32
-matrix never exists. The C whole-step decode forward (`cpu_forward.py`) calls `triton_vlm_gemv_fp8` itself.
+Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` (1 MiB) of fp32 at a time (a group of
+64-output blocks, transposed, by `triton_vlm_fp8_dequantize_t`, row by row of the chunk with a table of its scales)
+into a scratch buffer each thread keeps (`chunked_matmul`), and takes each chunk's product by torch while the chunk
+is still in the core's L2, so the whole fp32 matrix never exists. Before (a fresh 4 MiB tensor per chunk, written
+column strip by column strip) a 29-token prefill of the bench model took 63 ms against fp32's 44 ms
+(docs/performance.md has the figures now). The C whole-step decode forward (`cpu_forward.py`) calls
+`triton_vlm_gemv_fp8` itself.
 
 Build, check and fallback as `gemv.py` (`cbuild.py`): `csrc/gemv_fp8.c`, built once per machine; `check`
 compares its conversion of all 256 codes with torch's (a build that flushes denormals fails it) and its products
@@ -45,7 +49,7 @@ log = logging.getLogger(__name__)
 ENV = "TRITON_VLM_CPU_GEMV_FP8"
 MAX_ROWS = 4
 BLOCK = 64
-CHUNK_BYTES = 4 << 20  # a prefill product's dequantized weight is made this many fp32 bytes at a time (`matmul`)
+CHUNK_BYTES = 1 << 20  # a prefill product's weight is made this many fp32 bytes at a time (`chunked_matmul`: in L2)
 E4M3 = torch.float8_e4m3fn
 
 

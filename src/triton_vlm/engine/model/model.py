@@ -410,18 +410,19 @@ class LlamaModel:
         return out
 
     def weights_held(self) -> str:
-        """The dtypes the weight matrices are kept in, "+"-joined, the decoder's projections' first, then the
-        lm_head's and the embedding's where they differ: "float32"; "float8_e4m3fn" (an FP8 checkpoint's
-        projections, read by the FP8 gemv) + "bfloat16" (its unquantized lm_head and embedding kept as stored,
-        `gemv_bf16.py`) + "float32" where some were dequantized / upcast at load; "bfloat16" for a bf16
-        checkpoint served in fp32 with every matrix kept as stored."""
+        """How the weight matrices are kept in memory, "+"-joined: the decoder's projections' dtypes ("float8_e4m3fn"
+        for an FP8 checkpoint's read by the FP8 gemv; the model's dtype for those dequantized or cast at load;
+        "bfloat16" / "float16" for a checkpoint's kept as stored on an fp32 CPU model, `gemv_bf16.py`), then the
+        lm_head's and the embedding's where they are not the model's dtype: "float8_e4m3fn+bfloat16" for an FP8
+        release whose unquantized embedding and lm_head are kept bf16; "float32" for an fp32 model."""
         def held(lin: Linear) -> str:
             if lin.fp8_packed is not None or lin.fp8_device is not None:
                 return "float8_e4m3fn"
             return str(lin.half_packed.dtype if lin.half_packed is not None else self.dtype).removeprefix("torch.")
 
+        dtype = str(self.dtype).removeprefix("torch.")
         names = [held(lin) for layer in self.layers for lin in layer.linears()]
-        names += [held(self.lm_head), str(self.embed_tokens.dtype).removeprefix("torch.")]
+        names += [n for n in (held(self.lm_head), str(self.embed_tokens.dtype).removeprefix("torch.")) if n != dtype]
         return "+".join(dict.fromkeys(names))
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
