@@ -8,7 +8,9 @@ Each side runs in its own process (so its resident memory is its own): `triton_v
 checkpoint, driven directly (no Triton), greedy requests one at a time with random image features; the rate is
 decoded tokens (all but the first, which the prefill gives) / the time after the first token; memory is the
 process's peak resident set (`ru_maxrss`), the resident set the engine's load and run add (VmRSS after the run
-minus VmRSS before the engine, torch and transformers already imported; with and without the KV cache), and the
+minus VmRSS before the engine, torch and transformers already imported; with and without the KV cache), the
+anonymous memory they add once glibc gives the freed heap back (`malloc_trim`, as the server's KV profile does
+at load; libraries' file pages left out), and the
 bytes of the engine's weight tensors, all of them and the decoder's projections alone (what the checkpoint
 quantizes: the embedding and lm_head stay as it stores them). Every side has the same 4,096-token KV cache, so the
 growth is also given without it.
@@ -84,7 +86,7 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
     from transformers import AutoTokenizer  # noqa: F401 - imported before `rss_before`: the same on both sides
 
     from triton_vlm.engine.engine import Engine  # noqa: F401
-    rss_before = rss_now()
+    rss_before, anon_before = rss_now(), anon_now()
     engine = make_engine(model_dir, max_rows=4, kv_tokens=4096)
     _ENGINE_DIRS[id(engine)] = model_dir
     ids = prompt_ids(engine)
@@ -113,7 +115,25 @@ def measure(model_dir: Path, requests: int, tokens: int) -> dict:
             "weight_bytes": weight_bytes(engine), "linear_bytes": linear_bytes(engine),
             "kv_bytes": engine.cache.k.numel() * engine.cache.k.element_size() * 2,
             "rss_before_load_bytes": rss_before, "rss_growth_bytes": rss_now() - rss_before,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "anon_growth_trimmed_bytes": trimmed_anon() - anon_before}
+
+
+def trimmed_anon() -> int:
+    """The process's anonymous resident memory after glibc's malloc_trim (what the server's KV profile does at
+    load, `engine/profile.py`): the heap the load freed is given back, file pages (libraries) left out."""
+    from triton_vlm.engine.profile import _malloc_trim
+
+    _malloc_trim()
+    return anon_now()
+
+
+def anon_now() -> int:
+    """Anonymous resident bytes (`/proc/self/smaps_rollup`)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def rss_now() -> int:
@@ -219,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         r = out[name]
         print(f"{name} (held {r['held']}): {r['tok_s']:.1f} tok/s one stream, peak RSS {r['max_rss_bytes'] / 2**20:.0f}"
               f" MiB (+{r['rss_growth_bytes'] / 2**20:.0f} MiB from loading the engine, of which KV cache "
-              f"{r['kv_bytes'] / 2**20:.0f} MiB), weights {r['weight_bytes'] / 2**20:.1f} MiB (projections "
+              f"{r['kv_bytes'] / 2**20:.0f} MiB; anonymous after malloc_trim +{r['anon_growth_trimmed_bytes'] / 2**20:.0f}"
+              f" MiB), weights {r['weight_bytes'] / 2**20:.1f} MiB (projections "
               f"{r['linear_bytes'] / 2**20:.1f} MiB), prefill of {r['prompt_tokens']} tokens "
               f"{r['first_token_s'] * 1e3:.0f} ms")
     for name, r in out["ratio"].items():
@@ -235,6 +256,8 @@ def ratios(side: dict, fp32: dict) -> dict:
             "rss_growth": side["rss_growth_bytes"] / max(1, fp32["rss_growth_bytes"]),
             "rss_growth_without_kv": (side["rss_growth_bytes"] - side["kv_bytes"])
             / max(1, fp32["rss_growth_bytes"] - fp32["kv_bytes"]),
+            "anon_growth_trimmed_without_kv": (side["anon_growth_trimmed_bytes"] - side["kv_bytes"])
+            / max(1, fp32["anon_growth_trimmed_bytes"] - fp32["kv_bytes"]),
             "max_rss": side["max_rss_bytes"] / fp32["max_rss_bytes"],
             "prefill_s": side["first_token_s"] / fp32["first_token_s"]}
 
