@@ -18,9 +18,10 @@ growth is also given without it.
 The sides: `fp32` (the bench model), `bf16` (its tensors in bf16; the 16-bit gemv, `engine/cpu/gemv_bf16.py`, keeps
 every matrix bf16 and computes in fp32), `fp8` (the FP8 copy: projections e4m3 by the FP8 gemv,
 `engine/cpu/gemv_fp8.py`, embedding and lm_head bf16 by the 16-bit gemv) and `fp8-upcast` (the same with
-`TRITON_VLM_CPU_GEMV_BF16=0`: embedding and lm_head upcast to fp32 at load, as before). A kernel that does not
-build or lose its race here leaves those weights dequantized / upcast at load (the JSON's `held` says what was
-held). Issue 38's target: FP8 >= 1.5x fp32's rate, <= 0.35x its memory.
+`TRITON_VLM_CPU_GEMV_BF16=0`: embedding and lm_head upcast to fp32 at load, as before). Every side runs its C
+kernels wherever they build and check (`FORCED`; `--auto` lets each process's races decide, which on a loaded
+machine can leave one side on oneDNN); the JSON's `held` says what each side held. `--rounds N` alternates the
+sides N times and keeps each side's best rate and prefill. Issue 38's target: FP8 >= 1.5x fp32's rate, <= 0.35x its memory.
 
     python -m bench.engine.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
 
@@ -44,6 +45,9 @@ from pathlib import Path
 import torch
 
 BLOCK = (128, 128)
+# every side's C kernels on wherever they build and check (switch "1"), so that a race one side's process lost to
+# other load does not decide its path (`--auto`: the switches as the environment sets them, races deciding)
+FORCED = {f"TRITON_VLM_CPU_{k}": "1" for k in ("GEMV", "DECODE", "FORWARD", "GEMV_FP8", "GEMV_BF16")}
 
 
 def bf16_copy(base: Path) -> Path:
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times, keep each's best")
+    ap.add_argument("--auto", action="store_true", help="the kernels' switches as set (default: all forced on)")
     ap.add_argument("--kernels", action="store_true", help="time one decode step's products only (doc)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this checkpoint only
     a = ap.parse_args(argv)
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"load_average_before": os.getloadavg(), "rounds": a.rounds}
     for _ in range(a.rounds):  # the sides alternate; each keeps its fastest round's rate and prefill (other load)
         for name, (path, extra) in sides.items():
-            env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+            env = dict(os.environ, OMP_NUM_THREADS="1", **({} if a.auto else FORCED), **extra)
             proc = subprocess.run([sys.executable, "-m", "bench.engine.fp8", "--one", str(path), "--requests",
                                    str(a.requests), "--tokens", str(a.tokens)], env=env, capture_output=True, text=True,
                                   check=True)
