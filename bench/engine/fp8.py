@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"load_average_before": os.getloadavg(), "rounds": a.rounds}
     for _ in range(a.rounds):  # the sides alternate; each keeps its fastest round's rate and prefill (other load)
         for name, (path, extra) in sides.items():
-            env = dict(os.environ, OMP_NUM_THREADS="1", **({} if a.auto else FORCED), **extra)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if a.auto else FORCED), **extra}
             proc = subprocess.run([sys.executable, "-m", "bench.engine.fp8", "--one", str(path), "--requests",
                                    str(a.requests), "--tokens", str(a.tokens)], env=env, capture_output=True, text=True,
                                   check=True)
