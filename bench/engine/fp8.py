@@ -24,6 +24,11 @@ machine can leave one side on oneDNN); the JSON's `held` says what each side hel
 sides N times and keeps each side's best rate and prefill. Issue 38's target: FP8 >= 1.5x fp32's rate, <= 0.35x its memory.
 
     python -m bench.engine.fp8 --kernels         # the products of one decode step: fp32 gemv vs the FP8 gemv
+    python -m bench.engine.fp8 --steps           # the 4 sides' decode step and prefill alternated in one process
+
+`--steps` loads the four sides' models in one process (`LlamaModel`, kernels forced on) and times a prefill of 29
+tokens and the decode step after it, side after side, 40 rounds, keeping each side's fastest: on a machine loaded
+by other work the whole-process rates above swing 2x between rounds, the fastest step of many does not.
 
 `--kernels` times the projection products of one one-stream decode step of the benchmark model's shapes (per
 layer the C forward's fused qkv, o, fused gate_up and down; the lm_head, left unquantized by the checkpoint, in
@@ -204,6 +209,41 @@ def kernel_step(rounds: int = 30) -> dict:
             "lm_head_bytes_fp32": BENCH_SPEC["vocab_size"] * h * 4, "fp8_race": vars(fp8k.race) if fp8k.race else None}
 
 
+def step_times(rounds: int = 40, prompt: int = 29) -> dict:
+    """The four sides' models in one process (`LlamaModel`, no engine), a decode step of one row and a prefill of
+    `prompt` tokens timed alternately, side after side, `rounds` times: each side's fastest (other processes' load
+    slows a side only in some rounds; the fastest is the one they left alone)."""
+    import math
+
+    from triton_vlm.engine.cpu import gemv_bf16
+    from triton_vlm.engine.model.model import LlamaModel
+
+    torch.set_num_threads(1)
+    os.environ.update(FORCED)
+    fp32, fp8 = fp8_bench_model()
+    models = {}
+    for name, path, bf16 in (("fp32", fp32, "1"), ("bf16", bf16_copy(fp32), "1"), ("fp8", fp8, "1"),
+                             ("fp8-upcast", fp8, "0")):
+        os.environ[gemv_bf16.ENV] = bf16
+        gemv_bf16._once.reset()
+        models[name] = LlamaModel.from_pretrained(path)
+    ids = torch.randint(3, 8000, (1, prompt), generator=torch.Generator().manual_seed(0))
+    best = {name: [math.inf, math.inf] for name in models}  # [decode step s, prefill s]
+    for _ in range(rounds):
+        for name, m in models.items():
+            cache = m.new_cache(prompt // 4 + 4, 4)
+            row = cache.new_row()
+            t0 = time.perf_counter()
+            m.forward(m.embed(ids), cache.plan([row], prompt), cache)
+            t1 = time.perf_counter()
+            m.forward(m.embed(ids[:, :1]), cache.plan([row], 1), cache)
+            t2 = time.perf_counter()
+            best[name] = [min(best[name][0], t2 - t1), min(best[name][1], t1 - t0)]
+    return {name: {"held": models[name].weights_held(), "c_forward": models[name].c_forward() is not None,
+                   "decode_step_ms": b[0] * 1e3, "tok_s": 1 / b[0], "prefill_ms": b[1] * 1e3}
+            for name, b in best.items()}
+
+
 def file_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
@@ -215,10 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times, keep each's best")
     ap.add_argument("--auto", action="store_true", help="the kernels' switches as set (default: all forced on)")
     ap.add_argument("--kernels", action="store_true", help="time one decode step's products only (doc)")
+    ap.add_argument("--steps", action="store_true", help="the sides' decode step and prefill alternated in one "
+                    "process, fastest of --rounds (default 40)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this checkpoint only
     a = ap.parse_args(argv)
     if a.one:
         print(json.dumps(measure(Path(a.one), a.requests, a.tokens)))
+        return 0
+    if a.steps:
+        out = {"sides": step_times(a.rounds if a.rounds > 1 else 40), "load_average": os.getloadavg()}
+        print(json.dumps(out, indent=2))
+        for name, r in out["sides"].items():
+            print(f"{name} (held {r['held']}, C forward {r['c_forward']}): decode step {r['decode_step_ms']:.2f} ms "
+                  f"({r['tok_s']:.1f} tok/s, {r['tok_s'] / out['sides']['fp32']['tok_s']:.2f}x fp32), prefill of 29 "
+                  f"tokens {r['prefill_ms']:.1f} ms ({r['prefill_ms'] / out['sides']['fp32']['prefill_ms']:.2f}x)")
         return 0
     if a.kernels:
         out = kernel_step()
