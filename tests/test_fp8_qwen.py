@@ -20,6 +20,7 @@ import torch
 from qwen_vl_cases import NATIVE, Reference, pil, png
 
 FP8_ENV = "TRITON_VLM_CPU_GEMV_FP8"
+BF16_ENV = "TRITON_VLM_CPU_GEMV_BF16"  # the unquantized bf16 embedding / lm_head kept bf16 (`gemv_bf16.py`)
 NEW = 8
 PROMPT = f"<|im_start|>user\n{NATIVE}What is this?<|im_end|>\n<|im_start|>assistant\n"
 IMAGES = [png((100, 60), seed=301), png((40, 120), seed=302)]
@@ -62,12 +63,13 @@ def qwen3_fp8(tmp_path_factory):
     from conftest import _start_server, _stop_server
 
     ref = _reference("qwen3_vl")
-    old = os.environ.get(FP8_ENV)
-    os.environ[FP8_ENV] = "1"
+    old = {env: os.environ.get(env) for env in (FP8_ENV, BF16_ENV)}
+    os.environ.update({env: "1" for env in old})
     try:
         server = _start_server(tmp_path_factory, ref.model_dir, {}, "fp8-qwen3")
     finally:
-        os.environ.pop(FP8_ENV) if old is None else os.environ.__setitem__(FP8_ENV, old)
+        for env, value in old.items():
+            os.environ.pop(env) if value is None else os.environ.__setitem__(env, value)
     yield server, ref
     _stop_server(server)
 
@@ -98,7 +100,9 @@ def test_live_qwen3_vl_fp8_equals_transformers_dequantized(qwen3_fp8, tmp_path):
     assert len(info) == 1 and 'weights="fp8-e4m3 (block 16x16 weight_scale_inv), computed as its float32 ' \
         'dequantization"' in info[0] and info[0].endswith(" 1"), info
     if "fp8 decode gemv kernel not used" not in log:  # (a machine without it serves the dequantized weights)
-        assert "kept in e4m3" in log and 'held="float8_e4m3fn"' in info[0], (info, log[-3000:])
+        assert "kept in e4m3" in log and 'held="float8_e4m3fn' in info[0], (info, log[-3000:])
+    if "bf16 decode gemv kernel not used" not in log:  # the file's bf16 embedding and lm_head held as stored
+        assert "kept as stored" in log and '+bfloat16"' in info[0], (info, log[-3000:])
 
 
 # --- in process: the engine on the block-FP8 Qwen2.5-VL ---------------------------------------------------------
@@ -112,7 +116,9 @@ def test_engine_on_qwen2_5_vl_fp8_equals_transformers_and_profiles_e4m3_bytes(fp
                                              enable_prefix_caching=False))
     try:
         lins = [lin for layer in eng.model.layers for lin in layer.linears()]
-        assert all(lin.fp8_packed is not None for lin in lins) and eng.weights_info["held"] == "float8_e4m3fn"
+        held = eng.weights_info["held"]  # (+bfloat16: the embedding and lm_head, where the 16-bit gemv won its race)
+        assert all(lin.fp8_packed is not None for lin in lins) and held in ("float8_e4m3fn+bfloat16",
+                                                                           "float8_e4m3fn"), held
         fp32_bytes = sum(4 * lin.fp8_packed.n * lin.fp8_packed.k for lin in lins)
         fp8_bytes = sum(lin.fp8_packed.nbytes for lin in lins)  # e4m3 (outputs padded to 64) + fp32 scales
         assert eng.memory.weights_bytes == model_bytes(eng.model)

@@ -139,7 +139,7 @@ def test_prefill_products_dequantize_a_chunk_of_rows_at_a_time(fp8k, monkeypatch
     monkeypatch.setattr(gemv_fp8, "CHUNK_BYTES", 2 * 64 * k * 4)
     widths = []
     deq = fp8k.dequantize_t
-    monkeypatch.setattr(fp8k, "dequantize_t", lambda w, a, b: widths.append(b - a) or deq(w, a, b))
+    monkeypatch.setattr(fp8k, "dequantize_t", lambda w, a, b, out=None: widths.append(b - a) or deq(w, a, b, out))
     x, bias = torch.randn(9, k), torch.randn(n)
     for b in (None, bias):
         torch.testing.assert_close(fp8k.matmul(x, w8, b), torch.nn.functional.linear(x, dense, b), rtol=1e-5,

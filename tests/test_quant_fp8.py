@@ -150,24 +150,28 @@ def _hf(model, processor, image: bytes, **kw) -> list[list[int]]:
 
 
 def test_engine_on_block_fp8_llava_equals_transformers_dequantized(monkeypatch):
-    """Greedy, beam 3 with 3 sequences and seeded sampling on the engine (projections in e4m3) equal transformers
-    on the dequantized model, fed transformers' own image features; the same files with their scales ignored (what
-    main served before issue 38) give other tokens."""
+    """Greedy, beam 3 with 3 sequences and seeded sampling on the engine (projections in e4m3; the embedding and
+    lm_head, bf16 in the file as in Qwen's releases, kept bf16 by the 16-bit gemv) equal transformers on the
+    dequantized model in fp32, fed transformers' own image features; the same files with their scales ignored
+    (what main served before issue 38) give other tokens."""
     from transformers import AutoProcessor
 
     from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
-    from triton_vlm.engine.cpu import gemv_fp8
+    from triton_vlm.engine.cpu import gemv_bf16, gemv_fp8
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.params import GenerationParams, GenerationRequest
 
     path = ensure_fp8_checkpoint("llava", "fp8-block")
     model, processor = _reference(path, "fp8-block"), AutoProcessor.from_pretrained(str(path))
     monkeypatch.setenv(FP8_ENV, "1")  # the FP8 gemv wherever it builds and checks, whatever a race says
+    monkeypatch.setenv(gemv_bf16.ENV, "1")  # and the 16-bit one
     gemv_fp8._once.reset()
+    gemv_bf16._once.reset()
     try:
         eng = Engine(path, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=8, enable_prefix_caching=False))
     finally:
         gemv_fp8._once.reset()
+        gemv_bf16._once.reset()
 
     def run(rid: str, image: bytes, **params) -> list[list[int]]:
         x = _inputs(processor, image)
@@ -183,8 +187,11 @@ def test_engine_on_block_fp8_llava_equals_transformers_dequantized(monkeypatch):
         return [seq.token_ids for seq in last.sequences]
 
     try:
-        kept = eng.weights_info["held"] == "float8_e4m3fn"
-        assert kept or gemv_fp8.kernel() is None  # (a machine without the kernel serves the dequantized weights)
+        held = eng.weights_info["held"]
+        assert held.startswith("float8_e4m3fn") or gemv_fp8.kernel() is None  # (else: the dequantized weights)
+        if gemv_bf16.kernel() is not None:  # the unquantized bf16 matrices kept as stored, in the label too
+            assert held.endswith("+bfloat16") and eng.model.embed_tokens.dtype == torch.bfloat16, held
+            assert eng.model.lm_head.half_packed is not None and eng.model.lm_head.weight.dtype == torch.bfloat16
         img = _image(1)
         greedy = run("greedy", img)
         beams = run("beams", _image(2), beam_width=3, num_return_sequences=3)

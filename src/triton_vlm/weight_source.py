@@ -167,6 +167,15 @@ class TensorSource:
             return None
         return Fp8Weight.of(q, scale, None)
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype a tensor is stored in, as safetensors names it ("BF16", "F32", ...; a .bin's torch dtype's
+        name), read from the header without loading the tensor."""
+        path, key = self.files[name]
+        h = self._handle(path)
+        if hasattr(h, "get_slice"):
+            return str(h.get_slice(key).get_dtype())
+        return {torch.bfloat16: "BF16", torch.float16: "F16"}.get(self._read(path, key).dtype, "other")
+
     def _read(self, path: Path, key: str) -> torch.Tensor:
         h = self._handle(path)
         if hasattr(h, "get_tensor"):

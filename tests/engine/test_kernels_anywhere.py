@@ -57,7 +57,7 @@ LEVELS = ["native", "x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64"] if X86 else
 
 
 @pytest.mark.parametrize("march", LEVELS)
-@pytest.mark.parametrize("source", ["gemv.c", "decode.c", "forward.c", "gemv_fp8.c"])
+@pytest.mark.parametrize("source", ["gemv.c", "decode.c", "forward.c", "gemv_fp8.c", "gemv_bf16.c"])
 def test_every_source_compiles_without_a_warning(tmp_path, source, march):
     assert CC is not None, "the CI machines and the images have a C compiler (deploy/docker)"
     proc = subprocess.run([CC, "-O3", f"-march={march}", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",

@@ -2,8 +2,10 @@
 
 `quantize_checkpoint(src, out, fmt)` writes `src`'s tensors under their own keys (the hub layout stays the hub
 layout: the renames must apply to the scales too), the decoder's linear layers quantized to float8_e4m3fn with
-their scales beside them, every other tensor (embeddings, norms, lm_head, vision tower, projector) as it is, and
-the other files copied, config.json gaining the format's `quantization_config`:
+their scales beside them, every other floating tensor (embeddings, norms, lm_head, vision tower, projector) in
+bfloat16 as the releases store what they leave unquantized (Qwen's `-FP8` checkpoints, llm-compressor's output of
+a bf16 model; the bases are fp32: both the engine and `transformers` then read the same bf16 values), and the
+other files copied, config.json gaining the format's `quantization_config`:
 - `fp8-block`: Qwen's `-FP8` releases (`quant_method: "fp8"`, `weight_block_size`, `activation_scheme:
   "dynamic"`, `modules_to_not_convert`): one float32 `weight_scale_inv` = amax / 448 per block;
 - `ct-channel` / `ct-tensor`: compressed-tensors' "FP8-Dynamic" (`quant_method: "compressed-tensors"`,
@@ -32,7 +34,8 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 BLOCK = (32, 32)  # the tiny models' dims are multiples of 32; the releases use [128, 128] on theirs
 BASE_BLOCKS = {"qwen3_vl": (16, 16)}  # fp8-block's block where a base's dims are not multiples of BLOCK
 QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj\.weight$")
-VERSION = 1  # bump when the fixtures change
+VERSION = 2  # bump when the fixtures change (2: unquantized tensors in bf16, as the releases)
+BASE_VERSION = 1  # bump when the random bases change
 
 
 def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +85,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
     for name, (_, key) in source.files.items():
         w = source.get(name)
         if not QUANTIZED.search(name):
-            tensors[key] = w.contiguous()
+            tensors[key] = (w.to(torch.bfloat16) if w.is_floating_point() else w).contiguous()
             continue
         q, scale = fp8_block(w, block) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
         tensors[key], tensors[key[: -len("weight")] + suffix] = q.contiguous(), scale.contiguous()
@@ -109,7 +112,7 @@ def _base(base: str) -> Path:
         return ensure_demo_hub_model(progress=False)
     if base not in BASES:
         raise ValueError(f"base must be one of {BASES}, got {base!r}")
-    path = cache_dir() / f"fp8-base-{base}-v{VERSION}"
+    path = cache_dir() / f"fp8-base-{base}-v{BASE_VERSION}"
     if not (path / "config.json").is_file():
         from .build import _lock  # noqa: PLC0415
         from .qwen_checkpoint import build_qwen_vl  # noqa: PLC0415

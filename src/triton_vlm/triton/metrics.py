@@ -14,8 +14,9 @@ model's linear-layer states, one slot per row, 0 for others; the slots are the g
 `triton_vlm_engine_state_slots_total` / `_free`), and `triton_vlm_engine_kv_cache_tokens`. Which weights are served, set once: `triton_vlm_engine_weights_info{weights,
 held}` (value 1): `weights` what the checkpoint holds and what it is computed as (the `/v1/models` card's
 "weights": "unquantized", or e.g. "fp8-e4m3 (block 128x128 weight_scale_inv), computed as its float32
-dequantization"), `held` how the engine keeps its projections in memory ("float32", or "float8_e4m3fn" where an
-FP8 checkpoint's projections stay e4m3 and the products read them: `engine/cpu/gemv_fp8.py`).
+dequantization"), `held` how the engine keeps its weight matrices in memory ("float32"; "float8_e4m3fn" where an
+FP8 checkpoint's projections stay e4m3 and the products read them, `engine/cpu/gemv_fp8.py`; "+bfloat16" where
+its bf16 embedding and lm_head stay bf16, `gemv_bf16.py`; `LlamaModel.weights_held`).
 Counters: `triton_vlm_requests_total{outcome=...}` (success, invalid_arg, unavailable, cancelled, internal),
 `triton_vlm_prompt_tokens_total`, `triton_vlm_generated_tokens_total`, and the prefix cache's, in tokens as
 vLLM's `prefix_cache_queries` / `prefix_cache_hits`: `triton_vlm_prefix_cache_queries_total` (prompt tokens of
@@ -176,7 +177,7 @@ class LLMMetrics(MetricsBase):
             self._create_memory(labels)
         if self._weights_info is not None:
             fam = self._family("triton_vlm_engine_weights_info", "llm weights served: what the checkpoint holds and "
-                               "what it is computed as (weights), how the projections are kept in memory (held)",
+                               "what it is computed as (weights), how the weight matrices are kept in memory (held)",
                                F.GAUGE)
             self._weights = fam.Metric(labels={**labels, **{k: str(v) for k, v in self._weights_info.items()}})
             self._weights.set(1.0)

@@ -51,7 +51,7 @@ FLAGS = ("-ffp-contract=off",)  # rotary rounding as torch's (module doc)
 
 ERRORS = {-1: "bad shape", -2: "a position outside the rotary table", -3: "a write slot outside the pool",
           -4: "a read slot outside the pool", -5: "a row with no key to attend to", -6: "out of memory",
-          -7: "an FP8 weight without the FP8 gemv"}
+          -7: "an FP8 or bf16 weight without its gemv"}
 
 Reference = Callable[..., torch.Tensor]  # attention.decode_torch's signature
 

@@ -26,6 +26,8 @@ token's response) no longer waits for the engine thread's Python, nor the engine
 
 FP8 weights (`gemv_fp8.py`): a projection kept as e4m3 bytes + fp32 scales is read in place by the FP8 gemv's own
 function (no fp32 copy), the one the layer-by-layer path calls, so its logits are bit for bit that path's too.
+bf16 / fp16 weights kept as stored (`gemv_bf16.py`: the lm_head of an FP8 release, every projection of a bf16
+checkpoint served in fp32) are read in place by the 16-bit gemv's function, likewise.
 
 Where it applies (`LlamaModel.forward`): a CPU fp32 model whose every projection has the gemv layout or the FP8
 gemv's, a decode step (q_len 1, last-position logits) of at most `gemv.MAX_ROWS` rows, no adapter or a
@@ -52,7 +54,7 @@ ENV = "TRITON_VLM_CPU_FORWARD"  # "auto" (default): one C call per small decode 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kp", ctypes.c_int64),
                 ("bias", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bm", ctypes.c_int64),
-                ("bn", ctypes.c_int64)]
+                ("bn", ctypes.c_int64), ("half", ctypes.c_int64)]
 
 
 class _LayerW(ctypes.Structure):
@@ -64,7 +66,7 @@ class _ModelW(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("final_eps", ctypes.c_float), ("layer", ctypes.POINTER(_LayerW)),
                 ("norm", ctypes.c_void_p), ("lm_head", _Lin), ("layer_stride", ctypes.c_int64),
-                ("gemv", ctypes.c_void_p), ("gemv8", ctypes.c_void_p)]
+                ("gemv", ctypes.c_void_p), ("gemv8", ctypes.c_void_p), ("gemv16", ctypes.c_void_p)]
 
 
 class _LoraMod(ctypes.Structure):
@@ -80,32 +82,36 @@ def _fp32_matrix(t: torch.Tensor, rows: int, cols: int) -> bool:
 
 
 def _lin(linear, kernel: gemv.Kernel) -> Optional[_Lin]:
-    """A `model.Linear` as the C side reads it, or None when its weight is in neither the gemv layout nor the
-    FP8 gemv's (`gemv_fp8.PackedFp8`: e4m3 bytes + fp32 scales, read in place, no fp32 copy)."""
-    w8 = linear.fp8_packed
-    lay = kernel.layout(linear.weight) if w8 is None and linear.weight.is_mkldnn else None
-    n = w8.n if w8 is not None else lay.n if lay is not None else None
+    """A `model.Linear` as the C side reads it, or None when its weight is in none of the gemv layout, the FP8
+    gemv's (`gemv_fp8.PackedFp8`: e4m3 bytes + fp32 scales) and the 16-bit gemv's (`gemv_bf16.PackedHalf`), the
+    last two read in place (no fp32 copy)."""
+    w8, w16 = linear.fp8_packed, linear.half_packed
+    lay = kernel.layout(linear.weight) if w8 is None and w16 is None and linear.weight.is_mkldnn else None
+    n = w8.n if w8 is not None else w16.n if w16 is not None else lay.n if lay is not None else None
     bias = linear.bias
     if n is None or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
                                            or bias.shape != (n,))):
         return None
     b = None if bias is None else bias.data_ptr()
     if w8 is not None:
-        return _Lin(w8.data.data_ptr(), w8.n, w8.k, w8.k, b, w8.scale.data_ptr(), w8.bm, w8.bn)
-    return _Lin(lay.ptr, lay.n, lay.k, lay.kp, b, None, 0, 0)
+        return _Lin(w8.data.data_ptr(), w8.n, w8.k, w8.k, b, w8.scale.data_ptr(), w8.bm, w8.bn, 0)
+    if w16 is not None:
+        return _Lin(w16.data.data_ptr(), w16.n, w16.k, w16.k, b, None, 0, 0, w16.kind + 1)
+    return _Lin(lay.ptr, lay.n, lay.k, lay.kp, b, None, 0, 0, 0)
 
 
 class Forward:
     """One model's decode forward in C: `run(step, x, k_pool, v_pool, adapters)`; built by `for_model` (None
     where it cannot run). Holds the pointer tables; the model holds the tensors they point into."""
 
-    def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int, gemv8_addr: Optional[int]):
+    def __init__(self, fn, model, layers: list[_LayerW], lm_head: _Lin, gemv_addr: int, gemv8_addr: Optional[int],
+                 gemv16_addr: Optional[int] = None):
         c = model.config
         self._fn = fn
         self._layers = (_LayerW * len(layers))(*layers)
         self._w = _ModelW(len(layers), c.hidden_size, layers[0].gate_up.n // 2, model.layers[0].eps,
                           c.rms_norm_eps, ctypes.cast(self._layers, ctypes.POINTER(_LayerW)),
-                          model.norm.data_ptr(), lm_head, 0, gemv_addr, gemv8_addr)
+                          model.norm.data_ptr(), lm_head, 0, gemv_addr, gemv8_addr, gemv16_addr)
         self._model_layers = model.layers  # each layer's window is read at every call
         self.vocab = lm_head.n
 
@@ -125,7 +131,10 @@ class Forward:
                   for layer, row in zip(model.layers, lins)]
         fp8 = {lin.fp8_kernel for layer in model.layers for lin in layer.linears() if lin.fp8_packed is not None}
         gemv8 = ctypes.cast(next(iter(fp8))._fn, ctypes.c_void_p).value if fp8 else None  # (one kernel a process)
-        return cls(lib, model, layers, head, ctypes.cast(gk._fn, ctypes.c_void_p).value, gemv8)
+        half = {lin.half_kernel for lin in [model.lm_head] + [x for layer in model.layers for x in layer.linears()]
+                if lin.half_packed is not None}
+        gemv16 = ctypes.cast(next(iter(half))._fn, ctypes.c_void_p).value if half else None
+        return cls(lib, model, layers, head, ctypes.cast(gk._fn, ctypes.c_void_p).value, gemv8, gemv16)
 
     def run(self, step: cpu_decode.DecodeStep, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             adapters=None) -> Optional[torch.Tensor]:

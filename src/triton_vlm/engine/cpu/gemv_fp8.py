@@ -18,9 +18,13 @@ dequantization computes in the scale's dtype (bf16 scales round `q * s` to bf16)
 scales, so `pack` takes fp32 scales only and the caller keeps the dequantized path for the others. The two NaN
 codes (0x7f, 0xff) are refused by `pack` (they would read as 480).
 
-Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` of fp32 at a time (a group of 64-output
-blocks, transposed, by `triton_vlm_fp8_dequantize_t`) and takes each chunk's product by torch, so the whole fp32
-matrix never exists. The C whole-step decode forward (`cpu_forward.py`) calls `triton_vlm_gemv_fp8` itself.
+Prefill (more rows than 4): `Kernel.matmul` dequantizes `CHUNK_BYTES` (1 MiB) of fp32 at a time (a group of
+64-output blocks, transposed, by `triton_vlm_fp8_dequantize_t`, row by row of the chunk with a table of its scales)
+into a scratch buffer each thread keeps (`chunked_matmul`), and takes each chunk's product by torch while the chunk
+is still in the core's L2, so the whole fp32 matrix never exists. Before (a fresh 4 MiB tensor per chunk, written
+column strip by column strip) a 29-token prefill of the bench model took 63 ms against fp32's 44 ms
+(docs/performance.md has the figures now). The C whole-step decode forward (`cpu_forward.py`) calls
+`triton_vlm_gemv_fp8` itself.
 
 Build, check and fallback as `gemv.py` (`cbuild.py`): `csrc/gemv_fp8.c`, built once per machine; `check`
 compares its conversion of all 256 codes with torch's (a build that flushes denormals fails it) and its products
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,7 +49,7 @@ log = logging.getLogger(__name__)
 ENV = "TRITON_VLM_CPU_GEMV_FP8"
 MAX_ROWS = 4
 BLOCK = 64
-CHUNK_BYTES = 4 << 20  # a prefill product's dequantized weight is made this many fp32 bytes at a time (`matmul`)
+CHUNK_BYTES = 1 << 20  # a prefill product's weight is made this many fp32 bytes at a time (`chunked_matmul`: in L2)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -109,7 +114,7 @@ class Kernel(cbuild.Chosen):
         self._fn.restype = ctypes.c_int
         self._deq = lib.triton_vlm_fp8_dequantize_t
         self._deq.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p]
-        self._deq.restype = None
+        self._deq.restype = ctypes.c_int
         self._table = lib.triton_vlm_e4m3_table
         self._table.argtypes = [p]
         self._table.restype = None
@@ -126,33 +131,25 @@ class Kernel(cbuild.Chosen):
             raise ValueError(f"fp8 gemv kernel: {rows} rows, 1 to {MAX_ROWS}")
         return y
 
-    def dequantize_t(self, w: PackedFp8, nb0: int = 0, nb1: Optional[int] = None) -> torch.Tensor:
+    def dequantize_t(self, w: PackedFp8, nb0: int = 0, nb1: Optional[int] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The dequantized weight's outputs of 64-row blocks nb0 <= nb < nb1 (default: all), transposed:
-        [K, (nb1 - nb0) * 64] fp32 (outputs past N zero), its values `PackedFp8.dequantize()`'s bit for bit."""
+        [K, (nb1 - nb0) * 64] fp32 (outputs past N zero), its values `PackedFp8.dequantize()`'s bit for bit;
+        written into `out` (flat fp32, large enough) when given."""
         nb1 = w.data.shape[0] if nb1 is None else nb1
         if not 0 <= nb0 < nb1 <= w.data.shape[0]:
             raise ValueError(f"row blocks [{nb0}, {nb1}) of {w.data.shape[0]}")
-        out = torch.empty(w.k, (nb1 - nb0) * BLOCK, dtype=torch.float32)
-        self._deq(w.data.data_ptr(), w.k, w.n, w.scale.data_ptr(), w.bm, w.bn, nb0, nb1, out.data_ptr())
-        return out
+        size = w.k * (nb1 - nb0) * BLOCK
+        buf = torch.empty(size, dtype=torch.float32) if out is None else out[:size]
+        if self._deq(w.data.data_ptr(), w.k, w.n, w.scale.data_ptr(), w.bm, w.bn, nb0, nb1, buf.data_ptr()):
+            raise MemoryError("fp8 dequantize: no memory for the chunk's scale table")
+        return buf.view(w.k, (nb1 - nb0) * BLOCK)
 
     def matmul(self, x: torch.Tensor, w: PackedFp8, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [rows, K] fp32 (any rows) -> [rows, N]: x @ W^T (+ bias) by torch's product on the dequantized
-        weight, dequantized `CHUNK_BYTES` of fp32 at a time (a group of 64-output blocks), each chunk freed after
-        its product: the fp32 matrix is never whole in memory (prefill)."""
-        blocks = w.data.shape[0]
-        step = max(1, CHUNK_BYTES // (w.k * BLOCK * 4))  # 64-output blocks a chunk
-        y = torch.empty(x.shape[0], w.n, dtype=torch.float32) if step < blocks else None  # [rows, N]
-        for nb0 in range(0, blocks, step):
-            nb1 = min(nb0 + step, blocks)
-            c0, c1 = nb0 * BLOCK, min(nb1 * BLOCK, w.n)
-            wc = self.dequantize_t(w, nb0, nb1)[:, : c1 - c0]  # [K, c1 - c0]
-            part = torch.mm(x, wc) if bias is None else torch.addmm(bias[c0:c1], x, wc)  # [rows, c1 - c0]
-            if y is None:
-                return part
-            y[:, c0:c1] = part
-            del wc, part
-        return y
+        weight, a chunk of output blocks at a time (`chunked_matmul`): the fp32 matrix is never whole (prefill)."""
+        return chunked_matmul(x, w.n, w.k, w.data.shape[0],
+                              lambda nb0, nb1, out: self.dequantize_t(w, nb0, nb1, out), bias)
 
     def table(self) -> torch.Tensor:
         out = torch.empty(256, dtype=torch.float32)
@@ -184,6 +181,33 @@ class Kernel(cbuild.Chosen):
                                              dense.T[:, BLOCK: 2 * BLOCK]):
                 return f"its dequantized rows 64-127 of a {n}x{k} weight differ from torch's"
         return None
+
+
+_scratch = threading.local()  # each thread's chunk buffer (`chunked_matmul`)
+
+
+def _buffer(floats: int) -> torch.Tensor:
+    """This thread's scratch of at least `floats` fp32, kept between calls (a fresh 4 MiB buffer a product is
+    page faults and zeroing: `bench.engine.fp8`)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _scratch.buf = torch.empty(floats, dtype=torch.float32)
+    return buf
+
+
+def chunked_matmul(x: torch.Tensor, n: int, k: int, blocks: int, fill, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [rows, K] fp32 -> [rows, N] (+ bias): `fill(nb0, nb1, out)` writes the fp32 weight's 64-output blocks
+    nb0 <= nb < nb1 transposed ([K, (nb1 - nb0) * 64]) into the flat scratch `out` and returns that view; each
+    chunk of `CHUNK_BYTES` is multiplied by torch as it is made, in this thread's reused buffer."""
+    step = max(1, CHUNK_BYTES // (k * BLOCK * 4))  # 64-output blocks a chunk
+    buf = _buffer(min(step, blocks) * k * BLOCK)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)  # [rows, N]
+    for nb0 in range(0, blocks, step):
+        nb1 = min(nb0 + step, blocks)
+        c0, c1 = nb0 * BLOCK, min(nb1 * BLOCK, n)
+        wc = fill(nb0, nb1, buf)[:, : c1 - c0]  # [K, c1 - c0]
+        y[:, c0:c1] = torch.mm(x, wc) if bias is None else torch.addmm(bias[c0:c1], x, wc)
+    return y
 
 
 SPEC = cbuild.Spec(ENV, "fp8 decode gemv kernel", "FP8 weights are dequantized to fp32 at load",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, mrope
-from ..cpu import cbuild, cpu_forward, gemm, gemv, gemv_fp8
+from ..cpu import cbuild, cpu_forward, gemm, gemv, gemv_bf16, gemv_fp8
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from ..kv.kv_cache import AttentionBatch, KVCache
 from ..lora.lora import LoraBatch
@@ -100,7 +100,20 @@ class Linear:
                 return lin
             weights = [t.dequantize().to(t.gpu[1] if t.gpu else torch.float32) if isinstance(t, Fp8Weight) else t
                        for t in weights]
-        return cls(torch.cat(weights), bias, layer=i, module=name, packed=packed, parts=parts)
+        return cls.held(torch.cat(weights), bias, w["norm"].dtype, layer=i, module=name, packed=packed, parts=parts)
+
+    @classmethod
+    def held(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], compute: torch.dtype, *, layer: int,
+             module: str, packed: bool, parts: tuple[tuple[str, int], ...] = ()) -> "Linear":
+        """A Linear computing in `compute` on `weight`: a bf16 / fp16 weight of a CPU fp32 model stays as stored
+        where the 16-bit gemv is chosen (`gemv_bf16.py`: `load_weights` keeps it only then), else is upcast."""
+        if weight.dtype != compute and weight.dtype in gemv_bf16.HALF and compute == torch.float32 \
+                and weight.device.type == "cpu" and (kernel := gemv_bf16.chosen()) is not None:
+            lin = cls(weight, bias, layer=layer, module=module, parts=parts)
+            lin.half_packed, lin.half_kernel = gemv_bf16.pack(weight), kernel
+            lin.weight = lin.half_packed.data  # the one copy: [N/64, K, 64] in the stored dtype
+            return lin
+        return cls(weight.to(compute), bias, layer=layer, module=module, packed=packed, parts=parts)
 
     @classmethod
     def fp8(cls, w: Fp8Weight, bias: Optional[torch.Tensor], *, layer: int, module: str,
@@ -131,6 +144,7 @@ class Linear:
         return lin
 
     fp8_packed: Optional[gemv_fp8.PackedFp8] = None  # an FP8 weight kept as e4m3 (`fp8`): `weight` is its bytes
+    half_packed: Optional[gemv_bf16.PackedHalf] = None  # a bf16 / fp16 weight kept as stored (`held`): `weight` too
     fp8_device: Optional[fp8_gpu.GpuFp8Weight] = None  # one kept e4m3 on a GPU (`fp8_cuda`): `weight` is its bytes
     fp8_dtype: torch.dtype = torch.float32  # the GPU products' output dtype
 
@@ -139,24 +153,29 @@ class Linear:
         if self.fp8_device is not None:
             w = self.fp8_device
             return Fp8Weight(w.q, w.scale, (fp8_gpu.GROUP,) * 2).dequantize().to(self.fp8_dtype)
+        if self.half_packed is not None:
+            return self.half_packed.widen()
         return self.fp8_packed.dequantize() if self.fp8_packed is not None else gemm.dense(self.weight)
 
     def _fp8_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] on the FP8 weight: 1-4 rows by the kernel, more on the weight dequantized
+        """x [..., in] -> [..., out] on the FP8 (or bf16 / fp16: `gemv_bf16.py`, the same way) weight: 1-4 rows by
+        the kernel, more on the weight dequantized
         in chunks of output rows for this call by the kernel (`gemv_fp8.Kernel.matmul`: never the whole fp32
         matrix at once; torch's e4m3 cast is ~10x slower)."""
         rows = x.numel() // x.shape[-1]
         x2 = x.reshape(rows, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        kernel, w = (self.fp8_kernel, self.fp8_packed) if self.fp8_packed is not None else \
+            (self.half_kernel, self.half_packed)
         if 0 < rows <= gemv_fp8.MAX_ROWS and x.dtype == torch.float32:
-            y = self.fp8_kernel.run(x2, self.fp8_packed, self.bias)
+            y = kernel.run(x2, w, self.bias)
         else:
-            y = self.fp8_kernel.matmul(x2, self.fp8_packed, self.bias)
+            y = kernel.matmul(x2, w, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, x: torch.Tensor, adapters: Optional[AdapterBatch] = None) -> torch.Tensor:
-        if self.fp8_packed is not None:
+        if self.fp8_packed is not None or self.half_packed is not None:
             y = self._fp8_product(x)
         elif self.fp8_device is not None:
             y = fp8_gpu.product(x, self.fp8_device, self.bias, self.fp8_dtype)
@@ -349,11 +368,12 @@ class Segment:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = c = config
-        self.embed_tokens = weights["embed"]  # [vocab, hidden]
+        self.embed_tokens = weights["embed"]  # [vocab, hidden] (bf16 / fp16 as stored: `weights.load_weights`)
         self.norm = weights["norm"]
-        self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
+        self.dtype, self.device = self.norm.dtype, self.norm.device  # the compute dtype (norms are always cast)
         packed = gemm.packing_enabled(self.device, self.dtype)
-        self.lm_head = Linear(weights["lm_head"], layer=-1, module=LM_HEAD, packed=packed)  # tied: a packed copy
+        self.lm_head = Linear.held(weights["lm_head"], None, self.dtype, layer=-1, module=LM_HEAD,
+                                   packed=packed)  # tied: a packed copy
         windows = c.layer_windows or (0,) * c.num_layers
         self.layers = [Layer(weights, i, c.rms_norm_eps, windows[i], packed, c.experts_per_token)
                        for i in range(c.num_layers)]
@@ -390,12 +410,20 @@ class LlamaModel:
         return out
 
     def weights_held(self) -> str:
-        """How the decoder's projections are kept in memory: "float8_e4m3fn" (an FP8 checkpoint's, read by the FP8
-        gemv; "+float32" when some were dequantized at load), else the model's dtype ("float32", ...)."""
-        lins = [lin for layer in self.layers for lin in layer.linears()]
-        fp8 = sum(lin.fp8_packed is not None or lin.fp8_device is not None for lin in lins)
+        """How the weight matrices are kept in memory, "+"-joined: the decoder's projections' dtypes ("float8_e4m3fn"
+        for an FP8 checkpoint's read by the FP8 gemv; the model's dtype for those dequantized or cast at load;
+        "bfloat16" / "float16" for a checkpoint's kept as stored on an fp32 CPU model, `gemv_bf16.py`), then the
+        lm_head's and the embedding's where they are not the model's dtype: "float8_e4m3fn+bfloat16" for an FP8
+        release whose unquantized embedding and lm_head are kept bf16; "float32" for an fp32 model."""
+        def held(lin: Linear) -> str:
+            if lin.fp8_packed is not None or lin.fp8_device is not None:
+                return "float8_e4m3fn"
+            return str(lin.half_packed.dtype if lin.half_packed is not None else self.dtype).removeprefix("torch.")
+
         dtype = str(self.dtype).removeprefix("torch.")
-        return dtype if not fp8 else "float8_e4m3fn" if fp8 == len(lins) else f"float8_e4m3fn+{dtype}"
+        names = [held(lin) for layer in self.layers for lin in layer.linears()]
+        names += [n for n in (held(self.lm_head), str(self.embed_tokens.dtype).removeprefix("torch.")) if n != dtype]
+        return "+".join(dict.fromkeys(names))
 
     def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
@@ -403,7 +431,8 @@ class LlamaModel:
                        num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.to(self.device), self.embed_tokens)  # [..., hidden]
+        # [..., hidden]; a bf16 / fp16 table kept as stored: its rows widened after the gather (exact)
+        return F.embedding(ids.to(self.device), self.embed_tokens).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,

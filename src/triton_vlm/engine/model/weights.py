@@ -57,11 +57,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", fp8: bool = True) -> dict[str, torch.Tensor]:
+                 device: str | torch.device = "cpu", fp8: bool = True, half: bool = True) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor (see the module docstring), cast to `dtype` on `device`. With `fp8`, the dense
     layers' FP8 projections stay `quant.fp8_weight.Fp8Weight` (e4m3 + scales) where they can: fp32 on the CPU where
     the FP8 gemv is chosen (`engine/cpu/gemv_fp8.py`), on a GPU where the block-scaled products are
-    (`quant/fp8_gpu.py`); the others are dequantized to `dtype` at load."""
+    (`quant/fp8_gpu.py`); the others are dequantized to `dtype` at load. With `half`, an fp32 CPU model keeps the
+    embedding, the lm_head and the dense layers' projections that the checkpoint stores in bf16 / fp16 (a bf16
+    release; what an FP8 release leaves unquantized) as stored where the 16-bit gemv is chosen
+    (`engine/cpu/gemv_bf16.py`: products widen them in registers, exact); norms and biases are cast."""
     src = TensorSource(model_dir)
     quant, dev = src.quant.quant, torch.device(device)
     gpu_layout = _gpu_fp8_layout(dev, dtype) if fp8 and quant is not None and quant.method == "fp8" \
@@ -73,14 +76,21 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
     else:
         raise CheckpointError(
             f"no language-model embedding found in {model_dir}; looked for {[lay[1] for lay in LAYOUTS]}")
+    half = half and dtype == torch.float32 and dev.type == "cpu" and _half_kernel_chosen(src, embed_key, head_key)
 
     def take(key: str) -> torch.Tensor:
         if key not in src:
             raise CheckpointError(f"checkpoint {model_dir} misses tensor {key}")
         return src.get(key).to(device=device, dtype=dtype)
 
-    out = {"embed": take(embed_key), "norm": take(norm_key)}
-    out["lm_head"] = _lm_head(src, head_key, out["embed"], config, take)
+    def matrix(key: str) -> torch.Tensor:  # bf16 / fp16 kept as stored with `half` (the values are the same)
+        if key not in src:
+            raise CheckpointError(f"checkpoint {model_dir} misses tensor {key}")
+        t = src.get(key)
+        return t.to(device) if half and t.dtype in (torch.bfloat16, torch.float16) else t.to(device, dtype)
+
+    out = {"embed": matrix(embed_key), "norm": take(norm_key)}
+    out["lm_head"] = _lm_head(src, head_key, out["embed"], config, matrix)
     for i in range(config.num_layers):
         p = f"{layers}layers.{i}."
         out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
@@ -93,7 +103,8 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
             kept = src.get_fp8(f"{p}{group}.{m}.weight") if (fp8 or gpu_layout) and not sparse else None
             if kept is not None and gpu_layout is not None:  # a Hopper GPU: e4m3 on the device (`fp8_gpu.py`)
                 kept = kept.to_gpu(dev, gpu_layout, dtype) if fp8_gpu.usable(*kept.shape, kept.block) else None
-            out[f"layers.{i}.{m}"] = kept if kept is not None else take(f"{p}{group}.{m}.weight")
+            out[f"layers.{i}.{m}"] = kept if kept is not None else \
+                take(f"{p}{group}.{m}.weight") if sparse else matrix(f"{p}{group}.{m}.weight")
             if f"{p}{group}.{m}.bias" in src:
                 out[f"layers.{i}.{m}.bias"] = take(f"{p}{group}.{m}.bias")
         norms = ("q_norm", "k_norm")  # QK-norm (Qwen3): both or neither, as the checkpoint holds them
@@ -105,6 +116,12 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype 
         log.info("FP8 checkpoint: %d of %d quantized projection weights kept in e4m3 (%s), the others dequantized "
                  "to %s", kept, len(src.quant.scales), "block-scaled GPU products" if gpu_layout else
                  "the FP8 decode gemv", str(dtype).removeprefix("torch."))
+    if half:
+        kept = [k for k, t in out.items() if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dim() == 2]
+        if kept:
+            log.info("bf16 / fp16 weights: %d matrices kept as stored (%s) for the 16-bit gemv, products in %s",
+                     len(kept), ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""),
+                     str(dtype).removeprefix("torch."))
     return out
 
 
@@ -151,6 +168,17 @@ def _fp8_kernel_chosen() -> bool:
 
     kernel = gemv_fp8.kernel()
     return kernel is not None and kernel.chosen
+
+
+def _half_kernel_chosen(src: TensorSource, *keys: str) -> bool:
+    """Whether bf16 / fp16 matrices stay as stored here: the checkpoint stores its embedding or lm_head so (read
+    from the header; an all-fp32 checkpoint never builds the kernel), and the 16-bit gemv is built, checked and
+    chosen (`engine/cpu/gemv_bf16.py`)."""
+    if not any(k in src and src.stored_dtype(k) in ("BF16", "F16") for k in keys):
+        return False
+    from ..cpu import gemv_bf16  # noqa: PLC0415
+
+    return gemv_bf16.chosen() is not None
 
 
 def _check_shapes(w: dict[str, torch.Tensor], c: ModelConfig) -> None:

@@ -1,6 +1,7 @@
 /* A whole decode forward of 1-4 rows in one call (`cpu_forward.py`): the functions of decode.c in the layer
    loop, the products through the gemv library's own function (its address is passed in), and those on FP8
-   weights kept as e4m3 through the FP8 gemv library's (`gemv_fp8.c`, its address passed in too). */
+   weights kept as e4m3 through the FP8 gemv library's (`gemv_fp8.c`, its address passed in too), and those on
+   bf16 / fp16 weights kept as stored through the 16-bit gemv library's (`gemv_bf16.c`, likewise). */
 #include "decode.c"
 
 typedef int (*gemv_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const float *w, int64_t Kp,
@@ -9,9 +10,15 @@ typedef int (*gemv_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, con
 typedef int (*gemv8_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                         const float *scale, int64_t bm, int64_t bn, const float *bias, float *y, int64_t ldy);
 
-/* a packed weight: fp32 in gemv.Layout (scale null), or e4m3 bytes [N/64][K][64] with fp32 scales
-   [ceil(N / bm)][ceil(K / bn)] (gemv_fp8.PackedFp8) */
-typedef struct { const void *w; int64_t n, k, kp; const float *bias; const float *scale; int64_t bm, bn; } Lin;
+typedef int (*gemv16_fn)(const float *x, int64_t rows, int64_t ldx, int64_t K, const uint16_t *w, int64_t N,
+                         int64_t kind, const float *bias, float *y, int64_t ldy);
+
+/* a packed weight: fp32 in gemv.Layout (scale null, half 0), e4m3 bytes [N/64][K][64] with fp32 scales
+   [ceil(N / bm)][ceil(K / bn)] (gemv_fp8.PackedFp8), or 16-bit codes [N/64][K][64] (half 1: bf16, 2: fp16;
+   gemv_bf16.PackedHalf) */
+typedef struct {
+    const void *w; int64_t n, k, kp; const float *bias; const float *scale; int64_t bm, bn, half;
+} Lin;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -33,9 +40,13 @@ typedef struct {
     int64_t layer_stride;        /* floats from one layer's K (or V) pool to the next */
     gemv_fn gemv;
     gemv8_fn gemv8;              /* null where no weight is FP8 */
+    gemv16_fn gemv16;            /* null where no weight is bf16 / fp16 */
 } ModelW;
 
 static int lin(const ModelW *m, const Lin *l, const float *x, int64_t rows, float *y) {
+    if (l->half)
+        return m->gemv16 ? m->gemv16(x, rows, l->k, l->k, (const uint16_t *)l->w, l->n, l->half - 1, l->bias, y,
+                                     l->n) : -7;
     if (l->scale)
         return m->gemv8 ? m->gemv8(x, rows, l->k, l->k, (const uint8_t *)l->w, l->n, l->scale, l->bm, l->bn,
                                    l->bias, y, l->n) : -7;

@@ -117,24 +117,35 @@ void triton_vlm_e4m3_table(float *out) {
 
 /* out[k][n - nb0 * 64] = float(q[n][k]) * s for the outputs n of 64-row blocks nb0 <= nb < nb1 (the dequantized
    weight's columns transposed, [K][(nb1 - nb0) * 64], outputs past N 0): one chunk of a prefill product's weight,
-   converted here at the kernel's speed (torch's e4m3 cast is scalar); the caller never holds the whole fp32 matrix */
-void triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
-                                 int64_t bn, int64_t nb0, int64_t nb1, float *out) {
+   converted here at the kernel's speed (torch's e4m3 cast is scalar); the caller never holds the whole fp32 matrix.
+   Row by row of `out` (contiguous writes: the chunk is made in the caches the product then reads it from), each
+   column's scale read from a table of the chunk's scales, [ceil(K / bn)][columns], made first. */
+#include <stdlib.h>
+
+int triton_vlm_fp8_dequantize_t(const uint8_t *w, int64_t K, int64_t N, const float *scale, int64_t bm,
+                                int64_t bn, int64_t nb0, int64_t nb1, float *out) {
     int64_t scols = (K + bn - 1) / bn, ld = (nb1 - nb0) * BLOCK;
-    for (int64_t nb = nb0; nb < nb1; nb++)
-        for (int64_t s = 0; s < BLOCK; s += VW) {
-            int64_t n0 = nb * BLOCK + s, c0 = (nb - nb0) * BLOCK + s;
-            for (int64_t kb = 0; kb < scols; kb++) {
-                float lane[VW];
-                for (int i = 0; i < VW; i++)
-                    lane[i] = n0 + i < N ? scale[((n0 + i) / bm) * scols + kb] : 0.0f;
-                vf sv;
-                memcpy(&sv, lane, sizeof(vf));
-                int64_t kend = (kb + 1) * bn < K ? (kb + 1) * bn : K;
-                for (int64_t k = kb * bn; k < kend; k++) {
-                    vf v = e4m3_to_f32(w + nb * K * BLOCK + k * BLOCK + s) * sv;
-                    memcpy(out + k * ld + c0, &v, sizeof(vf));
-                }
+    float *table = malloc(sizeof(float) * scols * ld);
+    if (!table) return -6;
+    for (int64_t kb = 0; kb < scols; kb++)
+        for (int64_t c = 0; c < ld; c++) {
+            int64_t n = nb0 * BLOCK + c;
+            table[kb * ld + c] = n < N ? scale[(n / bm) * scols + kb] : 0.0f;
+        }
+    for (int64_t k = 0; k < K; k++) {
+        const float *srow = table + (k / bn) * ld;
+        float *dst = out + k * ld;
+        for (int64_t nb = nb0; nb < nb1; nb++) {
+            const uint8_t *src = w + nb * K * BLOCK + k * BLOCK;
+            int64_t c0 = (nb - nb0) * BLOCK;
+            for (int64_t s = 0; s < BLOCK; s += VW) {
+                vf sv, v;
+                memcpy(&sv, srow + c0 + s, sizeof(vf));
+                v = e4m3_to_f32(src + s) * sv;
+                memcpy(dst + c0 + s, &v, sizeof(vf));
             }
         }
+    }
+    free(table);
+    return 0;
 }
