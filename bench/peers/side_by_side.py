@@ -1,7 +1,7 @@
 """vLLM side by side with ours, both driven by vLLM's own client (`make bench-peers`):
 
-    python -m bench.peers.side_by_side                         # vLLM, then ours; concurrency 1 and 16, 2 rounds
-    python -m bench.peers.side_by_side --rounds 1 --concurrency 16 --engines ours
+    python -m bench.peers.side_by_side                         # 3 rounds of vLLM and ours alternating; concurrency 1 and 16
+    python -m bench.peers.side_by_side --rounds 2 --grouped --engines ours   # ours alone, one server
 
 On the benchmark model (`bench.common.model`, rewritten in the hub's llava layout that vLLM reads: the same tensors,
 and the same files serve ours), one server at a time:
@@ -13,7 +13,8 @@ and the same files serve ours), one server at a time:
 
 Each is driven by `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
 random-mm` (one 64x64 image + 16 random tokens per request, 32 tokens out, `ignore_eos`) at each concurrency,
-`--rounds` times, and stopped (its whole process group) before the next starts. Writes
+and stopped (its whole process group) before the next starts: each of `--rounds` rounds starts every engine afresh,
+the first of a round alternating (`schedule`; `--grouped`: every round of an engine on one server). Writes
 `bench/results/peer.{md,json}`: one table (output tok/s, TTFT, TPOT per concurrency and round, ours / vLLM) with
 the machine named (`bench.common.machine`).
 """
@@ -312,7 +313,7 @@ def markdown(points: list[Point], meta: dict) -> str:
         + (", **its llm stub pinned alone to the first CPU, its other processes and the client to the rest "
            "(`--pin-llm`)**" if meta.get("pin_llm") else ""),
         f"- client: `{meta['client']}`; prompts per point max({meta['min_prompts']}, {meta['prompts_factor']} x "
-        f"concurrency); one server at a time, every round of it before the next engine starts; the client, the "
+        f"concurrency); one server at a time, " + ("every round of it before the next engine starts" if meta.get("grouped") else "started afresh each round, the first engine of a round alternating") + "; the client, the "
         f"server and anything else on the machine share its {meta['machine']['cpus']} CPUs; load average "
         f"before / after: {meta['load_before']} / {meta['load_after']}"
         + (f" (after each server: {'; '.join(meta['loads'])})" if meta.get("loads") else ""),
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench.peers.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": describe(model),
             "hub_model": hub.name, "machine": machine.describe(), "kernel_races": machine.kernel_races(),
-            "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package, "pin_llm": args.pin_llm,
+            "bandwidth": measure_bandwidth(reps=5).to_dict(), "vllm_package": package, "pin_llm": args.pin_llm, "grouped": args.grouped,
             "gemm": asdict(roofline.gemm_rate(model)), "flops": asdict(roofline.model_flops(model)),
             "repairs": peer_vllm.venv_repairs(), "kv_gib": args.kv_gib, "min_prompts": args.min_prompts,
             "prompts_factor": args.prompts_factor, "load_before": round(os.getloadavg()[0], 2),
