@@ -75,10 +75,21 @@ def test_table_pairs_engines_per_concurrency_and_round_and_reads_the_targets(mon
     assert rows == ["| 1 | 1 | 60.0 | 66.0 | 1.10x | 50.0 / 40.0 | 12.0 / 12.5 | 0 / 0 |",
                     "| 16 | 1 | 300.0 | 390.0 | 1.30x | 200.0 / 150.0 | 40.0 / 30.0 | 0 / 0 |",
                     "| 16 | 2 | 300.0 | 330.0 | 1.10x | 200.0 / 150.0 | 40.0 / 30.0 | 0 / 0 |"]
-    t = peer.targets(points)
+    t = peer.targets(points, cpus=4)  # >= 4 CPUs: 1.2x at concurrency 16
     assert "round 1, concurrency 16: ours 1.30x vLLM's tok/s (target >= 1.2x: met)" in t
     assert "round 2, concurrency 16: ours 1.10x vLLM's tok/s (target >= 1.2x: not met)" in t
-    assert any(x.startswith("round 1, concurrency 1:") and x.endswith("not met)") for x in t)  # TPOT 12.5 > 12.0
+    assert "mean of 2 rounds, concurrency 16: ours 1.20x vLLM's tok/s (target >= 1.2x: met)" in t
+    assert any(x.startswith("round 1, concurrency 1: ours 1.10x") and x.endswith("not met)") for x in t)  # < 1.5x
+    two = peer.targets(points, cpus=2)  # 2 CPUs: parity at 16 (issue 39)
+    assert "round 2, concurrency 16: ours 1.10x vLLM's tok/s (target >= 1.0x: met)" in two
+    fast = [_point("vllm", 1, 60.0, 50.0, 12.0), _point("ours", 1, 96.0, 40.0, 11.0)]
+    assert peer.targets(fast)[0].endswith("TTFT 40.0 vs 50.0 ms, TPOT 11.0 vs 12.0 ms (target >= 1.5x, TTFT and "
+                                          "TPOT no worse: met)")
+    slow_first = [_point("vllm", 1, 60.0, 50.0, 12.0), _point("ours", 1, 96.0, 51.0, 11.0)]
+    assert peer.targets(slow_first)[0].endswith("not met)")  # TTFT 51 > 50
+    assert peer.schedule(["vllm", "ours"], 3) == [([1], ["vllm", "ours"]), ([2], ["ours", "vllm"]),
+                                                  ([3], ["vllm", "ours"])]
+    assert peer.schedule(["vllm", "ours"], 2, grouped=True) == [([1, 2], ["vllm", "ours"])]
     only_ours = peer.markdown([_point("ours", 1, 66.0, 40.0, 12.5)], meta)
     assert "| 1 | 1 | 0.0 | 66.0 | - | - / 40.0 | - / 12.5 | - / 0 |" in only_ours
 
