@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,9 @@ def no_leftovers():
     before = {p.pid for p in procs.all_procs() if _ours(p)}
     shm_before = _shm()
     yield
+    _wait_for_stops()
+    if _STOP_ERRORS:
+        pytest.fail("; ".join(_STOP_ERRORS))
     deadline = time.monotonic() + 20
     while True:
         left = [p for p in procs.all_procs() if _ours(p) and p.pid not in before]
@@ -137,26 +141,68 @@ ENSEMBLE_MODELS = ("ensemble", "preprocess", "vision", "llm")
 
 def _start_server(tmp_path_factory, model: Path, params: dict, name: str,
                   models: tuple[str, ...] | None = ENSEMBLE_MODELS):
-    from triton_vlm.server.process import TritonServer, free_port
-    from triton_vlm.server.supervisor import Supervisor
-
-    run_dir = tmp_path_factory.mktemp(name)
-    server = TritonServer(str(model), free_port(), free_port(), free_port(), params=params, run_dir=run_dir,
-                          log_file=run_dir / "server.log", exit_timeout=10, models=models)
-    server.start()
-    try:
-        server.wait_ready(300)
-    except BaseException:
-        server.stop()
-        log = (run_dir / "server.log").read_text(errors="replace")[-6000:]
-        raise RuntimeError(f"tritonserver did not start; log tail:\n{log}") from None
-    server.supervisor = Supervisor(server, say=lambda m: print(m, flush=True)).start()
+    [server] = _start_servers(tmp_path_factory, [(model, params, name)], models)
     return server
 
 
+def _start_servers(tmp_path_factory, specs: list[tuple[Path, dict, str]],
+                   models: tuple[str, ...] | None = ENSEMBLE_MODELS) -> list:
+    """Servers of (model, params, name) started together (their stubs load side by side), each ready and
+    supervised; none is left running when one fails to start."""
+    from triton_vlm.server.process import TritonServer, free_port
+    from triton_vlm.server.supervisor import Supervisor
+
+    servers = []
+    try:
+        for model, params, name in specs:
+            run_dir = tmp_path_factory.mktemp(name)
+            servers.append(TritonServer(str(model), free_port(), free_port(), free_port(), params=params,
+                                        run_dir=run_dir, log_file=run_dir / "server.log", exit_timeout=10,
+                                        models=models).start())
+        for server in servers:
+            try:
+                server.wait_ready(300)
+            except BaseException:
+                log = server.log_file.read_text(errors="replace")[-6000:]
+                raise RuntimeError(f"tritonserver did not start; log tail:\n{log}") from None
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    for server in servers:
+        server.supervisor = Supervisor(server, say=lambda m: print(m, flush=True)).start()
+    return servers
+
+
+# Servers being stopped in the background (`_stop_server`) and what went wrong stopping them: `no_leftovers` waits
+# for every one before it checks that nothing is left.
+_STOPPING: list[threading.Thread] = []
+_STOP_ERRORS: list[str] = []
+
+
 def _stop_server(server) -> None:
+    """Stop supervising at once, and the server itself in the background: its stubs' finalize and exit and
+    tritonserver's unload ticks (3-5 s, mostly waiting) overlap the next tests. The session's `no_leftovers`
+    waits for every stop and fails on a stop that raised or left anything behind."""
     server.supervisor.stop()
-    server.stop()
+
+    def stop() -> None:
+        try:
+            server.stop()
+        except BaseException as e:  # noqa: BLE001 - reported by no_leftovers
+            _STOP_ERRORS.append(f"stopping the server in {server.run_dir}: {type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=stop, name=f"stop-{server.http_port}", daemon=True)
+    thread.start()
+    _STOPPING.append(thread)
+
+
+def _wait_for_stops(timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in _STOPPING:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in _STOPPING):
+        _STOP_ERRORS.append(f"a server stop still running after {timeout:.0f} s")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
@@ -338,3 +339,67 @@ def test_every_port_of_tritonserver_listens_on_the_host(tmp_path):
     cmd = server.command(tmp_path / "bin" / "tritonserver", tmp_path, tmp_path / "repo", {})
     assert [a for a in cmd if "-address=" in a] == [f"--{n}-address=0.0.0.0" for n in ("http", "grpc", "metrics")]
     assert server.grpc_url == f"localhost:{server.grpc_port}"  # this machine's clients reach it on loopback
+
+
+# --- last: the launcher's restarts, then the launcher killed (it ends the keyed launcher) ----------------------
+def _wait_for_line(proc, lines: list[str], needle: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no line with {needle!r} within {timeout:.0f} s:\n{''.join(lines)}")
+
+
+@pytest.mark.server
+def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(keyed):
+    """`python -m triton_vlm.server` (the keyed launcher: its own launch cost the suite ~30 s in test_serve_cli)
+    restarts a dead tritonserver (still keyed) and a dead OpenAI front end; killed by SIGKILL itself, it leaves no
+    server, stub, front end or shared memory behind. It ends the module's launcher: the module's last test."""
+    from triton_vlm.server import procs
+
+    proc, env, lines = keyed.proc, keyed.env, keyed.lines
+    server = keyed.tritonserver()
+    os.kill(server.pid, signal.SIGKILL)  # a crash of tritonserver itself
+    line = _wait_for_line(proc, lines, "restarting tritonserver", 30)
+    assert "tritonserver exited with signal 9 (SIGKILL)" in line, line
+    deadline = time.monotonic() + 60
+    new: list = []
+    while time.monotonic() < deadline and not new:
+        new = [p for p in procs.children(proc.pid) if p.argv and p.argv[0].endswith("tritonserver")]
+        time.sleep(0.2)
+    assert new and new[0].pid != server.pid
+    while time.monotonic() < deadline and len(procs.stubs_of(new[0].pid)) < 4:
+        time.sleep(0.2)
+    stubs = procs.stubs_of(new[0].pid)
+    assert sorted(stubs.values()) == ["llm", "preprocess", "tensorrt_llm", "vision"], stubs
+    _wait_for_line(proc, lines, "serving again", 60)
+    # the restarted server still needs the key
+    assert _http(keyed.port("http"), "GET", "/v2/models/ensemble")[0] == 403
+    status, raw = _http(keyed.port("http"), "POST", "/v2/models/ensemble/generate", _generate_body(),
+                        authorization=f"Bearer {KEY}")
+    assert status == 200 and json.loads(raw)["text_output"].strip() == "blue", raw
+    # the OpenAI front end: a dead one is restarted too, and it answers again
+    [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
+    os.kill(frontend.pid, signal.SIGKILL)
+    _wait_for_line(proc, lines, "restarting the OpenAI front end", 30)
+    _wait_for_line(proc, lines, "the OpenAI front end is serving again", 60)
+    req = urllib.request.Request(f"http://localhost:{env['OPENAI_PORT']}/v1/models",
+                                 headers={"authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "demo-v3"
+    [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
+    prefix = next(a.rsplit("=", 1)[1] for a in new[0].argv if "shm-region-prefix-name" in a)
+    assert list(procs.SHM_DIR.glob(prefix + "*")), "the new server's shared memory is missing"
+
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher dies without a word: its server must not stay
+    proc.wait(10)
+    leftovers = [new[0].pid, *stubs, frontend.pid]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(procs.read_proc(p) for p in leftovers):
+        time.sleep(0.2)
+    assert not [p for p in leftovers if procs.read_proc(p)], "server or stubs outlived the launcher"
+    assert not list(procs.SHM_DIR.glob(prefix + "*")), "shared memory left behind"

@@ -156,18 +156,18 @@ def events_sub():
 def replicas(tmp_path_factory, demo_model, demo_adapters, events_sub):
     """Two replicas of the server as shipped, small enough that 4 long requests queue: 2 rows each, 2 LoRA slots,
     a KV cache of 64 blocks of 16 tokens; each publishes its KV-cache events to the picker stand-in."""
-    from conftest import _start_server, _stop_server
+    from conftest import _start_servers, _stop_server
 
-    started = []
+    names = ("replica-a", "replica-b")
+    specs = [(demo_model, {"*": {"lora_dir": str(demo_adapters)},
+                           "llm": {**REPLICA_PARAMS, "kv_events_endpoint": events_sub.endpoint,
+                                   "kv_events_topic": f"kv@{name}@llm"}}, name) for name in names]
+    started = _start_servers(tmp_path_factory, specs)  # side by side
     with contextlib.ExitStack() as stack:
         try:
-            for name in ("replica-a", "replica-b"):
-                events = {"kv_events_endpoint": events_sub.endpoint, "kv_events_topic": f"kv@{name}@llm"}
-                params = {"*": {"lora_dir": str(demo_adapters)}, "llm": {**REPLICA_PARAMS, **events}}
-                server = _start_server(tmp_path_factory, demo_model, params, name)
-                started.append(server)
-                started[-1] = stack.enter_context(
-                    frontend_beside(server, tmp_path_factory.mktemp(f"{name}-openai"), demo_adapters))
+            for i, name in enumerate(names):
+                started[i] = stack.enter_context(
+                    frontend_beside(started[i], tmp_path_factory.mktemp(f"{name}-openai"), demo_adapters))
             yield started
         finally:
             stack.close()  # the front ends first

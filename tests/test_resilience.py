@@ -242,6 +242,36 @@ def test_overload_is_refused_fast_and_server_stays_usable(small_server):
     assert (status, body["text_output"].strip()) == (200, "hello")
 
 
+def test_full_queue_is_429_over_the_openai_api(small_server, demo_model):
+    """The OpenAI front end answers a full engine queue with 429 `queue_full` (4 rows + 8 queue places, 24 long
+    chats at once), the others with 200 (this server's own; test_openai's used to start a server for it)."""
+    import asyncio
+
+    import openai
+
+    from test_openai import FrontendConfig, Running
+
+    fe = Running(FrontendConfig(triton=small_server.grpc_url, model_dir=demo_model))
+    try:
+        async def one(c):
+            try:
+                await c.chat.completions.create(model="demo-v3", max_tokens=200, messages=[
+                    {"role": "user", "content": "Say hello."}], extra_body={"ignore_eos": True})
+                return 200
+            except openai.APIStatusError as e:
+                assert e.status_code != 429 or e.body["code"] == "queue_full", e.body
+                return e.status_code
+
+        async def run():
+            c = fe.async_client()
+            return await asyncio.gather(*(one(c) for _ in range(24)))
+
+        statuses = asyncio.run(run())
+        assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
+    finally:
+        fe.stop()
+
+
 def _ready(server) -> bool:
     try:
         with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=1) as r:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -85,65 +84,6 @@ def test_serve_answers_and_stops_cleanly(demo_model, tmp_path, launched):
             proc.wait(10)
     log = (tmp_path / "server.log").read_text()
     assert "successfully unloaded 'llm'" in log and "Exit timeout expired" not in log, log[-3000:]
-
-
-def _wait_for_line(proc, lines: list[str], needle: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"no line with {needle!r} within {timeout:.0f} s:\n{''.join(lines)}")
-
-
-def test_launcher_restarts_a_dead_server_and_takes_it_down_when_killed(demo_model, tmp_path, launched):
-    from triton_vlm.server import procs
-
-    env, proc = _launch(tmp_path, launched)
-    lines: list[str] = []
-    try:
-        _wait_for_line(proc, lines, "try:", 240)
-        [server] = [p for p in procs.children(proc.pid) if p.argv and p.argv[0].endswith("tritonserver")]
-        os.kill(server.pid, signal.SIGKILL)  # a crash of tritonserver itself
-        line = _wait_for_line(proc, lines, "restarting tritonserver", 30)
-        assert "tritonserver exited with signal 9 (SIGKILL)" in line, line
-        deadline = time.monotonic() + 60
-        new: list = []
-        while time.monotonic() < deadline and not new:
-            new = [p for p in procs.children(proc.pid) if p.argv and p.argv[0].endswith("tritonserver")]
-            time.sleep(0.2)
-        assert new and new[0].pid != server.pid
-        while time.monotonic() < deadline and len(procs.stubs_of(new[0].pid)) < 4:
-            time.sleep(0.2)
-        stubs = procs.stubs_of(new[0].pid)
-        assert sorted(stubs.values()) == ["llm", "preprocess", "tensorrt_llm", "vision"], stubs
-        _wait_for_line(proc, lines, "serving again", 60)
-        # the OpenAI front end: a dead one is restarted too, and it answers again
-        [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
-        os.kill(frontend.pid, signal.SIGKILL)
-        _wait_for_line(proc, lines, "restarting the OpenAI front end", 30)
-        _wait_for_line(proc, lines, "the OpenAI front end is serving again", 60)
-        with urllib.request.urlopen(f"http://localhost:{env['OPENAI_PORT']}/v1/models", timeout=10) as r:
-            assert json.loads(r.read())["data"][0]["id"] == "demo-v3"
-        [frontend] = [p for p in procs.children(proc.pid) if "triton_vlm.openai" in " ".join(p.argv)]
-        prefix = next(a.rsplit("=", 1)[1] for a in new[0].argv if "shm-region-prefix-name" in a)
-        assert list(procs.SHM_DIR.glob(prefix + "*")), "the new server's shared memory is missing"
-
-        os.kill(proc.pid, signal.SIGKILL)  # the launcher dies without a word: its server must not stay
-        proc.wait(10)
-        leftovers = [new[0].pid, *stubs, frontend.pid]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(procs.read_proc(p) for p in leftovers):
-            time.sleep(0.2)
-        assert not [p for p in leftovers if procs.read_proc(p)], "server or stubs outlived the launcher"
-        assert not list(procs.SHM_DIR.glob(prefix + "*")), "shared memory left behind"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 @pytest.mark.parametrize("setting,message", [

@@ -76,12 +76,14 @@ def _parent_fd(parent: int) -> int | None:
 
 
 def exit_with_parent(interval: float = 0.1) -> None:
-    """Enable crash tracebacks and start the watchdog, once per process."""
+    """Enable crash tracebacks and start the watchdog, once per process; defer the cyclic collector until the
+    model has loaded (`settle_heap` collects once and turns it back on)."""
     global _started
     if _started:
         return
     _started = True
     enable_crash_tracebacks()
+    defer_collections()
     parent = server_pid()
     fd = _parent_fd(parent)  # opened before the getppid() check below: it is this server, not a reused pid
     waiter = None
@@ -112,6 +114,15 @@ def exit_with_parent(interval: float = 0.1) -> None:
     threading.Thread(target=watch, name="triton-vlm-lifeline", daemon=True).start()
 
 
+def defer_collections() -> None:
+    """No cyclic collection while the stub imports torch, transformers and its model: the collector ran dozens of
+    times over a growing heap of long-lived objects, ~8% of a stub's start-up CPU. `settle_heap` (the end of
+    `initialize`) collects once and turns the collector back on; a stub whose load fails exits anyway."""
+    import gc
+
+    gc.disable()
+
+
 def settle_heap() -> None:
     """After a model loads, and again in its `finalize`: collect once, then move every live object to the
     collector's permanent generation (`gc.freeze`, as vLLM does after start-up).
@@ -124,3 +135,4 @@ def settle_heap() -> None:
 
     gc.collect()
     gc.freeze()
+    gc.enable()  # deferred while the model loaded (`defer_collections`)
