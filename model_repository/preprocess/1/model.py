@@ -45,14 +45,12 @@ class TritonPythonModel:
                                config.parse_int(p, "max_lora_rank", 64))
         lifeline.settle_heap()  # loaded: no full collection walks the import-time heap again
 
-    def finalize(self):
-        lifeline.settle_heap()  # the interpreter's exit does not walk the heap (it took 7-10 s)
-
     def execute(self, requests):
         return [self._one(r) for r in requests]
 
     def finalize(self):
         self.pre.pool.close()
+        lifeline.settle_heap()  # the interpreter's exit does not walk the heap (it took 7-10 s)
 
     def _one(self, request):
         from triton_vlm.preprocess.service import stack_rows
