@@ -100,7 +100,8 @@ class Linear:
                 return lin
             weights = [t.dequantize().to(t.gpu[1] if t.gpu else torch.float32) if isinstance(t, Fp8Weight) else t
                        for t in weights]
-        return cls.held(torch.cat(weights), bias, w["norm"].dtype, layer=i, module=name, packed=packed, parts=parts)
+        compute = w["norm"].dtype if "norm" in w else weights[0].dtype  # the model's dtype (its norms are never held 16-bit)
+        return cls.held(torch.cat(weights), bias, compute, layer=i, module=name, packed=packed, parts=parts)
 
     @classmethod
     def held(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], compute: torch.dtype, *, layer: int,
