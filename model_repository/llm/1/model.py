@@ -15,6 +15,10 @@ from triton_vlm.triton.llm import LLMService
 
 class TritonPythonModel:
     def initialize(self, args):
+        with lifeline.loading("llm"):  # a failed load ends this stub, whatever threads it started
+            self._load(args)
+
+    def _load(self, args):
         config.setup_logging()
         from triton_vlm.server.cpu_layout import apply_llm_cpus
 

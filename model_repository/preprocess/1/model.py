@@ -19,6 +19,10 @@ _IN = {s.name: s for s in N.PREPROCESS_INPUTS}
 
 class TritonPythonModel:
     def initialize(self, args):
+        with lifeline.loading("preprocess"):  # a failed load ends this stub, whatever threads it started
+            self._load(args)
+
+    def _load(self, args):
         from triton_vlm.params import DEFAULT_MAX_MEDIA_BYTES, DEFAULT_MAX_MEDIA_TOKENS
         from triton_vlm.preprocess.service import Preprocessor
         from triton_vlm.server import front_half

@@ -13,6 +13,10 @@ from triton_vlm.triton.llmapi import LlmapiService, settings_from
 
 class TritonPythonModel:
     def initialize(self, args):
+        with lifeline.loading("tensorrt_llm"):  # a failed load ends this stub, whatever threads it started
+            self._load(args)
+
+    def _load(self, args):
         config.setup_logging()
         p = config.model_parameters(args)
         self.service = LlmapiService(settings_from(p), workers=config.parse_int(p, "max_concurrency", 64))

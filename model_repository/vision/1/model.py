@@ -21,6 +21,10 @@ DEFAULTS = {"vision_device": "", "vision_bits": "32", "projector_device": "", "p
 
 class TritonPythonModel:
     def initialize(self, args):
+        with lifeline.loading("vision"):  # a failed load ends this stub, whatever threads it started
+            self._load(args)
+
+    def _load(self, args):
         from triton_vlm.triton.vision_metrics import VisionMetrics
         from triton_vlm.vision.service import build
 

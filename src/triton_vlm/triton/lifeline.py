@@ -18,6 +18,13 @@ a dead parent once `kill(pid, 0)` fails (after the reap, checked every 300 ms) a
 unmapping the shared memory that the stub's main thread is still blocked on; that main thread then dies with
 SIGSEGV in `pthread_mutex_lock` (python_backend r24.10 `pb_stub.cc` main(): `stub.reset(); exit(1)`).
 
+A failed load ends its stub (`loading`): the python backend waits for the stub of a failed `initialize` to exit
+(`StubLauncher::Launch`: `waitpid`, no timeout), and the stub's interpreter, on its way out, joins every non-daemon
+thread (a `ThreadPoolExecutor` worker busy or waiting, a library's thread). One such thread, started before the
+failure, kept the whole server loading forever (seen under load; `tests/test_load_failure.py` reproduces it). So a
+failed `initialize` arms faulthandler's watchdog, a C thread that needs no GIL: unless the stub has exited within
+`LOAD_FAILURE_GRACE_S`, it prints every thread's stack to the log and ends the process (`_exit(1)`).
+
 Crash tracebacks: `faulthandler` is enabled for all threads, writing to the stub's stderr (tritonserver's log).
 A SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL in the stub prints every Python thread's stack there ("Fatal Python
 error: Segmentation fault", then "Thread 0x... (most recent call first)" per thread, the crashing one marked
@@ -25,13 +32,17 @@ error: Segmentation fault", then "Thread 0x... (most recent call first)" per thr
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import select
 import sys
 import threading
+import traceback
+from typing import Iterator
 
 STUB_NAME = "triton_python_backend_stub"
+LOAD_FAILURE_GRACE_S = 10.0  # a failed stub answers the server, then exits; this bounds the exit
 _started = False
 
 
@@ -112,6 +123,23 @@ def exit_with_parent(interval: float = 0.1) -> None:
                 ev.wait(interval)
 
     threading.Thread(target=watch, name="triton-vlm-lifeline", daemon=True).start()
+
+
+@contextlib.contextmanager
+def loading(model: str, grace: float = LOAD_FAILURE_GRACE_S) -> Iterator[None]:
+    """Wrap a model's `initialize`: any exception is written to the log with its traceback, re-raised (the server
+    reports the failed load), and the stub is ended `grace` seconds later unless it has exited by then."""
+    try:
+        yield
+    except BaseException as e:
+        try:  # the stub's own log line is one line; the whole traceback is what a user needs
+            sys.stderr.write(f"triton_vlm: {model} failed to load ({type(e).__name__}: {e}); its stub (pid "
+                             f"{os.getpid()}) exits within {grace:.0f} s\n")
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+        finally:
+            faulthandler.dump_traceback_later(grace, exit=True, file=sys.stderr)
+        raise
 
 
 def defer_collections() -> None:

@@ -1,0 +1,72 @@
+"""A model whose `initialize` fails never keeps the server loading forever (`lifeline.loading`), through tritonserver.
+
+The python backend waits, without a timeout, for the stub of a failed `initialize` to exit, and the stub's
+interpreter joins every non-daemon thread on its way out. The model here starts one that never ends, then fails,
+as a load that dies after its thread pool started would: without `lifeline.loading` this server never becomes
+ready and never exits (it hung the suite under load); with it, the stub is ended within the grace and the server
+reports the failed load, naming the model and the error.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from triton_vlm.server import procs
+from triton_vlm.server.process import TritonServer, free_port
+
+pytestmark = pytest.mark.server
+
+GRACE_S = 2.0
+
+CONFIG = """name: "stuck"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+parameters { key: "model_path" value: { string_value: "" } }
+"""
+
+MODEL = f'''import threading
+
+from triton_vlm.triton import lifeline
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        with lifeline.loading("stuck", grace={GRACE_S}):
+            threading.Thread(target=threading.Event().wait, name="never-ends").start()  # non-daemon, never ends
+            raise RuntimeError("the load failed after a thread started")
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_failed_load_with_a_live_thread_ends_the_server(tmp_path: Path):
+    repo = tmp_path / "repo"
+    (repo / "stuck" / "1").mkdir(parents=True)
+    (repo / "stuck" / "config.pbtxt").write_text(CONFIG)
+    (repo / "stuck" / "1" / "model.py").write_text(MODEL)
+    log = tmp_path / "server.log"
+    server = TritonServer(model_path=str(tmp_path), model_repository=repo, models=("stuck",), http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), log_file=log, exit_timeout=5,
+                          run_dir=tmp_path / "run")
+    t0 = time.monotonic()
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="exited with code") as failed:
+            server.wait_ready(60)  # before the fix: "not ready after 60 s" (TimeoutError), the stub alive
+        took = time.monotonic() - t0
+        assert "the load failed after a thread started" in str(failed.value)
+        assert took < 40, f"the failed load took {took:.0f} s to end the server"
+        text = log.read_text(errors="replace")
+        assert "triton_vlm: stuck failed to load (RuntimeError" in text  # our line, with the traceback
+        assert "Traceback (most recent call last)" in text
+        assert "never-ends" in text or "threading.py" in text  # the watchdog's dump names the thread that held it
+        assert not procs.stubs_of(server.proc.pid), "the stub outlived its server"
+    finally:
+        server.stop()
+        server.close()
