@@ -366,6 +366,9 @@ def test_lora_and_oversized_steps(ckpt):
     g = eng.decode_graphs
     assert g.lora is not None and g.lora.loads == 1 and g.lora_steps >= 4  # the rank-2 adapter, loaded once
     assert g.fallbacks >= 6 and g.static_steps >= 8  # wide / big steps eager, lora's and small's padded
+    st = eng.stats()  # the counters as the llm model exports them (gauges triton_vlm_engine_cuda_graph_*)
+    assert (st.cuda_graph_fallbacks, st.cuda_graph_replays, st.cuda_graphs_captured) == (g.fallbacks, 0, 0)
+    assert eng_plain.stats().cuda_graph_fallbacks == 0  # no graphs: every counter 0
 
 
 def test_the_graphs_buffers_are_what_the_profile_counts(ckpt):
@@ -512,6 +515,9 @@ def test_lora_rows_replay_graphs_with_the_eager_tokens(ckpt):
     g = eng.decode_graphs
     assert g.lora_replays == g.lora_steps > 5 and g.lora.loads >= 3 and g.fallbacks == 0
     assert g.capture_failures == g.replay_errors == 0
+    st = eng.stats()
+    assert (st.cuda_graph_lora_replays, st.cuda_graph_replays, st.cuda_graphs_captured) == \
+        (g.lora_replays, g.replays, g.captured) and st.cuda_graph_capture_failures == st.cuda_graph_replay_errors == 0
 
 
 @pytest.mark.gpu

@@ -183,6 +183,15 @@ class EngineStats:
     # hybrid models (`kv/hybrid_cache.py`): state slots of the linear layers, all and free (0, 0: none)
     state_slots_total: int = 0
     state_slots_free: int = 0
+    # CUDA graphs of decode steps (`model/cuda_graph.py`; all 0 without them), cumulative: graphs captured now,
+    # replays (those with LoRA rows among them), decode steps that ran eager (no bucket, adapters the slots cannot
+    # hold, a graph waiting for its retry), captures that failed, replays that raised (that step ran uncaptured)
+    cuda_graphs_captured: int = 0
+    cuda_graph_replays: int = 0
+    cuda_graph_lora_replays: int = 0
+    cuda_graph_fallbacks: int = 0
+    cuda_graph_capture_failures: int = 0
+    cuda_graph_replay_errors: int = 0
     prefix_caching: bool = True  # enable_prefix_caching as served (off for hybrid models)
 
 
@@ -320,7 +329,16 @@ class Engine:
             guide_cache_bytes=guides.cached_bytes if guides is not None else 0,
             state_slots_total=states.slots if states is not None else 0,
             state_slots_free=states.free if states is not None else 0,
-            prefix_caching=self.config.enable_prefix_caching)
+            prefix_caching=self.config.enable_prefix_caching, **self._graph_stats())
+
+    def _graph_stats(self) -> dict[str, int]:
+        """The CUDA graphs' counters for `stats()` (EngineStats' `cuda_graph*` fields); {} without graphs."""
+        g = self.decode_graphs
+        if g is None:
+            return {}
+        return dict(cuda_graphs_captured=g.captured, cuda_graph_replays=g.replays, cuda_graph_lora_replays=g.lora_replays,
+                    cuda_graph_fallbacks=g.fallbacks, cuda_graph_capture_failures=g.capture_failures,
+                    cuda_graph_replay_errors=g.replay_errors)
 
     def prefix_cache_stats(self) -> PrefixStats:
         """Prefix-cache lookups so far, in tokens (cumulative; a copy)."""

@@ -29,6 +29,8 @@ cumulative (`engine/scheduler.py` `StepTimes`): `triton_vlm_engine_prefill_{step
 `triton_vlm_engine_decode_{steps,rows,seconds}`; the rate of `prefill_seconds + decode_seconds` is the fraction of
 the time the engine computes (1.0: it is the bottleneck), `decode_seconds / decode_steps` the time of a step.
 `triton_vlm_engine_spare_steps`: steps that borrowed threads from the spare CPUs (`engine/cpu/spare.py`).
+`triton_vlm_engine_cuda_graph*`: the decode steps' CUDA graphs captured, replayed (with LoRA rows), run eager, failed
+to capture or to replay (`EngineStats`; 0 without graphs).
 Histograms (seconds, measured inside the llm model from the moment it received the request, so preprocess and
 vision time is not included; Triton's `nv_inference_*_duration_us` cover those models):
 `triton_vlm_queue_seconds` (until rows and KV blocks were reserved), `triton_vlm_time_to_first_token_seconds`,
