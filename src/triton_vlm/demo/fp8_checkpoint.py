@@ -14,7 +14,11 @@ other files copied, config.json gaining the format's `quantization_config`:
   llm-compressor writes a bf16 model's.
 `ensure_fp8_checkpoint(base, fmt)` caches one under the cache dir (`base`: "llava" = the trained demo model in
 the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint, "qwen3_vl" = a random dense Qwen3-VL
-(sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`)).
+(sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`), "qwen3_5" /
+"qwen3_5_moe" = the random hybrid Qwen3.5 / Qwen3.5-MoE of `qwen35_checkpoint` (tests/test_qwen3_5.py's shapes,
+seed 3; the MoE's experts 32 and shared expert 48 wide: [16, 16] blocks) in Qwen's `-FP8` layout: its linear
+layers' in_proj_qkv / in_proj_z / out_proj, attention, MLP and experts quantized, in_proj_a / in_proj_b, conv1d,
+A_log, dt_bias, norms, router and shared-expert gate bf16 and listed in `modules_to_not_convert`, bf16 scales).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.((self_attn|mlp(\.sh
 # transformers' `should_convert_module` matches them: a suffix of the module's name)
 HYBRID_NOT_CONVERTED = ["linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.conv1d", "mlp.gate",
                         "mlp.shared_expert_gate"]
-# fp8-block's weight_scale_inv dtype by base (default float32): Qwen3.5's releases store bf16 scales
+# fp8-block's weight_scale_inv dtype by base (default float32): bf16 for the hybrids, as Qwen's Qwen3.5 / 3.6 `-FP8`
+# files are described to store them (the engine widens them to fp32 exactly, as transformers does)
 BASE_SCALES = {"qwen3_5": torch.bfloat16, "qwen3_5_moe": torch.bfloat16}
 VERSION = 2  # bump when the fixtures change (2: unquantized tensors in bf16, as the releases)
 BASE_VERSION = 1  # bump when the random bases change
