@@ -11,8 +11,8 @@
   linear layers' in_proj_a / in_proj_b, conv, norms, router, embedding and lm_head left bf16): every quantized
   projection (full attention, MLP, a linear layer's in_proj_qkv / in_proj_z / out_proj, shared and routed experts)
   held e4m3 and the bf16 ones as stored (`weights_info{held}`), the weights' bytes under half of fp32's; greedy (a
-  prompt of two 64-token chunks and an image), beam 3 and seeded sampling equal `generate()`; the control: the
-  scales ignored (read as 1) give other tokens.
+  prompt of two 64-token chunks and an image), beam 3 and seeded sampling equal `generate()`, a LoRA on FP8 bases
+  equals PEFT on the dequantized model; the control: the scales ignored (read as 1) give other tokens.
 """
 from __future__ import annotations
 
@@ -78,8 +78,10 @@ def kernels_on(monkeypatch):
     gemv_bf16._once.reset()
 
 
-def _run(eng, ref: Reference, rid: str, prompt: str, images: list[bytes], **params) -> list[list[int]]:
-    """The engine's sequences for `prompt` (+ transformers' own features of `images`), no Triton."""
+def _run(eng, ref: Reference, rid: str, prompt: str, images: list[bytes], adapter=None,
+         **params) -> list[list[int]]:
+    """The engine's sequences for `prompt` (+ transformers' own features of `images`; `adapter`: a loaded LoRA),
+    no Triton."""
     from triton_vlm.params import GenerationParams, GenerationRequest
 
     x = ref.inputs(prompt, images)
@@ -89,7 +91,7 @@ def _run(eng, ref: Reference, rid: str, prompt: str, images: list[bytes], **para
             feats = ref.model.model.get_image_features(x["pixel_values"], x["image_grid_thw"]).pooler_output
         feats = (torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats)[None].float()
     req = GenerationRequest(request_id=rid, input_ids=ids, image_embeds=feats, image_sizes=sizes or None,
-                            params=GenerationParams(max_tokens=NEW, **params))
+                            params=GenerationParams(max_tokens=NEW, **params), adapter=adapter)
     req.rope = eng.rope(ids, sizes) if images else None
     last = eng.generate([req])[rid][-1]
     assert last.error is None, last.error
@@ -193,11 +195,23 @@ def _hybrid_held(eng) -> tuple[list, list]:
     return fp8, half
 
 
-def test_engine_on_qwen3_5_fp8_holds_e4m3_and_equals_transformers(kernels_on):
+def test_engine_on_qwen3_5_fp8_holds_e4m3_and_equals_transformers(kernels_on, tmp_path):
+    """... and a LoRA on the FP8 full-attention q/v_proj and down_proj of a linear and a full layer equals PEFT on
+    the dequantized model (adapters fp32 beside e4m3 bases)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import FineGrainedFP8Config
+
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.engine.profile import model_bytes
+    from triton_vlm.lora.peft import load_peft
 
     ref = _reference("qwen3_5")
+    torch.manual_seed(2)
+    peft = get_peft_model(type(ref.model).from_pretrained(
+        str(ref.model_dir), dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)),
+        LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                   target_modules=r".*language_model\.layers\.(3\.self_attn\.(q_proj|v_proj)|[13]\.mlp\.down_proj)"))
+    peft.save_pretrained(tmp_path / "adapter")
     eng = Engine(ref.model_dir, EngineConfig(max_rows=4, kv_cache_tokens=1024, block_size=16, prefill_chunk=64))
     try:
         fp8, _ = _hybrid_held(eng)
@@ -213,12 +227,14 @@ def test_engine_on_qwen3_5_fp8_holds_e4m3_and_equals_transformers(kernels_on):
         beams = _run(eng, ref, "beams", PROMPT, [IMAGES[1]], beam_width=3, num_return_sequences=3)
         sampled = _run(eng, ref, "sampled", PROMPT, [IMAGES[0]], temperature=1.3, top_k=20, seed=4321,
                        do_sample=True)
+        adapted = _run(eng, ref, "lora", LONG, [], adapter=load_peft(tmp_path / "adapter", eng.model_config, "a"))
         for lin in fp8:  # the control: the e4m3 codes read as numbers, their scales ignored
             lin.fp8_packed.scale.fill_(1.0)
         ignored = _run(eng, ref, "ignored", LONG, [])
     finally:
         eng.shutdown()
     assert greedy == ref.generate(LONG, [], NEW) and ignored != greedy
+    assert adapted == ref.generate(LONG, [], NEW, model=peft.eval()) != greedy
     assert image == ref.generate(PROMPT, [IMAGES[0]], NEW)
     assert beams == ref.generate(PROMPT, [IMAGES[1]], NEW, beams=3, num_return_sequences=3)
     assert sampled == _sampled(ref, IMAGES[0], 4321)
