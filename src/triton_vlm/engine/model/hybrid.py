@@ -94,12 +94,12 @@ class LinearLayer:
     def __init__(self, w: dict[str, torch.Tensor], i: int, index: int, shape: deltanet.DeltaNetShape,
                  dtype: torch.dtype):
         self.index = index
-        self.linears: list[Linear] = []  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+        self.projections: list[Linear] = []  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
 
         def linear(name: str) -> Linear:  # not a LoRA target: called without adapters
-            self.linears.append(Linear.fused(w, i, f"linear_attn.{name}", (f"linear_attn.{name}.weight",), False,
+            self.projections.append(Linear.fused(w, i, f"linear_attn.{name}", (f"linear_attn.{name}.weight",), False,
                                              dtype))
-            return self.linears[-1]
+            return self.projections[-1]
 
         self.net = deltanet.GatedDeltaNet(shape, deltanet.weights_from(w, f"layers.{i}.linear_attn.", linear))
 
@@ -183,7 +183,7 @@ class HybridModel:
         """Every decoder projection but the experts' (attention, MLP, shared expert, a linear layer's)."""
         out = []
         for layer, mlp in zip(self.layers, self.mlps):
-            out += [layer.qkv_proj, layer.o_proj] if isinstance(layer, FullLayer) else layer.linears
+            out += [layer.qkv_proj, layer.o_proj] if isinstance(layer, FullLayer) else layer.projections
             if isinstance(mlp, Experts):
                 out += [p for p in (mlp.shared.gate_up, mlp.shared.down) if isinstance(p, Linear)] \
                     if mlp.shared is not None else []
@@ -199,7 +199,7 @@ class HybridModel:
                 out += _tensors_of([layer.qkv_proj, layer.o_proj]) + [layer.q_norm, layer.k_norm]
             else:
                 wt = layer.net.w
-                out += _tensors_of(layer.linears) + [wt.conv_weight, wt.dt_bias, wt.a_log, wt.norm_weight]
+                out += _tensors_of(layer.projections) + [wt.conv_weight, wt.dt_bias, wt.a_log, wt.norm_weight]
         return out
 
     def weights_held(self) -> str:
