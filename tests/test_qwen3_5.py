@@ -117,6 +117,21 @@ def test_preempted_requests_recompute_their_states_and_get_generates_tokens(ref)
         assert [s.token_ids for s in results[r.request_id][-1].sequences] == out[:, len(ids):].tolist(), r.request_id
 
 
+def test_a_bf16_hybrid_computes_in_bf16(checkpoint):
+    """dtype bfloat16 (a GPU's): every projection is held and computed in bf16 (they once took the zero-centred
+    norms' fp32 as the compute dtype, and the first product failed on bf16 inputs); its logits follow fp32's."""
+    from triton_vlm.engine.model.hybrid import HybridModel
+
+    ids, logits = torch.arange(5, 40)[None], {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = HybridModel.from_pretrained(checkpoint, dtype)
+        assert {lin.weight.dtype for lin in m.linears() + [m.lm_head]} == {dtype}
+        cache = m.new_cache(4, 16)
+        logits[dtype] = m.forward(m.embed(ids), cache.plan([cache.new_row()], 35), cache, all_logits=True)[0]
+    agree = (logits[torch.float32].argmax(-1) == logits[torch.bfloat16].argmax(-1)).float().mean()
+    assert agree > 0.8, agree
+
+
 def test_profile_refuses_state_slots_that_do_not_fit_and_chunks_off_64(checkpoint):
     from triton_vlm.engine.engine import Engine, EngineConfig
     from triton_vlm.engine.profile import KVBudgetError

@@ -145,8 +145,9 @@ class TensorSource:
 
     def get_fp8(self, name: str):
         """A quantized weight kept in FP8 (`quant.fp8_weight.Fp8Weight`), or None where it is not quantized or
-        must be dequantized at load (zero points, scales other than fp32 ones, a grid `get` refuses: then `get`
-        says why). Its values are `get`'s, `float(q) * s` over each scale's block, without making them (no fp32
+        must be dequantized at load (zero points, compressed-tensors scales other than fp32 ones, a grid `get`
+        refuses: then `get` says why; block-wise FP8's bf16 / fp16 scales are widened to fp32, as transformers
+        does). Its values are `get`'s, `float(q) * s` over each scale's block, without making them (no fp32
         copy at load: tests/test_gemv_fp8.py compares them)."""
         from .quant.fp8_weight import Fp8Weight  # noqa: PLC0415
 
@@ -155,6 +156,8 @@ class TensorSource:
             return None
         q, scale = self._read(*self.files[name]), self._read(*self.quant.held[scale_name])
         quant = self.quant.quant
+        if quant.method == "fp8" and scale.dtype in (torch.bfloat16, torch.float16):
+            scale = scale.float()  # transformers' Fp8Dequantize widens the scales: float(q) * float(s) in fp32
         if q.dim() != 2 or scale.dtype != torch.float32:
             return None
         rows, cols = q.shape

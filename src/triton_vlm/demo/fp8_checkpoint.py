@@ -14,7 +14,11 @@ other files copied, config.json gaining the format's `quantization_config`:
   llm-compressor writes a bf16 model's.
 `ensure_fp8_checkpoint(base, fmt)` caches one under the cache dir (`base`: "llava" = the trained demo model in
 the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint, "qwen3_vl" = a random dense Qwen3-VL
-(sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`)).
+(sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`), "qwen3_5" /
+"qwen3_5_moe" = the random hybrid Qwen3.5 / Qwen3.5-MoE of `qwen35_checkpoint` (tests/test_qwen3_5.py's shapes,
+seed 3; the MoE's experts 32 and shared expert 48 wide: [16, 16] blocks) in Qwen's `-FP8` layout: its linear
+layers' in_proj_qkv / in_proj_z / out_proj, attention, MLP and experts quantized, in_proj_a / in_proj_b, conv1d,
+A_log, dt_bias, norms, router and shared-expert gate bf16 and listed in `modules_to_not_convert`, bf16 scales).
 """
 from __future__ import annotations
 
@@ -29,21 +33,34 @@ import torch
 from ..weight_source import INDEX_FILES, SINGLE_FILES, TensorSource
 
 FORMATS = ("fp8-block", "ct-channel", "ct-tensor")
-BASES = ("llava", "qwen2_5_vl", "qwen3_vl")
+BASES = ("llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 BLOCK = (32, 32)  # the tiny models' dims are multiples of 32; the releases use [128, 128] on theirs
-BASE_BLOCKS = {"qwen3_vl": (16, 16)}  # fp8-block's block where a base's dims are not multiples of BLOCK
-QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.(self_attn|mlp)\.[a-z]+_proj\.weight$")
+BASE_BLOCKS = {"qwen3_vl": (16, 16), "qwen3_5_moe": (16, 16)}  # fp8-block's block where a base's dims are not
+# multiples of BLOCK
+# the decoder's projections a release quantizes: attention's and the MLP's (dense, a shared expert, each expert of
+# the hub's per-expert files), a Gated DeltaNet layer's in_proj_qkv / in_proj_z / out_proj (Qwen3.5's `-FP8`: its
+# in_proj_a / in_proj_b, conv1d, A_log, dt_bias and norm stay bf16, as do the router and the shared expert's gate)
+QUANTIZED = re.compile(r"(^|\.)language_model\.layers\.\d+\.((self_attn|mlp(\.shared_expert|\.experts\.\d+)?)\."
+                       r"[a-z]+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight$")
+# what the hybrid (Qwen3.5) releases list in `modules_to_not_convert` besides lm_head and the tower (names as
+# transformers' `should_convert_module` matches them: a suffix of the module's name)
+HYBRID_NOT_CONVERTED = ["linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.conv1d", "mlp.gate",
+                        "mlp.shared_expert_gate"]
+# fp8-block's weight_scale_inv dtype by base (default float32): bf16 for the hybrids, as Qwen's Qwen3.5 / 3.6 `-FP8`
+# files are described to store them (the engine widens them to fp32 exactly, as transformers does)
+BASE_SCALES = {"qwen3_5": torch.bfloat16, "qwen3_5_moe": torch.bfloat16}
 VERSION = 2  # bump when the fixtures change (2: unquantized tensors in bf16, as the releases)
 BASE_VERSION = 1  # bump when the random bases change
 
 
-def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, C] float -> (e4m3 [R, C], float32 scale_inv [R / bm, C / bn])."""
+def fp8_block(w: torch.Tensor, block: tuple[int, int],
+              scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] float -> (e4m3 [R, C], scale_inv [R / bm, C / bn] in `scale_dtype`)."""
     (rows, cols), (bm, bn) = w.shape, block
     b = w.float().reshape(rows // bm, bm, cols // bn, bn)
-    scale = (b.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [R / bm, C / bn]
-    q = (b / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (b.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)  # [R / bm, C / bn]
+    q = (b / scale.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(rows, cols), scale
 
 
@@ -72,8 +89,10 @@ def quantization_config(fmt: str, not_converted: list[str], block: tuple[int, in
             "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple[int, int] = BLOCK) -> Path:
-    """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`: fp8-block's block size)."""
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple[int, int] = BLOCK,
+                        scale_dtype: torch.dtype = torch.float32) -> Path:
+    """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`, `scale_dtype`: fp8-block's
+    block size and weight_scale_inv dtype)."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     if fmt not in FORMATS:
@@ -87,7 +106,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
         if not QUANTIZED.search(name):
             tensors[key] = (w.to(torch.bfloat16) if w.is_floating_point() else w).contiguous()
             continue
-        q, scale = fp8_block(w, block) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
+        q, scale = fp8_block(w, block, scale_dtype) if fmt == "fp8-block" else fp8_channel(w, fmt == "ct-tensor")
         tensors[key], tensors[key[: -len("weight")] + suffix] = q.contiguous(), scale.contiguous()
     out.mkdir(parents=True, exist_ok=True)
     skip = set(INDEX_FILES) | set(SINGLE_FILES)
@@ -96,9 +115,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
             shutil.copy2(f, out / f.name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    towers = sorted({k.split(".")[0] for k in tensors if k.split(".")[0] in ("vision_tower", "visual",
-                                                                              "multi_modal_projector")})
-    config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers], block)
+    towers = sorted({m.group(1) for k in tensors
+                     if (m := re.match(r"((model\.)?(vision_tower|visual|multi_modal_projector))\.", k))})
+    hybrid = HYBRID_NOT_CONVERTED if any(".linear_attn." in k for k in tensors) else []
+    config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers, *hybrid], block)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -120,7 +140,12 @@ def _base(base: str) -> Path:
         with _lock(path):
             if not (path / "config.json").is_file():
                 tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-                if base == "qwen3_vl":
+                if base.startswith("qwen3_5"):
+                    from .qwen35_checkpoint import build_qwen3_5  # noqa: PLC0415
+
+                    build_qwen3_5(tmp, shards=2, seed=3, max_position_embeddings=512,
+                                  experts=4 if base == "qwen3_5_moe" else 0)
+                elif base == "qwen3_vl":
                     from .qwen3_checkpoint import build_qwen3_vl  # noqa: PLC0415
 
                     build_qwen3_vl(tmp, shards=2, seed=3)
@@ -142,7 +167,7 @@ def ensure_fp8_checkpoint(base: str, fmt: str) -> Path:
     with _lock(out):
         if not (out / "model.safetensors").is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            quantize_checkpoint(src, tmp, fmt, BASE_BLOCKS.get(base, BLOCK))
+            quantize_checkpoint(src, tmp, fmt, BASE_BLOCKS.get(base, BLOCK), BASE_SCALES.get(base, torch.float32))
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out

@@ -14,7 +14,10 @@ Norms (`norm_offset` 1: zero-centred RMSNorm, the factor `1 + weight` precompute
 `Qwen3_5RMSNorm`; a SiLU-gated MLP, or in a sparse layer (Qwen3.5-MoE, `TextSpec.sparse_layers`) `model.Experts`
 with its shared expert (`model.SharedExpert`: sigmoid-gated, added to the routed sum). Everything here is torch ops
 (no C decode kernel, no CUDA graphs, no packed oneDNN weights: a first, exact version; the linear layers'
-flash-linear-attention kernels are not wired).
+flash-linear-attention kernels are not wired) but the projections: each a `model.Linear`, so an FP8 checkpoint's
+e4m3 projections (full attention, MLPs, shared and routed experts, a linear layer's in_proj_qkv / in_proj_z /
+out_proj) and the bf16 ones (embedding, lm_head, in_proj_a / in_proj_b) stay as stored on an fp32 CPU model, read
+by the same C gemvs as the dense families' (`hybrid_weights`, `gemv_fp8.py`, `gemv_bf16.py`; issue 38).
 
 Same interface as `model.LlamaModel` for the runner and the profile: `forward`, `forward_ragged` (segments run one
 by one), `embed`, `new_cache` (a `HybridCache`: KV for the full layers, `state_slots` state slots), `tensors`.
@@ -32,7 +35,7 @@ from ..kv.hybrid_cache import HybridCache, StateBatch
 from ..kv.kv_cache import AttentionBatch
 from ..kv.state_cache import StateSpec
 from .hybrid_weights import FULL, LINEAR, load_hybrid_weights
-from .model import DTYPES, AdapterBatch, Experts, Linear, Segment, silu_mul
+from .model import DTYPES, LM_HEAD, AdapterBatch, Experts, Linear, Segment, _tensors_of, silu_mul
 from .weights import load_config
 from ...spec import TextSpec
 
@@ -58,10 +61,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.T
 class FullLayer:
     """Gated full attention (module doc); `kv` is its index among the cache's layers."""
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, kv: int, c: TextSpec):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, kv: int, c: TextSpec, dtype: torch.dtype):
         self.kv, self.c = kv, c
-        self.qkv_proj = Linear.fused(w, i, "qkv_proj", ("q_proj", "k_proj", "v_proj"), False)
-        self.o_proj = Linear.fused(w, i, "o_proj", ("o_proj",), False)
+        self.qkv_proj = Linear.fused(w, i, "qkv_proj", ("q_proj", "k_proj", "v_proj"), False, dtype)
+        self.o_proj = Linear.fused(w, i, "o_proj", ("o_proj",), False, dtype)
         self.q_norm, self.k_norm = w[f"layers.{i}.q_norm"], w[f"layers.{i}.k_norm"]
 
     def __call__(self, h, batch: AttentionBatch, cache: HybridCache, tables, adapters) -> torch.Tensor:
@@ -88,9 +91,17 @@ class FullLayer:
 class LinearLayer:
     """A Gated DeltaNet layer over the rows' state slots; `index` is its index among the linear layers."""
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, index: int, shape: deltanet.DeltaNetShape):
+    def __init__(self, w: dict[str, torch.Tensor], i: int, index: int, shape: deltanet.DeltaNetShape,
+                 dtype: torch.dtype):
         self.index = index
-        self.net = deltanet.GatedDeltaNet(shape, deltanet.weights_from(w, f"layers.{i}.linear_attn."))
+        self.projections: list[Linear] = []  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+
+        def linear(name: str) -> Linear:  # not a LoRA target: called without adapters
+            self.projections.append(Linear.fused(w, i, f"linear_attn.{name}", (f"linear_attn.{name}.weight",), False,
+                                             dtype))
+            return self.projections[-1]
+
+        self.net = deltanet.GatedDeltaNet(shape, deltanet.weights_from(w, f"layers.{i}.linear_attn.", linear))
 
     def __call__(self, h: torch.Tensor, st: StateBatch, cache: HybridCache) -> torch.Tensor:
         """h [rows, q_len, hidden] -> [rows, q_len, hidden]; the rows' states continued in their slots."""
@@ -123,26 +134,29 @@ class LinearLayer:
 class HybridModel:
     """A hybrid decoder (module doc) with `LlamaModel`'s interface."""
 
-    def __init__(self, config: TextSpec, w: dict[str, torch.Tensor], state_slots: int = 1):
+    def __init__(self, config: TextSpec, w: dict[str, torch.Tensor], state_slots: int = 1,
+                 dtype: Optional[torch.dtype] = None):
+        """`dtype`: the compute dtype (default: the embedding's; a bf16 one kept as stored needs it said)."""
         self.config = c = config
-        self.embed_tokens, self.norm = w["embed"], w["norm"]  # [vocab, hidden], [hidden]
-        self.dtype, self.device = self.embed_tokens.dtype, self.embed_tokens.device
-        self.lm_head = Linear(w["lm_head"], layer=-1, module="lm_head")
+        self.embed_tokens, self.norm = w["embed"], w["norm"]  # [vocab, hidden] (bf16 as stored: widened), [hidden]
+        self.dtype, self.device = dtype or self.embed_tokens.dtype, self.embed_tokens.device
+        self.lm_head = Linear.held(w["lm_head"], None, self.dtype, layer=-1, module=LM_HEAD, packed=False)
         shape = deltanet.DeltaNetShape.from_config(_LinearFields(c))
         self.layers: list = []
         kv = lin = 0
         for i, kind in enumerate(c.layer_kinds):
             if kind == FULL:
-                self.layers.append(FullLayer(w, i, kv, c))
+                self.layers.append(FullLayer(w, i, kv, c, self.dtype))
                 kv += 1
             else:
-                self.layers.append(LinearLayer(w, i, lin, shape))
+                self.layers.append(LinearLayer(w, i, lin, shape, self.dtype))
                 lin += 1
         self.norms = [(w[f"layers.{i}.input_norm"], w[f"layers.{i}.post_norm"]) for i in range(c.num_layers)]
         # per layer: its experts (a sparse layer), else its MLP's (gate_up, down)
-        self.mlps = [Experts.of(w, i, c.experts_per_token) or
-                     (Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), False),
-                      Linear.fused(w, i, "down_proj", ("down_proj",), False)) for i in range(c.num_layers)]
+        self.mlps = [Experts.of(w, i, c.experts_per_token, linears=True, compute=self.dtype) or
+                     (Linear.fused(w, i, "gate_up_proj", ("gate_proj", "up_proj"), False, self.dtype),
+                      Linear.fused(w, i, "down_proj", ("down_proj",), False, self.dtype))
+                     for i in range(c.num_layers)]
         self.kv_layers, self.state_slots = kv, state_slots
         self.state_spec = StateSpec(layers=lin, states=(("conv", shape.conv_shape(), self.dtype),
                                                         ("recurrent", shape.recurrent_shape(), torch.float32)))
@@ -163,22 +177,49 @@ class HybridModel:
                         state_slots: int = 1) -> "HybridModel":
         config = load_config(model_dir)
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        return cls(config, load_hybrid_weights(model_dir, config, dtype, device), state_slots)
+        return cls(config, load_hybrid_weights(model_dir, config, dtype, device), state_slots, dtype)
+
+    def linears(self) -> list[Linear]:
+        """Every decoder projection but the experts' (attention, MLP, shared expert, a linear layer's)."""
+        out = []
+        for layer, mlp in zip(self.layers, self.mlps):
+            out += [layer.qkv_proj, layer.o_proj] if isinstance(layer, FullLayer) else layer.projections
+            if isinstance(mlp, Experts):
+                out += [p for p in (mlp.shared.gate_up, mlp.shared.down) if isinstance(p, Linear)] \
+                    if mlp.shared is not None else []
+            else:
+                out += list(mlp)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed_tokens, self.norm, self.lm_head.weight, self.cos, self.sin_rot]
+        out = [self.embed_tokens, self.norm, self.cos, self.sin_rot] + _tensors_of([self.lm_head])
         for layer, norms, mlp in zip(self.layers, self.norms, self.mlps):
-            out += list(norms) + (mlp.tensors() if isinstance(mlp, Experts) else [lin.weight for lin in mlp])
+            out += list(norms) + (mlp.tensors() if isinstance(mlp, Experts) else _tensors_of(mlp))
             if isinstance(layer, FullLayer):
-                out += [layer.qkv_proj.weight, layer.o_proj.weight, layer.q_norm, layer.k_norm]
+                out += _tensors_of([layer.qkv_proj, layer.o_proj]) + [layer.q_norm, layer.k_norm]
             else:
                 wt = layer.net.w
-                out += [wt.conv_weight, wt.dt_bias, wt.a_log, wt.norm_weight]
+                out += _tensors_of(layer.projections) + [wt.conv_weight, wt.dt_bias, wt.a_log, wt.norm_weight]
         return out
 
     def weights_held(self) -> str:
-        """How the projections are kept in memory: the model's dtype (an FP8 checkpoint's are dequantized at load)."""
-        return str(self.dtype).removeprefix("torch.")
+        """How the weight matrices are kept in memory, "+"-joined as `LlamaModel.weights_held` says it: the
+        projections' dtypes ("float8_e4m3fn" for an FP8 checkpoint's read by the FP8 gemv, experts included;
+        "bfloat16" for those kept as stored: an FP8 release's in_proj_a / in_proj_b; the model's dtype for those
+        dequantized or cast at load), then the lm_head's and the embedding's where not the model's dtype."""
+        def held(lin: Linear) -> str:
+            if lin.fp8_packed is not None or lin.fp8_device is not None:
+                return "float8_e4m3fn"
+            return str(lin.half_packed.dtype if lin.half_packed is not None else self.dtype).removeprefix("torch.")
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        lins = self.linears() + [e for mlp in self.mlps if isinstance(mlp, Experts)
+                                 and not isinstance(mlp.gate_up, torch.Tensor) for e in (*mlp.gate_up, *mlp.down)]
+        names = sorted({held(lin) for lin in lins}, key=lambda n: (n != "float8_e4m3fn", n != dtype, n))
+        if any(isinstance(mlp, Experts) and isinstance(mlp.gate_up, torch.Tensor) for mlp in self.mlps):
+            names += [dtype]  # experts dequantized / cast at load
+        names += [n for n in (held(self.lm_head), str(self.embed_tokens.dtype).removeprefix("torch.")) if n != dtype]
+        return "+".join(dict.fromkeys(names))
 
     def new_cache(self, num_blocks: int, block_size: int, slots: Optional[int] = None) -> HybridCache:
         c = self.config
@@ -187,7 +228,8 @@ class HybridModel:
                            block_size=block_size, dtype=self.dtype, device=self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.to(self.device), self.embed_tokens)  # [..., hidden]
+        # [..., hidden]; a bf16 / fp16 table kept as stored: its rows widened after the gather (exact)
+        return F.embedding(ids.to(self.device), self.embed_tokens).to(self.dtype)
 
     def _tables(self, batch: AttentionBatch, rope: Optional[torch.Tensor]):
         """cos, sin_rot [rows, q_len, 1, rd] of the new tokens (cache positions, 1-D `rope`, or M-RoPE's 3-D)."""

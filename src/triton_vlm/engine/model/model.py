@@ -84,8 +84,10 @@ class Linear:
         self.parts = parts or ((module, weight.shape[0]),)  # (module, out features) side by side
 
     @classmethod
-    def fused(cls, w: dict[str, torch.Tensor], i: int, name: str, modules: tuple[str, ...], packed: bool) -> "Linear":
-        """Layer i's projections `modules` (same input) as one Linear; a missing bias is zeros (adds exactly 0)."""
+    def fused(cls, w: dict[str, torch.Tensor], i: int, name: str, modules: tuple[str, ...], packed: bool,
+              compute: Optional[torch.dtype] = None) -> "Linear":
+        """Layer i's projections `modules` (same input) as one Linear; a missing bias is zeros (adds exactly 0).
+        `compute`: the model's dtype (default: its final norm's, else the weights')."""
         weights = [w[f"layers.{i}.{m}"] for m in modules]  # each [out_m, in]
         bias = None
         if any(f"layers.{i}.{m}.bias" in w for m in modules):
@@ -100,7 +102,8 @@ class Linear:
                 return lin
             weights = [t.dequantize().to(t.gpu[1] if t.gpu else torch.float32) if isinstance(t, Fp8Weight) else t
                        for t in weights]
-        compute = w["norm"].dtype if "norm" in w else weights[0].dtype  # the model's dtype (its norms are never held 16-bit)
+        if compute is None:  # the model's dtype (its norms are never held 16-bit)
+            compute = w["norm"].dtype if "norm" in w else weights[0].dtype
         return cls.held(torch.cat(weights), bias, compute, layer=i, module=name, packed=packed, parts=parts)
 
     @classmethod
@@ -251,17 +254,36 @@ class SharedExpert:
     """Qwen3.5-MoE's shared expert (transformers' `Qwen3_5MoeSparseMoeBlock`): every token through one SiLU-gated MLP,
     times sigmoid of its own gate (a [1, hidden] projection), added to the routed experts' sum."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor):
-        self.gate_up, self.down, self.gate = gate_up, down, gate  # [2 S, H], [H, S], [1, H]
+    def __init__(self, gate_up: "torch.Tensor | Linear", down: "torch.Tensor | Linear", gate: torch.Tensor):
+        # [2 S, H], [H, S] (or `Linear`s: weights kept as stored, `hybrid.py`), [1, H]
+        self.gate_up, self.down, self.gate = gate_up, down, gate
         self.gated = True  # transformers' shared expert is always gated (a test turns it off as a control)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.gate_up, self.down, self.gate]
+        return _tensors_of([self.gate_up, self.down]) + [self.gate]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        y = F.linear(silu_mul(F.linear(x, self.gate_up)), self.down)
+        y = _project(silu_mul(_project(x, self.gate_up)), self.down)
         return torch.sigmoid(F.linear(x, self.gate)) * y if self.gated else y
+
+
+def _project(x: torch.Tensor, w: "torch.Tensor | Linear") -> torch.Tensor:
+    """x @ w^T: a plain weight, or a `Linear` (an FP8 / bf16 weight kept as stored)."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
+
+
+def _tensors_of(ws) -> list[torch.Tensor]:
+    """The tensors held for weights that are plain tensors or `Linear`s (their bytes, FP8 scales, biases)."""
+    out = []
+    for w in ws:
+        if isinstance(w, torch.Tensor):
+            out.append(w)
+            continue
+        out += [w.weight] + ([w.bias] if w.bias is not None else [])
+        out += [w.fp8_packed.scale] if w.fp8_packed is not None else []
+        out += [w.fp8_device.scale] if w.fp8_device is not None else []
+    return out
 
 
 class Experts:
@@ -271,27 +293,39 @@ class Experts:
     order (transformers' order, so the same sums). With `shared` (Qwen3.5-MoE's `Qwen3_5MoeSparseMoeBlock`): the
     routed sum plus the gated shared expert's output."""
 
-    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                 shared: Optional[SharedExpert] = None):
-        self.router, self.gate_up, self.down = router, gate_up, down  # [E, H], [E, 2 I, H], [E, H, I]
+    def __init__(self, router: torch.Tensor, gate_up, down, top_k: int, shared: Optional[SharedExpert] = None):
+        # [E, H], [E, 2 I, H], [E, H, I]; or gate_up / down one `Linear` per expert (FP8 kept as stored, `of`)
+        self.router, self.gate_up, self.down = router, gate_up, down
         self.top_k = top_k
         self.shared = shared
         self.renormalize = True  # transformers' router always renormalises (a test turns it off as a control)
 
     @classmethod
-    def of(cls, w: dict[str, torch.Tensor], i: int, top_k: int) -> Optional["Experts"]:
+    def of(cls, w: dict[str, torch.Tensor], i: int, top_k: int, linears: bool = False,
+           compute: Optional[torch.dtype] = None) -> Optional["Experts"]:
+        """Layer i's sparse block, else None. `linears`: the shared expert's projections as `Linear`s (kept as
+        stored where its weights are FP8 / bf16); experts given as tuples of `Fp8Weight` (`hybrid_weights`) become
+        one FP8 `Linear` per expert (dequantized and stacked where the kernel cannot read them)."""
         if f"layers.{i}.router" not in w:
             return None
         shared = None
         if f"layers.{i}.shared_expert_gate" in w:
-            shared = SharedExpert(torch.cat([w[f"layers.{i}.shared_expert.gate_proj"],
-                                             w[f"layers.{i}.shared_expert.up_proj"]]),
-                                  w[f"layers.{i}.shared_expert.down_proj"], w[f"layers.{i}.shared_expert_gate"])
-        return cls(w[f"layers.{i}.router"], w[f"layers.{i}.experts.gate_up_proj"], w[f"layers.{i}.experts.down_proj"],
-                   top_k, shared)
+            if linears:
+                shared = SharedExpert(Linear.fused(w, i, "shared_expert.gate_up_proj", ("shared_expert.gate_proj",
+                                                   "shared_expert.up_proj"), False, compute),
+                                      Linear.fused(w, i, "shared_expert.down_proj", ("shared_expert.down_proj",),
+                                                   False, compute), w[f"layers.{i}.shared_expert_gate"])
+            else:
+                shared = SharedExpert(torch.cat([w[f"layers.{i}.shared_expert.gate_proj"],
+                                                 w[f"layers.{i}.shared_expert.up_proj"]]),
+                                      w[f"layers.{i}.shared_expert.down_proj"], w[f"layers.{i}.shared_expert_gate"])
+        gate_up, down = (_expert_linears(w[f"layers.{i}.experts.{n}"], i, n) for n in ("gate_up_proj", "down_proj"))
+        return cls(w[f"layers.{i}.router"], gate_up, down, top_k, shared)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down] + (self.shared.tensors() if self.shared is not None else [])
+        experts = [self.gate_up, self.down] if isinstance(self.gate_up, torch.Tensor) else \
+            _tensors_of([*self.gate_up, *self.down])
+        return [self.router] + experts + (self.shared.tensors() if self.shared is not None else [])
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])  # [T, H]
@@ -310,12 +344,22 @@ class Experts:
             picks = order[start:start + n]  # flat (token, slot) picks of expert e
             start += n
             tokens = picks // self.top_k
-            gate, up = F.linear(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights.reshape(-1)[picks, None]
+            gate, up = _project(x[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = _project(F.silu(gate) * up, self.down[e]) * weights.reshape(-1)[picks, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(h.shape)
+
+
+def _expert_linears(ws, i: int, name: str):
+    """The experts' stacked weight [E, out, in] as it is, or a tuple of `Fp8Weight`s as one FP8 `Linear` per
+    expert (the C gemv reading e4m3 + scales); where the kernel cannot read one, all dequantized and stacked."""
+    if isinstance(ws, torch.Tensor):
+        return ws
+    lins = [Linear.fp8(t, None, layer=i, module=f"experts.{name}", parts=((f"experts.{name}", t.shape[0]),))
+            for t in ws]
+    return lins if all(lin is not None for lin in lins) else torch.stack([t.dequantize() for t in ws])
 
 
 class Layer:
