@@ -4,9 +4,10 @@
 - through one live tritonserver on a dense Qwen3-VL (QK-norm, DeepStack, interleaved M-RoPE; its projections
   kept in e4m3 and read by the FP8 gemv and the C decode forward): greedy, beam 3 with 3 sequences and seeded
   sampling equal `generate()`; the server's metrics say which weights it serves and how it holds them;
-- in process, the engine without Triton (one server for the two shapes keeps the suite's time), on a Qwen2.5-VL
-  (q/k/v biases, M-RoPE): the same three on transformers' own image features; and the KV profile counts the FP8
-  projections' real bytes (e4m3 + scales), not fp32's.
+- in process, the engine without Triton (one server for the two shapes keeps the suite's time), on a block-wise
+  Qwen2.5-VL (q/k/v biases, M-RoPE): the same three on transformers' own image features; and the KV profile counts
+  the FP8 projections' real bytes (e4m3 + scales), not fp32's. (A live Qwen2.5-VL FP8 server, compressed-tensors
+  per-channel, is test_qwen_vl_openai.py's.)
 """
 from __future__ import annotations
 
