@@ -78,7 +78,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
     """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`: fp8-block's block size;
     `shards` > 1: in that many files with a `model.safetensors.index.json`, a weight and its scale possibly in
     different files, as the sharded releases are)."""
-
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     src, out = Path(src), Path(out)

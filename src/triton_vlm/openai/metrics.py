@@ -86,7 +86,6 @@ class FrontendMetrics:
             log.warning("cannot read Triton's metrics from %s: %s", self.triton_url, e)
             return f"# Triton metrics unavailable ({type(e).__name__})\n"
 
-
     async def weights_held(self) -> Optional[str]:
         """How the served llm keeps its weights in memory (the `held` label of Triton's
         `triton_vlm_engine_weights_info`, e.g. "float8_e4m3fn+bfloat16", decided at load by the kernels' races),
