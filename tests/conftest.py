@@ -257,14 +257,6 @@ def hf_server(tmp_path_factory, demo_model, demo_adapters):
     _stop_server(server)
 
 
-@pytest.fixture(scope="session")
-def demo_model_hub(demo_model) -> Path:
-    """The demo model in the hub's layout (llava-hf's transformers-4 keys, two shards and an index), cached."""
-    from triton_vlm.demo.hub_layout import ensure_demo_hub_model
-
-    return ensure_demo_hub_model()
-
-
 @pytest.fixture(autouse=True)
 def _engine_kernels_wherever_checked(request, monkeypatch):
     """tests/engine checks the C kernels' results wherever they build and check (switch "1"); whether they are

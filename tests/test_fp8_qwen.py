@@ -6,7 +6,8 @@
   sampling equal `generate()`; the server's metrics say which weights it serves and how it holds them;
 - in process, the engine without Triton (one server for the two shapes keeps the suite's time), on a Qwen2.5-VL
   (q/k/v biases, M-RoPE): the same three on transformers' own image features; and the KV profile counts the FP8
-  projections' real bytes (e4m3 + scales), not fp32's;
+  projections' real bytes (e4m3 + scales), not fp32's (a live Qwen2.5-VL FP8 server, compressed-tensors
+  per-channel, is test_qwen_vl_openai.py's);
 - in process, the hybrid Qwen3.5 and Qwen3.5-MoE laid out as Qwen's `-FP8` releases (bf16 weight_scale_inv; the
   linear layers' in_proj_a / in_proj_b, conv, norms, router, embedding and lm_head left bf16): every quantized
   projection (full attention, MLP, a linear layer's in_proj_qkv / in_proj_z / out_proj, shared and routed experts)

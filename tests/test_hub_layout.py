@@ -6,12 +6,18 @@ both towers (CLIP, SigLIP) and the text models (Llama, Mistral, Qwen2 with tied 
 In process: `demo.hub_layout.to_hub_layout` writes a copy that transformers loads bit for bit equal; the loader
 names every tensor as transformers does in memory; the engine's and the vision tower's weights from the copy equal
 those from the transformers-5 save; broken shards and ambiguous keys are refused clearly. Live: a server on a
-hub-layout copy (the demo model's, and a LLaVA-NeXT with SigLIP) answers with transformers' `generate()` tokens.
+hub-layout copy answers with transformers' `generate()` tokens on the same files: a LLaVA-NeXT with SigLIP, and
+the demo model's copy quantized as Qwen's `-FP8` releases are laid out (block-wise e4m3 with `weight_scale_inv`,
+the rest bf16, two shards: the hub renames apply to the scales across shards), against transformers loading it
+with `FineGrainedFP8Config(dequantize=True)` in float32 (issue 38's live LLaVA-1.5 FP8 server): greedy, beams,
+seeded sampling, a LoRA sent on the wire against PEFT on the dequantized model, the scales-ignored control, and
+the precision its metrics and OpenAI `/v1/models` card say.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -234,20 +240,39 @@ def test_no_lm_head_without_tied_embeddings_is_refused(pairs, tmp_path):
 # --- live: a server on hub-layout copies ---------------------------------------------------------------------
 PROMPT = "USER: <image>\nDescribe the image. ASSISTANT:"
 TWO = "USER: <image>\nWhat is this? <image>\nAnd this? ASSISTANT:"
-LIVE = ["demo", "next-llama-siglip"]  # llava-1.5 with CLIP (the trained demo), LLaVA-NeXT with SigLIP
+# llava-1.5 with CLIP (the trained demo, in block-wise FP8 as Qwen's releases), LLaVA-NeXT with SigLIP
+LIVE = ["demo-fp8", "next-llama-siglip"]
+FP8_ENVS = ("TRITON_VLM_CPU_GEMV_FP8", "TRITON_VLM_CPU_GEMV_BF16")  # e4m3 and bf16 kept as stored wherever built
 
 
 @pytest.fixture(scope="module", params=LIVE)
 def hub_server(request, tmp_path_factory):
     from conftest import _start_server, _stop_server
 
-    if request.param == "demo":
-        path = request.getfixturevalue("demo_model_hub")
+    from triton_vlm.demo.fp8_checkpoint import ensure_fp8_checkpoint
+
+    if request.param == "demo-fp8":
+        path = ensure_fp8_checkpoint("llava", "fp8-block", shards=2)
     else:
         path = request.getfixturevalue("pairs")[request.param][1]
-    server = _start_server(tmp_path_factory, path, {}, f"hub-{request.param}")
+    old = {env: os.environ.get(env) for env in (FP8_ENVS if request.param == "demo-fp8" else ())}
+    os.environ.update({env: "1" for env in old})  # (no race on a loaded machine decides what the test serves)
+    try:
+        server = _start_server(tmp_path_factory, path, {}, f"hub-{request.param}")
+    finally:
+        for env, value in old.items():
+            os.environ.pop(env) if value is None else os.environ.__setitem__(env, value)
     yield request.param, path, server
     _stop_server(server)
+
+
+def _reference(name: str, path: Path):
+    """transformers' model of the same files (an FP8 checkpoint: dequantized at load, in float32)."""
+    if name == "demo-fp8":
+        from test_quant_fp8 import _reference as fp8_reference
+
+        return fp8_reference(path, "fp8-block")
+    return _model_class(path).from_pretrained(str(path)).eval()
 
 
 @torch.no_grad()
@@ -269,14 +294,59 @@ def test_server_on_a_hub_checkpoint_equals_generate(hub_server):
     name, path, server = hub_server
     assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
     processor = AutoProcessor.from_pretrained(str(path))
-    model = _model_class(path).from_pretrained(str(path)).eval()
+    model = _reference(name, path)
     cases = [(PROMPT, [png((48, 40), 1)], 1), (PROMPT, [png((30, 70), 2)], 3),
              (TWO, [png((64, 64), 3), png((90, 20), 4)], 2)]
     with VLMClient(server.grpc_url, protocol="grpc", timeout=120) as c:
         for prompt, images, beams in cases:
             res = c.generate(prompt, images, max_tokens=8, beam_width=beams, num_return_sequences=beams)
             assert res.output_ids == _generate(model, processor, prompt, images, beams), (name, prompt[:20], beams)
-        if name == "demo":  # the trained model still sees through its hub-layout weights
+        if name == "demo-fp8":  # the trained model still sees through its hub-layout FP8 weights
             buf = io.BytesIO()
             draw("circle", "red", rng=1).save(buf, "PNG")
             assert c.generate(PROMPT, [buf.getvalue()], max_tokens=6).text.strip() == "a red circle"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("hub_server", ["demo-fp8"], indirect=True)  # (the module's one FP8 server)
+def test_fp8_server_samples_adapts_and_says_its_precision_as_transformers_dequantized(hub_server, tmp_path):
+    """Seeded sampling and a LoRA sent on the wire (adapters fp32 on the FP8 base) equal transformers / PEFT on the
+    dequantized model; the same files with their scales ignored give other tokens; the metrics and the OpenAI
+    card (official client) say the weights are e4m3 block-wise, computed in float32, held as stored."""
+    import urllib.request
+
+    from peft import PeftModel
+    from test_openai import Running
+    from test_quant_fp8 import PROMPT as Q, _hf, _image, expected_held, random_adapter, scales_ignored
+    from transformers import AutoProcessor
+
+    from triton_vlm.openai import FrontendConfig
+
+    name, path, server = hub_server
+    model, processor = _reference(name, path), AutoProcessor.from_pretrained(str(path))
+    adapter = random_adapter(path, tmp_path / "adapter")
+    img = _image(1)
+    with VLMClient(server.grpc_url, protocol="grpc", timeout=120) as c:
+        greedy = c.generate(Q, [img], max_tokens=8).output_ids
+        sampled = c.generate(Q, [img], max_tokens=8, temperature=1.3, top_k=20, seed=4321).output_ids
+        lora = c.generate(Q, [img], max_tokens=8, lora_task_id=38, lora_dir=str(adapter)).output_ids
+    assert greedy == _hf(model, processor, img, do_sample=False)
+    assert sampled == _hf(model, processor, img, do_sample=True, temperature=1.3, top_k=20, top_p=1.0, seed=4321)
+    adapted = PeftModel.from_pretrained(_reference(name, path), str(adapter)).eval()
+    want = _hf(adapted, processor, img, do_sample=False)
+    assert want != greedy and lora == want
+    assert _hf(scales_ignored(model, path), processor, img, do_sample=False) != greedy, "the scales must matter"
+
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    [info] = [line for line in metrics.splitlines() if line.startswith("triton_vlm_engine_weights_info{")]
+    weights = "fp8-e4m3 (block 32x32 weight_scale_inv), computed as its float32 dequantization"
+    held = expected_held(Path(server.log_file).read_text(errors="replace"))
+    assert f'weights="{weights}"' in info and f'held="{held}"' in info and info.endswith(" 1"), (info, held)
+    fe = Running(FrontendConfig(triton=server.grpc_url, triton_metrics_url=server.metrics_url))
+    try:
+        client = fe.client()
+        [card] = [m for m in client.models.list().data if m.model_extra["parent"] is None]
+        assert card.id == path.name and card.model_extra["weights"] == weights and card.model_extra["held"] == held
+        assert client.models.retrieve(path.name).model_extra["held"] == held
+    finally:
+        fe.stop()

@@ -147,6 +147,10 @@ def test_models_lists_the_base_model_and_every_adapter(client, demo_adapters):
     folders = [n for n in os.listdir(demo_adapters) if not n.startswith(".")]  # the registry skips hidden ones
     assert set(cards) == {"demo-v3", *folders} and {"french", "sentence"} <= set(cards)
     assert cards["french"].model_extra["parent"] == "demo-v3" and cards["demo-v3"].model_extra["parent"] is None
+    # the precision served (FP8 servers: test_qwen_vl_openai.py, test_hub_layout.py): an fp32 checkpoint, held so
+    assert (cards["demo-v3"].model_extra["weights"], cards["demo-v3"].model_extra["held"]) == ("unquantized",
+                                                                                             "float32")
+    assert "held" not in cards["french"].model_extra  # an adapter's card: its base's says it
 
 
 @pytest.mark.parametrize("shape,color,seed", [("circle", "red", 11), ("square", "blue", 12),

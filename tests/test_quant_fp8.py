@@ -4,9 +4,11 @@ Fixtures: tiny checkpoints quantized offline (`demo.fp8_checkpoint`): the traine
 layout and a random Qwen2.5-VL. The reference is `transformers` loading the same files with
 `FineGrainedFP8Config(dequantize=True)` / `CompressedTensorsConfig(dequantize=True)` in float32:
 - every tensor the engine and the vision tower read equals that model's, bit for bit (each format, both bases);
-- the engine on the block-wise LLaVA (in process; the live FP8 server, LoRA on the wire included, is
-  test_fp8_qwen.py's Qwen3-VL): greedy, beam 3, seeded sampling give transformers' tokens; the same weights with
-  their scales ignored give other tokens;
+- the engine on the block-wise LLaVA (in process; the live FP8 servers, LoRA on the wire included, are
+  test_hub_layout.py's block-wise LLaVA-1.5, test_qwen_vl_openai.py's compressed-tensors Qwen2.5-VL and
+  test_fp8_qwen.py's block-wise Qwen3-VL): greedy, beam 3, seeded sampling give transformers' tokens; the same
+  weights with their scales ignored give other tokens;
+- the OpenAI card's `held` is read from the llm's weights gauge;
 - formats the engine does not read are refused at load, naming the field.
 """
 from __future__ import annotations
@@ -112,7 +114,7 @@ def _re(text: str) -> str:
     return re.escape(text)
 
 
-# --- in process: the engine on the block-wise FP8 LLaVA (the live FP8 server is test_fp8_qwen.py's Qwen3-VL) ---
+# --- in process: the engine on the block-wise FP8 LLaVA (its live server: test_hub_layout.py's demo-fp8) -------
 # its projections kept in e4m3 and multiplied by the FP8 gemv (`engine/cpu/gemv_fp8.py`) where it builds here
 FP8_ENV = "TRITON_VLM_CPU_GEMV_FP8"
 PROMPT = "USER: <image>\nDescribe the image. ASSISTANT:"
@@ -204,13 +206,14 @@ def test_engine_on_block_fp8_llava_equals_transformers_dequantized(monkeypatch):
     assert _ignoring_scales(model, path, processor, img) != greedy, "the scales must matter"
 
 
-def random_adapter(path, out, pattern: str = r".*language_model.*\.(q_proj|v_proj|down_proj)"):
+def random_adapter(path, out, pattern: str = r".*language_model.*\.(q_proj|v_proj|down_proj)",
+                   fmt: str = "fp8-block"):
     """A PEFT LoRA on the language model of the FP8 checkpoint at `path` (on its dequantized reference;
-    fp16-exact numbers: the wire carries FP16), saved to `out` (test_fp8_qwen.py sends it to a live server)."""
+    fp16-exact numbers: the wire carries FP16), saved to `out` (the live FP8 servers' tests send it)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(38)
-    peft_model = get_peft_model(_reference(path, "fp8-block"), LoraConfig(
+    peft_model = get_peft_model(_reference(path, fmt), LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False, target_modules=pattern))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
@@ -223,6 +226,26 @@ def random_adapter(path, out, pattern: str = r".*language_model.*\.(q_proj|v_pro
 @torch.no_grad()
 def _ignoring_scales(model, path, processor, img) -> list[list[int]]:
     """The control: the same model with each quantized weight read as its raw e4m3 numbers (scales ignored)."""
+    return _hf(scales_ignored(model, path), processor, img, do_sample=False)
+
+
+def expected_held(server_log: str) -> str:
+    """How an fp32 server on one of our FP8 fixtures holds its weights, as its log says the load went: the
+    projections in e4m3 where all were kept so (the FP8 gemv used; not for bf16 compressed-tensors scales, whose
+    product rounds in bf16), else their float32 dequantization; then the file's bf16 embedding and lm_head where
+    the 16-bit gemv keeps them as stored."""
+    import re
+
+    [(kept, total)] = re.findall(r"FP8 checkpoint: (\d+) of (\d+) quantized projection weights kept", server_log)
+    assert kept in ("0", total), (kept, total)  # (all or none, for these fixtures)
+    held = "float8_e4m3fn" if kept == total else "float32"
+    return held + ("+bfloat16" if "matrices kept as stored" in server_log else "")  # (the fixtures store bf16)
+
+
+@torch.no_grad()
+def scales_ignored(model, path):
+    """A copy of transformers' `model` of the FP8 checkpoint at `path` with each quantized weight replaced by
+    its raw e4m3 numbers: what a loader ignoring the scales would serve (every shard of the checkpoint read)."""
     import copy
 
     from safetensors import safe_open
@@ -231,13 +254,15 @@ def _ignoring_scales(model, path, processor, img) -> list[list[int]]:
 
     path, raw = Path(path), copy.deepcopy(model)
     rules = renames_for(json.loads((path / "config.json").read_text()))
-    state = raw.state_dict()
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            name = canonical_key(key, rules)
-            if f.get_tensor(key).dtype == torch.float8_e4m3fn:
-                state[name].copy_(f.get_tensor(key).float())
-    return _hf(raw, processor, img, do_sample=False)
+    state, replaced = raw.state_dict(), 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if f.get_slice(key).get_dtype() == "F8_E4M3":
+                    state[canonical_key(key, rules)].copy_(f.get_tensor(key).float())
+                    replaced += 1
+    assert replaced > 0, f"no e4m3 weights in {path}"
+    return raw
 
 
 def test_models_card_says_which_weights_are_served(demo_model):
@@ -249,3 +274,18 @@ def test_models_card_says_which_weights_are_served(demo_model):
     assert ServedModel(ensure_fp8_checkpoint("qwen2_5_vl", "ct-tensor")).cards()[0]["weights"] == \
         "fp8-e4m3 (compressed-tensors, per-tensor weight_scale), computed as its float32 dequantization"
     assert ServedModel(demo_model).cards()[0]["weights"] == "unquantized"
+
+
+def test_held_label_is_read_from_the_llms_weights_gauge():
+    """The front end's `held` (the card's) is the llm model's `triton_vlm_engine_weights_info{held}` in Triton's
+    metrics text; another model's series, none, or a text the parser refuses say nothing."""
+    from triton_vlm.openai.metrics import held_label
+
+    text = ('# HELP triton_vlm_engine_weights_info llm weights served\n# TYPE triton_vlm_engine_weights_info gauge\n'
+            'triton_vlm_engine_weights_info{held="float32",model="tensorrt_llm",weights="unquantized"} 1\n'
+            'triton_vlm_engine_weights_info{held="float8_e4m3fn+bfloat16",model="llm",weights="fp8-e4m3 (block '
+            '128x128 weight_scale_inv), computed as its float32 dequantization"} 1\n')
+    assert held_label(text) == "float8_e4m3fn+bfloat16" and held_label(text, "tensorrt_llm") == "float32"
+    assert held_label("nv_inference_count{model=\"llm\"} 3\n") is None
+    assert held_label("# Triton metrics unavailable (URLError)\n") is None
+    assert held_label("triton_vlm_engine_weights_info{held=\"float32\" broken\n") is None

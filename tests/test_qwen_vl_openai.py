@@ -2,13 +2,21 @@
 template writes `<|vision_start|><|image_pad|><|vision_end|>` per image) and one front end, driven by the official
 `openai` client with images of several sizes as data: URLs. The answers equal transformers' `generate()` on the
 prompt the same template renders: greedy, beam search (n sequences), streamed text equal to the unstreamed, usage
-counting each image's own number of tokens; the family's image marker typed into message text is refused."""
+counting each image's own number of tokens; the family's image marker typed into message text is refused.
+
+The checkpoint is served as llm-compressor's FP8-Dynamic writes it (compressed-tensors, per-channel e4m3 weights
+with bf16 `weight_scale`, dynamic per-token activations; the rest bf16: `demo.fp8_checkpoint`), and the reference
+is transformers loading the same files with `CompressedTensorsConfig(dequantize=True)` in float32: issue 38's
+live Qwen2.5-VL FP8 server. Through tritonclient too: greedy, beam 3, seeded sampling and a LoRA on the wire (PEFT
+on the dequantized model) equal transformers; the scales-ignored control differs; `/v1/models` says the precision."""
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
 from qwen_vl_cases import SIZES, Reference, build, mp4, png
 
@@ -19,12 +27,29 @@ NEW = 8
 IMAGES = {name: png(size, seed=90 + i) for i, (name, size) in enumerate(SIZES.items())}
 
 
+FMT = "ct-channel"
+FP8_ENVS = ("TRITON_VLM_CPU_GEMV_FP8", "TRITON_VLM_CPU_GEMV_BF16")  # e4m3 and bf16 kept as stored wherever built
+
+
 @pytest.fixture(scope="module")
 def qwen_api(tmp_path_factory):
-    """(the front end, the server) on one Qwen2.5-VL checkpoint, shared by this module's tests."""
+    """(the front end, the server) on one Qwen2.5-VL checkpoint in FP8, shared by this module's tests."""
     from test_openai import serve_api
 
-    yield from serve_api(tmp_path_factory, build(tmp_path_factory.mktemp("qwen-openai"), KIND), "qwen-openai-server")
+    from triton_vlm.demo.fp8_checkpoint import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen-openai")
+    model = quantize_checkpoint(build(root, KIND), root / "fp8" / KIND, FMT)  # (its folder names the model)
+    old = {env: os.environ.get(env) for env in FP8_ENVS}
+    os.environ.update({env: "1" for env in old})  # (no race on a loaded machine decides what the test serves)
+    try:
+        serving = serve_api(tmp_path_factory, model, "qwen-openai-server")
+        started = next(serving)
+    finally:
+        for env, value in old.items():
+            os.environ.pop(env) if value is None else os.environ.__setitem__(env, value)
+    yield started
+    yield from serving
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +57,15 @@ def client(qwen_api):
     return qwen_api[0].client(timeout=180)
 
 
+def _dequantized(path):
+    from transformers import CompressedTensorsConfig
+
+    return Reference(path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+
+
 @pytest.fixture(scope="module")
 def ref(qwen_api):
-    return Reference(qwen_api[1].model_path)
+    return _dequantized(qwen_api[1].model_path)
 
 
 def _url(data: bytes) -> str:
@@ -128,3 +159,52 @@ def test_video_url_equals_generate(client, ref):
         client.chat.completions.create(model=KIND, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}])
     assert "video URLs over http(s) are not accepted" in str(ei.value)
+
+
+# --- issue 38: the FP8 checkpoint through tritonclient, and the precision the card says ------------------------
+def test_fp8_through_tritonclient_equals_transformers_dequantized(qwen_api, ref, tmp_path):
+    """Greedy, beam 3 with 3 sequences, seeded sampling and a LoRA sent on the wire (adapters fp32 on the FP8
+    base) equal transformers / PEFT on the dequantized model; the files with their scales ignored give other
+    tokens."""
+    from peft import PeftModel
+    from test_fp8_qwen import PROMPT, _sampled
+    from test_quant_fp8 import random_adapter, scales_ignored
+    from triton_vlm_client import VLMClient
+
+    server = qwen_api[1]
+    path = server.model_path
+    adapter = random_adapter(path, tmp_path / "adapter", fmt=FMT)
+    small, tall = IMAGES["small"], IMAGES["tall"]
+    with VLMClient(server.grpc_url, protocol="grpc", timeout=180) as c:
+        greedy = c.generate(PROMPT, [small], max_tokens=NEW).output_ids
+        beams = c.generate(PROMPT, [tall], max_tokens=NEW, beam_width=3, num_return_sequences=3).output_ids
+        sampled = c.generate(PROMPT, [small], max_tokens=NEW, temperature=1.3, top_k=20, seed=4321).output_ids
+        lora = c.generate(PROMPT, [small], max_tokens=NEW, lora_task_id=38, lora_dir=str(adapter)).output_ids
+    assert greedy == ref.generate(PROMPT, [small], NEW)
+    assert beams == ref.generate(PROMPT, [tall], NEW, beams=3, num_return_sequences=3)
+    assert sampled == _sampled(ref, small, 4321)
+    want = ref.generate(PROMPT, [small], NEW, model=PeftModel.from_pretrained(_dequantized(path).model,
+                                                                             str(adapter)).eval())
+    assert want != greedy and lora == want
+    assert ref.generate(PROMPT, [small], NEW, model=scales_ignored(ref.model, path)) != greedy, \
+        "the scales must matter"
+
+
+def test_models_card_says_the_precision_served(client, qwen_api):
+    """The card (official client, list and retrieve) says what the checkpoint holds and what it is computed as,
+    and how the engine holds it: what the llm's metric says."""
+    import urllib.request
+    from pathlib import Path
+
+    from test_quant_fp8 import expected_held
+
+    from triton_vlm.openai.metrics import held_label
+
+    server = qwen_api[1]
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    held = expected_held(Path(server.log_file).read_text(errors="replace"))
+    assert held_label(metrics) == held, [line for line in metrics.splitlines() if "weights_info" in line]
+    [card] = [m for m in client.models.list().data if m.model_extra["parent"] is None]
+    assert card.model_extra["weights"] == ("fp8-e4m3 (compressed-tensors, per-channel weight_scale), computed as "
+                                           "its float32 dequantization")
+    assert card.model_extra["held"] == held == client.models.retrieve(card.id).model_extra["held"]

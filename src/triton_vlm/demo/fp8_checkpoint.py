@@ -12,7 +12,8 @@ other files copied, config.json gaining the format's `quantization_config`:
   `format: "float-quantized"`, static per-channel or per-tensor weights, dynamic per-token activations,
   `ignore`): `weight_scale` = amax / 448 per output row ([out, 1]) or tensor ([1]), in bfloat16 as
   llm-compressor writes a bf16 model's.
-`ensure_fp8_checkpoint(base, fmt)` caches one under the cache dir (`base`: "llava" = the trained demo model in
+`ensure_fp8_checkpoint(base, fmt, shards=1)` caches one under the cache dir, in `shards` files with an index
+when > 1 (as the releases are sharded; `base`: "llava" = the trained demo model in
 the hub's layout, "qwen2_5_vl" = a random Qwen2.5-VL-shaped checkpoint, "qwen3_vl" = a random dense Qwen3-VL
 (sharded hub layout, QK-norm, DeepStack; its k/v rows are 48 wide: [16, 16] blocks, `BASE_BLOCKS`), "qwen3_5" /
 "qwen3_5_moe" = the random hybrid Qwen3.5 / Qwen3.5-MoE of `qwen35_checkpoint` (tests/test_qwen3_5.py's shapes,
@@ -90,11 +91,10 @@ def quantization_config(fmt: str, not_converted: list[str], block: tuple[int, in
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple[int, int] = BLOCK,
-                        scale_dtype: torch.dtype = torch.float32) -> Path:
+                        scale_dtype: torch.dtype = torch.float32, shards: int = 1) -> Path:
     """Write `src` quantized in `fmt` to `out` (see the module docstring; `block`, `scale_dtype`: fp8-block's
-    block size and weight_scale_inv dtype)."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
+    block size and weight_scale_inv dtype; `shards` > 1: in that many files with a `model.safetensors.index.json`,
+    a weight and its scale possibly in different files, as the sharded releases are)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     src, out = Path(src), Path(out)
@@ -113,7 +113,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
     for f in src.iterdir():
         if f.is_file() and f.name not in skip and not f.name.endswith((".safetensors", ".bin")):
             shutil.copy2(f, out / f.name)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save(tensors, out, shards)
     config = json.loads((out / "config.json").read_text())
     towers = sorted({m.group(1) for k in tensors
                      if (m := re.match(r"((model\.)?(vision_tower|visual|multi_modal_projector))\.", k))})
@@ -121,6 +121,17 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, block: tuple
     config["quantization_config"] = quantization_config(fmt, ["lm_head", *towers, *hybrid], block)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from .hub_layout import save_shards  # noqa: PLC0415
+
+    if shards > 1:
+        save_shards(tensors, out, shards)
+    else:
+        save_file(tensors, str(out / SINGLE_FILES[0]), metadata={"format": "pt"})
 
 
 def _base(base: str) -> Path:
@@ -155,19 +166,22 @@ def _base(base: str) -> Path:
     return path
 
 
-def ensure_fp8_checkpoint(base: str, fmt: str) -> Path:
-    """`base` quantized in `fmt`, cached under the cache dir (written atomically on first use)."""
+def ensure_fp8_checkpoint(base: str, fmt: str, shards: int = 1) -> Path:
+    """`base` quantized in `fmt` (in `shards` files), cached under the cache dir (written atomically on first
+    use)."""
     from ..paths import cache_dir  # noqa: PLC0415
     from .build import _lock  # noqa: PLC0415
 
     src = _base(base)
-    out = cache_dir() / f"fp8-{base}-{fmt}-v{VERSION}"
-    if (out / "model.safetensors").is_file():
+    out = cache_dir() / f"fp8-{base}-{fmt}-v{VERSION}{f'-{shards}shards' if shards > 1 else ''}"
+    done = out / (SINGLE_FILES[0] if shards == 1 else INDEX_FILES[0])
+    if done.is_file():
         return out
     with _lock(out):
-        if not (out / "model.safetensors").is_file():
+        if not done.is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            quantize_checkpoint(src, tmp, fmt, BASE_BLOCKS.get(base, BLOCK), BASE_SCALES.get(base, torch.float32))
+            quantize_checkpoint(src, tmp, fmt, BASE_BLOCKS.get(base, BLOCK), BASE_SCALES.get(base, torch.float32),
+                                shards)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out

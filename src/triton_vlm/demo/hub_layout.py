@@ -23,8 +23,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..weight_source import INDEX_FILES, SINGLE_FILES, TensorSource
+
+if TYPE_CHECKING:
+    import torch
 
 HUB_PREFIXES = (
     ("model.language_model.", "language_model.model."),
@@ -60,19 +64,25 @@ def _split(names: list[str], sizes: dict[str, int], shards: int) -> list[list[st
 
 def to_hub_layout(src: str | Path, out: str | Path, shards: int = SHARDS) -> Path:
     """Write `src`'s checkpoint to `out` in the hub's key layout, in `shards` safetensors files with an index."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     src, out = Path(src), Path(out)
     source = TensorSource(src)
     tensors = {hub_key(n): source.get(n).contiguous() for n in source.keys()}
-    names = sorted(tensors)
-    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
-    runs = _split(names, sizes, shards)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(INDEX_FILES) | set(SINGLE_FILES)
     for f in src.iterdir():
         if f.is_file() and f.name not in skip and not f.name.endswith((".safetensors", ".bin")):
             shutil.copy2(f, out / f.name)
+    save_shards(tensors, out, shards)
+    return out
+
+
+def save_shards(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """`tensors` (keys in order) in `shards` files `model-0000i-of-0000N.safetensors` with the index."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    names = sorted(tensors)
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    runs = _split(names, sizes, shards)
     weight_map = {}
     for i, run in enumerate(runs, 1):
         fname = f"model-{i:05d}-of-{len(runs):05d}.safetensors"
@@ -80,7 +90,6 @@ def to_hub_layout(src: str | Path, out: str | Path, shards: int = SHARDS) -> Pat
         weight_map |= {n: fname for n in run}
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILES[0]).write_text(json.dumps(index, indent=2) + "\n")
-    return out
 
 
 def demo_hub_model_path() -> Path:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 PREFIX = "triton_vlm_openai"
+WEIGHTS_INFO = "triton_vlm_engine_weights_info"  # the llm's gauge naming the weights served (triton/metrics.py)
 log = logging.getLogger("triton_vlm.openai")
 
 
@@ -84,6 +85,27 @@ class FrontendMetrics:
         except Exception as e:  # noqa: BLE001 - the front end's own metrics are still served
             log.warning("cannot read Triton's metrics from %s: %s", self.triton_url, e)
             return f"# Triton metrics unavailable ({type(e).__name__})\n"
+
+    async def weights_held(self) -> Optional[str]:
+        """How the served llm keeps its weights in memory (the `held` label of Triton's
+        `triton_vlm_engine_weights_info`, e.g. "float8_e4m3fn+bfloat16", decided at load by the kernels' races),
+        or None where Triton does not say (no metrics URL, unreachable, a backend without the gauge)."""
+        return held_label(await self.scrape_triton())
+
+
+def held_label(text: str, model: str = "llm") -> Optional[str]:
+    """The `held` label of the llm's `triton_vlm_engine_weights_info` series in a Prometheus text, or None."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    if WEIGHTS_INFO not in text:
+        return None
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name == WEIGHTS_INFO:
+                return next((s.labels.get("held") for s in family.samples if s.labels.get("model") == model), None)
+    except ValueError:  # a text the parser refuses: no claim
+        return None
+    return None
 
 
 def _get(url: str) -> str:

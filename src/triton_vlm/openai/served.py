@@ -98,9 +98,14 @@ class ServedModel:
         raise APIError(404, f"The model `{model}` does not exist (GET /v1/models lists the models served).",
                        param="model", code="model_not_found")
 
-    def cards(self) -> list[dict]:
+    def cards(self, held: Optional[str] = None) -> list[dict]:
+        """The base model's card and one per adapter. The base's says which precision is served: `weights`, from
+        the checkpoint's quantization_config (e.g. "fp8-e4m3 (block 128x128 weight_scale_inv), computed as its
+        float32 dequantization", or "unquantized"), and `held`, how the engine keeps the matrices in memory (the
+        llm's metric, e.g. "float8_e4m3fn+bfloat16"; None where the server does not say)."""
         base = {"id": self.base_id, "object": "model", "created": self.created, "owned_by": "triton-vlm",
-                "root": self.base_id, "parent": None, "max_model_len": self.context_length, "weights": self.weights}
+                "root": self.base_id, "parent": None, "max_model_len": self.context_length, "weights": self.weights,
+                "held": held}
         cards = [base]
         for name in self.adapters.names():
             cards.append({"id": name, "object": "model", "created": self.created, "owned_by": "triton-vlm",
