@@ -254,3 +254,20 @@ def test_adapter_tensors_the_c_side_cannot_read_run_layer_by_layer(tmp_path):
     batch = LoraBatch.build([odd], StackCache(), "cpu")
     assert whole.lora_table(batch, 1)[0] is None
     _lora_decode_both(m, [odd], steps=2)  # still right: those steps ran layer by layer
+
+
+def test_a_lost_gemv_race_does_not_turn_the_one_call_off(tmp_path, monkeypatch, caplog):
+    """The gemv kernel's own race against oneDNN (one product) is within a few percent either way; lost, it used
+    to make the layer-by-layer path's products oneDNN's, so the C forward (whose products are the kernel's) failed
+    its bit check and every one-stream step ran layer by layer. Now the kernel is taken for 1-4 row products
+    wherever the C forward is used, and both paths give the same bits."""
+    kernel = gemv.kernel(_pack)
+    if kernel is None:
+        pytest.skip(NO_KERNEL)
+    monkeypatch.setattr(kernel, "chosen", False)  # as after a lost race (restored by monkeypatch)
+    monkeypatch.setenv(cpu_forward.ENV, "1")  # the one call's own race is not what this tests
+    with caplog.at_level(logging.INFO, logger="triton_vlm.engine.model.model"):
+        m = _model(tmp_path, "llama")
+        assert m.c_forward() is not None, caplog.text
+    assert kernel.chosen and "decode gemv kernel on for products of 1-4 rows" in caplog.text
+    _decode_both(m, rows=2, steps=2)

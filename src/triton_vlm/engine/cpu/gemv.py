@@ -25,7 +25,9 @@ Build: `csrc/gemv.c` is compiled once per machine with the system C compiler (`c
 not built for), and loaded with ctypes (the call releases the GIL, as a torch op does). No compiler, a failed
 build, a failed check or any other exception: logged once, oneDNN everywhere. Chosen by measurement: at first
 load on a machine the kernel races oneDNN on products of one row over weights that do not fit the caches
-(`race`); it runs products only where it won, and the log line gives both figures.
+(`race`); it runs products only where it won, and the log line gives both figures, or where the model's C decode
+forward is used (`cpu_forward.py`, whose products are this kernel's: the layer-by-layer path of the same steps
+must give its bits, `model._take_gemv`; the one-product race is within a few percent either way).
 `TRITON_VLM_CPU_GEMV`: "auto" (default, measured), "1" (wherever it checks), "0" (oneDNN for every product).
 """
 from __future__ import annotations

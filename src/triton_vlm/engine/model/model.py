@@ -578,10 +578,12 @@ class LlamaModel:
         """The C decode forward for this model where it is to be used, else None: built and checked (bit for bit
         against the layer-by-layer path on a scratch cache) at first use, then used where its switch is "1" or
         it won its race against the layer-by-layer path on this model (`_race_c_forward`), decided once."""
+        taken = None  # the gemv kernel, where this call takes it for the layer-by-layer path (`_take_gemv`)
         if self._c_forward is False:
             self._c_forward = None
             try:  # an optional speed path: any failure leaves the layer-by-layer path (cbuild)
                 built = cpu_forward.Forward.for_model(self)
+                taken = None if built is None else _take_gemv()
                 reason = None if built is None else self._check_c_forward(built)
             except Exception as e:  # noqa: BLE001
                 built, reason = None, f"{type(e).__name__}: {e}"
@@ -593,6 +595,13 @@ class LlamaModel:
             built = self._c_forward
             self._c_forward_use = built is not None and (
                 cpu_forward.mode() == "1" or self._race_c_forward(built).faster)
+        if taken is not None:
+            if self._c_forward_use:
+                log.info("decode gemv kernel on for products of 1-%d rows: the C decode forward reads it, and the "
+                         "layer-by-layer path of the same steps must give its bits (its own race against oneDNN "
+                         "was lost: %s)", gemv.MAX_ROWS, taken.race.describe("oneDNN") if taken.race else "-")
+            else:
+                taken.chosen = False  # as its race decided
         return self._c_forward if self._c_forward_use else None
 
     def _race_c_forward(self, built: cpu_forward.Forward) -> cbuild.Race:
@@ -666,3 +675,17 @@ class LlamaModel:
                            {w: m.reshape(rows, -1).contiguous() for w, m in masks.items()},  # each [rows, T]
                            self.cos, self.sin_rot, self.config.num_heads, self.config.num_kv_heads,
                            cache.k.shape[1])
+
+
+def _take_gemv() -> Optional[gemv.Kernel]:
+    """The C decode forward computes its products with the gemv kernel whether or not that kernel won its own race
+    against oneDNN (one product: within a few percent either way, measured 5.8 vs 5.7 ms on the 2-core Xeon),
+    and the layer-by-layer path of the same steps (LoRA adapters it cannot read; `whole=False`) must give the
+    same bits. So where the C forward is built, 1-4 row products take the kernel too: -> the kernel if this call
+    switched it on (`c_forward` switches it back off where the C forward is then not used), else None. Its
+    switch at "0" keeps it off (then the bit check refuses the C forward)."""
+    kernel = gemm.decode_kernel()
+    if kernel is None or kernel.chosen or cbuild.mode(gemv.ENV) == "0":
+        return None
+    kernel.chosen = True
+    return kernel
