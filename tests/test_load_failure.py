@@ -70,3 +70,41 @@ def test_failed_load_with_a_live_thread_ends_the_server(tmp_path: Path):
     finally:
         server.stop()
         server.close()
+
+
+HUNG = '''import threading
+
+from triton_vlm.triton import lifeline
+
+lifeline.exit_with_parent()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        threading.Event().wait()  # a load that never returns
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_a_load_that_never_returns_leaves_every_stubs_stack_in_the_log(tmp_path: Path):
+    """A server not ready in time asks its stubs for their stacks before the launcher gives up on it
+    (`TritonServer.dump_stub_stacks`, faulthandler on SIGUSR1 in every stub): the log says where the load hangs."""
+    repo = tmp_path / "repo"
+    (repo / "stuck" / "1").mkdir(parents=True)
+    (repo / "stuck" / "config.pbtxt").write_text(CONFIG)
+    (repo / "stuck" / "1" / "model.py").write_text(HUNG)
+    log = tmp_path / "server.log"
+    server = TritonServer(model_path=str(tmp_path), model_repository=repo, models=("stuck",), http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), log_file=log, exit_timeout=3,
+                          run_dir=tmp_path / "run")
+    server.start()
+    try:
+        with pytest.raises(TimeoutError, match=r"stacks of its stubs \(stuck\) are in its log"):
+            server.wait_ready(8)
+        text = log.read_text(errors="replace")
+        assert "Thread 0x" in text and "model.py\", line 10 in initialize" in text, text[-3000:]
+    finally:
+        server.stop(5)
+        server.close()

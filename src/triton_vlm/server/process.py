@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from ..triton.lifeline import STACKS_SIGNAL  # no Triton import: the stubs' side of the signal
 from . import cpu_layout, diagnose, front_half, gpu, procs, rundir
 from .auth import ADMIN_HEADER, LOOPBACK, connect_host, restricted_args
 from .install import prepare_server_tree, server_env
@@ -209,7 +210,25 @@ class TritonServer:
                 return
             time.sleep(0.25)
         if abort is None or not abort.is_set():
-            raise TimeoutError(self._failure(f"tritonserver not ready after {timeout:.0f} s"))
+            stuck = self.dump_stub_stacks()
+            raise TimeoutError(self._failure(f"tritonserver not ready after {timeout:.0f} s" + (
+                f"; the stacks of its stubs ({', '.join(stuck)}) are in its log" if stuck else "")))
+
+    def dump_stub_stacks(self, settle: float = 1.0) -> list[str]:
+        """Ask every python stub of this server for its threads' stacks (`lifeline.STACKS_SIGNAL`: faulthandler
+        writes them to the server's log) -> the models whose stubs were asked."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        asked = []
+        for pid, model in procs.stubs_of(self.proc.pid).items():
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+                asked.append(model)
+            except OSError:
+                pass
+        if asked:
+            time.sleep(settle)  # faulthandler writes from the signal handler; give it the moment
+        return sorted(asked)
 
     def _failure(self, what: str) -> str:
         cause = self.failure_cause()

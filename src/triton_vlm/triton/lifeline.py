@@ -36,12 +36,14 @@ import contextlib
 import faulthandler
 import os
 import select
+import signal
 import sys
 import threading
 import traceback
 from typing import Iterator
 
 STUB_NAME = "triton_python_backend_stub"
+STACKS_SIGNAL = signal.SIGUSR1  # every thread's stack into the log (`enable_crash_tracebacks`)
 LOAD_FAILURE_GRACE_S = 10.0  # a failed stub answers the server, then exits; this bounds the exit
 _started = False
 
@@ -73,9 +75,12 @@ def _remove_own_shm() -> None:
 
 
 def enable_crash_tracebacks() -> None:
-    """Every thread's Python traceback on stderr (tritonserver's log) when the stub dies of a fatal signal."""
+    """Every thread's Python traceback on stderr (tritonserver's log) when the stub dies of a fatal signal, and on
+    `STACKS_SIGNAL` (SIGUSR1: the launcher sends it to the stubs of a server that did not become ready in time,
+    before stopping it, so the log says where each stub was)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def _parent_fd(parent: int) -> int | None:
