@@ -108,3 +108,49 @@ def test_a_load_that_never_returns_leaves_every_stubs_stack_in_the_log(tmp_path:
     finally:
         server.stop(5)
         server.close()
+
+
+FROZEN = '''import os
+import subprocess
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # the whole stub frozen for 2.5 s, as a starved CPU can hold its health thread: Triton's 1 s check fails
+        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 2.5; kill -CONT {os.getpid()}"])
+        time.sleep(4)
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_a_load_triton_gave_up_on_is_ended_not_waited_for_forever(tmp_path: Path):
+    """Triton 2.51 declares a loading stub that missed one 1 s health check unhealthy and then waits for that live
+    stub to exit, forever (the suite's servers hung so under load). The launcher sees tritonserver blocked in
+    wait4() on a live stub and ends it (`TritonServer.end_wedged_loads`): the start fails fast, naming why;
+    `wait_ready` starts it again once by default, and a supervisor restarts a server that wedges later."""
+    repo = tmp_path / "repo"
+    (repo / "stuck" / "1").mkdir(parents=True)
+    (repo / "stuck" / "config.pbtxt").write_text(CONFIG)
+    (repo / "stuck" / "1" / "model.py").write_text(FROZEN)
+    log = tmp_path / "server.log"
+    server = TritonServer(model_path=str(tmp_path), model_repository=repo, models=("stuck",), http_port=free_port(),
+                          grpc_port=free_port(), metrics_port=free_port(), log_file=log, exit_timeout=3,
+                          run_dir=tmp_path / "run", wedged_load_s=3.0)
+    t0 = time.monotonic()
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match="gave up on the loading stub of stuck") as failed:
+            server.wait_ready(60, wedge_restarts=0)  # without the check: "not ready after 60 s", the stub alive
+        assert "is not healthy" in str(failed.value) or "is not healthy" in log.read_text(errors="replace")
+        assert time.monotonic() - t0 < 30 and server.wedged == ["stuck"]
+        server.stop()
+        server.start()
+        with pytest.raises(RuntimeError, match="gave up on the loading stub of stuck"):
+            server.wait_ready(60)  # by default one more start; this model wedges every one
+        assert log.read_text(errors="replace").count('loading: stuck:1') == 3
+    finally:
+        server.stop(5)
+        server.close()

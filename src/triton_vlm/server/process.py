@@ -50,6 +50,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a stub tritonserver waits on (wait4) this long while the server loads is wedged: `TritonServer.end_wedged_loads`
+WEDGED_LOAD_S = 15.0
+
+
 @dataclass
 class TritonServer:
     """A tritonserver process on a filled copy of the model repository (a `supervisor.Supervised` child)."""
@@ -81,6 +85,10 @@ class TritonServer:
     host: str = LOOPBACK  # the address HTTP, gRPC and metrics listen on (`auth.exposure_error` says when not)
     _own_run_dir: bool = field(default=False, repr=False)
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
+    wedged_load_s: float = WEDGED_LOAD_S
+    wedged: list[str] = field(default_factory=list)  # models whose wedged loads were ended (`end_wedged_loads`)
+    _waited: dict[int, float] = field(default_factory=dict, repr=False)  # stub pid -> since when it is waited on
+    _wedge_checked: float = field(default=0.0, repr=False)
 
     @property
     def http_url(self) -> str:
@@ -147,6 +155,7 @@ class TritonServer:
         repo = prepare_model_repository(self.run_dir / "model_repository", params, self.model_repository, self.models,
                                         self.renames, front=self.front_half)
         procs.remove_stale_shm()
+        self.wedged, self._waited = [], {}
         self.shm_prefix = self.shm_prefix or f"triton_vlm_{os.getpid()}_{self.http_port}_"
         cmd = self.command(binary, tree, repo, params)
         self.cpu_layout = cpu_layout.plan(env.get(cpu_layout.MODE_ENV), device, threads)
@@ -165,16 +174,46 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """The server and every model of the repository report ready (the health endpoint alone can answer
-        200 while python models are still loading)."""
+        200 while python models are still loading). While not, a load Triton has given up on but waits for
+        forever is ended (`end_wedged_loads`)."""
         urls = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in self._model_names()]
         try:
             for u in urls:
                 with urllib.request.urlopen(f"http://{self.http_url}{u}", timeout=2) as r:
                     if r.status != 200:
+                        self.end_wedged_loads()
                         return False
             return True
         except OSError:
+            self.end_wedged_loads()
             return False
+
+    def end_wedged_loads(self) -> list[str]:
+        """Triton 2.51's python backend checks a loading stub's health flag every second; a stub whose health
+        thread missed one check (a starved CPU) is declared unhealthy, and the backend then waits for that live
+        stub to exit, forever (`StubLauncher::Launch`: waitpid, no timeout, the stub never told): the server
+        never becomes ready. A stub tritonserver has waited on for `wedged_load_s` (a stub whose load failed
+        exits within `lifeline.LOAD_FAILURE_GRACE_S`) is killed: its model's load fails with Triton's own error
+        ("Stub process '...' is not healthy"), the server exits, and the supervisor starts it again. -> the
+        models whose stubs were killed (also kept in `wedged`)."""
+        now = time.monotonic()
+        if self.proc is None or self.proc.poll() is not None or now - self._wedge_checked < 1.0:
+            return []
+        self._wedge_checked = now
+        stubs = procs.stubs_of(self.proc.pid)
+        waited = procs.waited_on(self.proc.pid) & stubs.keys()
+        self._waited = {pid: self._waited.get(pid, now) for pid in waited}
+        killed = []
+        for pid, since in list(self._waited.items()):
+            if now - since >= self.wedged_load_s:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    continue
+                killed.append(stubs[pid])
+                del self._waited[pid]
+        self.wedged += killed
+        return killed
 
     def _model_names(self) -> list[str]:
         repo = (self.run_dir or Path()) / "model_repository"
@@ -199,11 +238,18 @@ class TritonServer:
         """Why the last start failed, from its log: the models' load errors (see `diagnose`)."""
         return diagnose.failure_cause(diagnose.read_log(self.log_file, self._log_offset))
 
-    def wait_ready(self, timeout: float = 300.0, abort: threading.Event | None = None) -> None:
-        """Return once ready; RuntimeError (it exited) or TimeoutError naming the cause found in the log."""
+    def wait_ready(self, timeout: float = 300.0, abort: threading.Event | None = None,
+                   wedge_restarts: int = 1) -> None:
+        """Return once ready; RuntimeError (it exited) or TimeoutError naming the cause found in the log. A start
+        whose load Triton gave up on (`end_wedged_loads`) is started again, `wedge_restarts` times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
             if self.proc is not None and self.proc.poll() is not None:
+                if self.wedged and wedge_restarts > 0:
+                    wedge_restarts -= 1
+                    self.stop()
+                    self.start()
+                    continue
                 raise RuntimeError(self._failure(f"tritonserver exited with code {self.proc.returncode} before "
                                                  "becoming ready"))
             if self.is_ready():
@@ -232,6 +278,9 @@ class TritonServer:
 
     def _failure(self, what: str) -> str:
         cause = self.failure_cause()
+        if self.wedged:
+            cause = (f"tritonserver gave up on the loading stub of {', '.join(self.wedged)} (a health check missed: "
+                     f"a starved CPU) and waited for it forever; the stub was ended" + (f"\n{cause}" if cause else ""))
         return what + (f"\n{cause}" if cause else "") + (f"\nlog: {self.log_file}" if self.log_file else "")
 
     def stop(self, timeout: float | None = None) -> int | None:

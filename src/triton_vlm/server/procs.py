@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import queue
 import re
 import signal
@@ -102,6 +103,32 @@ def read_proc(pid: int) -> Proc | None:
         return None
     rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     return Proc(pid=pid, ppid=int(fields[1]), argv=argv, rss_kb=rss)
+
+
+# wait4's syscall number, as /proc/<pid>/task/<tid>/syscall shows a thread blocked in it (glibc's waitpid)
+WAIT4 = {"x86_64": 61, "aarch64": 260}.get(platform.machine())
+
+
+def waited_on(pid: int) -> set[int]:
+    """The pids that a thread of process `pid` is blocked waiting for in `wait4(pid, ...)` (empty where the
+    architecture is unknown or /proc does not say: a process may read its descendants' syscall files)."""
+    if WAIT4 is None:
+        return set()
+    out = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[0] == str(WAIT4):
+            target = int(fields[1], 16)
+            if 0 < target < 2**31:  # a pid, not -1 (any child) or a process group
+                out.add(target)
+    return out
 
 
 def all_procs() -> list[Proc]:
