@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import REPO_ROOT
-from ..triton.lifeline import STACKS_SIGNAL  # no Triton import: the stubs' side of the signal
 from . import cpu_layout, diagnose, front_half, gpu, procs, rundir
 from .auth import ADMIN_HEADER, LOOPBACK, connect_host, restricted_args
 from .install import prepare_server_tree, server_env
@@ -87,6 +86,7 @@ class TritonServer:
     _log_offset: int = field(default=0, repr=False)  # where the log of the last start begins
     wedged_load_s: float = WEDGED_LOAD_S
     wedged: list[str] = field(default_factory=list)  # models whose wedged loads were ended (`end_wedged_loads`)
+    wedged_starts: int = 0  # starts of this server (all, restarts included) that wedged while loading
     _waited: dict[int, float] = field(default_factory=dict, repr=False)  # stub pid -> since when it is waited on
     _wedge_checked: float = field(default=0.0, repr=False)
 
@@ -212,6 +212,8 @@ class TritonServer:
                     continue
                 killed.append(stubs[pid])
                 del self._waited[pid]
+        if killed and not self.wedged:
+            self.wedged_starts += 1
         self.wedged += killed
         return killed
 
@@ -261,14 +263,14 @@ class TritonServer:
                 f"; the stacks of its stubs ({', '.join(stuck)}) are in its log" if stuck else "")))
 
     def dump_stub_stacks(self, settle: float = 1.0) -> list[str]:
-        """Ask every python stub of this server for its threads' stacks (`lifeline.STACKS_SIGNAL`: faulthandler
+        """Ask every python stub of this server for its threads' stacks (`procs.STACKS_SIGNAL`: faulthandler
         writes them to the server's log) -> the models whose stubs were asked."""
         if self.proc is None or self.proc.poll() is not None:
             return []
         asked = []
         for pid, model in procs.stubs_of(self.proc.pid).items():
             try:
-                os.kill(pid, STACKS_SIGNAL)
+                os.kill(pid, procs.STACKS_SIGNAL)
                 asked.append(model)
             except OSError:
                 pass

@@ -105,6 +105,9 @@ def read_proc(pid: int) -> Proc | None:
     return Proc(pid=pid, ppid=int(fields[1]), argv=argv, rss_kb=rss)
 
 
+# what a python stub answers with every thread's stack in the log (`triton/lifeline.py`, faulthandler)
+STACKS_SIGNAL = signal.SIGUSR1
+
 # wait4's syscall number, as /proc/<pid>/task/<tid>/syscall shows a thread blocked in it (glibc's waitpid)
 WAIT4 = {"x86_64": 61, "aarch64": 260}.get(platform.machine())
 

@@ -36,14 +36,14 @@ import contextlib
 import faulthandler
 import os
 import select
-import signal
 import sys
 import threading
 import traceback
 from typing import Iterator
 
+from ..server.procs import STACKS_SIGNAL  # stdlib only: cheap before the model's heavy imports
+
 STUB_NAME = "triton_python_backend_stub"
-STACKS_SIGNAL = signal.SIGUSR1  # every thread's stack into the log (`enable_crash_tracebacks`)
 LOAD_FAILURE_GRACE_S = 10.0  # a failed stub answers the server, then exits; this bounds the exit
 _started = False
 
@@ -80,7 +80,7 @@ def enable_crash_tracebacks() -> None:
     before stopping it, so the log says where each stub was)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)  # the launcher's ask (`procs`)
 
 
 def _parent_fd(parent: int) -> int | None:
