@@ -289,3 +289,27 @@ def test_held_label_is_read_from_the_llms_weights_gauge():
     assert held_label("nv_inference_count{model=\"llm\"} 3\n") is None
     assert held_label("# Triton metrics unavailable (URLError)\n") is None
     assert held_label("triton_vlm_engine_weights_info{held=\"float32\" broken\n") is None
+
+
+def test_held_is_read_once_a_minute_not_per_models_call(monkeypatch):
+    """`/v1/models` asks for `held` on every call: Triton's metrics are scraped again only after HELD_TTL_S (an
+    unknown value after HELD_RETRY_S), so a client listing models in a loop does not scrape Triton each time."""
+    import asyncio
+
+    from triton_vlm.openai import metrics
+
+    m = metrics.FrontendMetrics("http://127.0.0.1:1/metrics")
+    texts = iter(['triton_vlm_engine_weights_info{held="float8_e4m3fn",model="llm",weights="fp8"} 1\n',
+                  'triton_vlm_engine_weights_info{held="float32",model="llm",weights="none"} 1\n'])
+    scrapes = []
+
+    async def scrape():
+        scrapes.append(1)
+        return next(texts)
+
+    monkeypatch.setattr(m, "scrape_triton", scrape)
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    assert [asyncio.run(m.weights_held()) for _ in range(5)] == ["float8_e4m3fn"] * 5 and len(scrapes) == 1
+    clock[0] += metrics.HELD_TTL_S
+    assert asyncio.run(m.weights_held()) == "float32" and len(scrapes) == 2

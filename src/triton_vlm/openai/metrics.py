@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import urllib.request
 from typing import Optional
 
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 PREFIX = "triton_vlm_openai"
 WEIGHTS_INFO = "triton_vlm_engine_weights_info"  # the llm's gauge naming the weights served (triton/metrics.py)
+HELD_TTL_S, HELD_RETRY_S = 60.0, 2.0  # how long a read `held` is reused; how soon an unknown one is read again
 log = logging.getLogger("triton_vlm.openai")
 
 
@@ -44,6 +46,7 @@ class FrontendMetrics:
         self._tokens = {what: Counter(f"{p}_{what}_tokens", f"{what} tokens of answered requests (usage)",
                                       registry=r) for what in ("prompt", "completion")}
         self._n_running = 0
+        self._held: tuple[float, Optional[str]] = (-float("inf"), None)  # (when read, `held`): `weights_held`
 
     @property
     def running(self) -> int:
@@ -89,8 +92,16 @@ class FrontendMetrics:
     async def weights_held(self) -> Optional[str]:
         """How the served llm keeps its weights in memory (the `held` label of Triton's
         `triton_vlm_engine_weights_info`, e.g. "float8_e4m3fn+bfloat16", decided at load by the kernels' races),
-        or None where Triton does not say (no metrics URL, unreachable, a backend without the gauge)."""
-        return held_label(await self.scrape_triton())
+        or None where Triton does not say (no metrics URL, unreachable, a backend without the gauge). Read at most
+        once per `HELD_TTL_S` (`HELD_RETRY_S` while unknown): `/v1/models` never costs a scrape of Triton's
+        metrics per call."""
+        read_at, held = self._held
+        now = time.monotonic()
+        if now - read_at < (HELD_TTL_S if held is not None else HELD_RETRY_S):
+            return held
+        held = held_label(await self.scrape_triton())
+        self._held = (now, held)
+        return held
 
 
 def held_label(text: str, model: str = "llm") -> Optional[str]:
