@@ -37,8 +37,9 @@ def test_a_refused_layout_leaves_the_stub_as_it_was():
 _KEEP_ONLY = textwrap.dedent("""
     import json, os, threading, time
     from triton_vlm.server import cpu_layout
-    llm = cpu_layout.apply_llm_cpus({cpu_layout.LLM_CPUS_ENV: os.environ["LLM"]})
     stop = threading.Event()
+    own = threading.Thread(target=stop.wait); own.start()  # e.g. the python backend's health thread
+    llm = cpu_layout.apply_llm_cpus({cpu_layout.LLM_CPUS_ENV: os.environ["LLM"]})
     worker = threading.Thread(target=stop.wait)  # the engine's thread
     other = threading.Thread(target=stop.wait)   # e.g. the responder, started before keep_only
     worker.start(); other.start()
@@ -47,7 +48,7 @@ _KEEP_ONLY = textwrap.dedent("""
     def started_later():
         late["cpus"] = sorted(os.sched_getaffinity(0))
     t = threading.Thread(target=started_later); t.start(); t.join()
-    out = {"llm": llm, "kept": kept, "worker": sorted(os.sched_getaffinity(worker.native_id)),
+    out = {"llm": llm, "kept": kept, "own": sorted(os.sched_getaffinity(own.native_id)), "worker": sorted(os.sched_getaffinity(worker.native_id)),
            "other": sorted(os.sched_getaffinity(other.native_id)), "main": sorted(os.sched_getaffinity(0)),
            "late": late["cpus"], "name": open(f"/proc/self/task/{worker.native_id}/comm").read().strip()}
     stop.set()
@@ -57,7 +58,8 @@ _KEEP_ONLY = textwrap.dedent("""
 
 def test_keep_only_leaves_the_engine_thread_alone_on_the_llm_cpus():
     """In a process of its own (affinity is per thread): the compute thread stays on the llm CPU, every other
-    thread (and one started later by another) goes back to the CPUs the process started on, less the llm's."""
+    thread (and one started later by another) goes back to the CPUs the process started on, less the llm's; the
+    threads the stub had before the model's code ran (the python backend's health thread) may run on all of them."""
     cpus = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, LLM=str(cpus[0]))
     out = json.loads(subprocess.run([sys.executable, "-c", _KEEP_ONLY], env=env, capture_output=True, text=True,
@@ -69,6 +71,7 @@ def test_keep_only_leaves_the_engine_thread_alone_on_the_llm_cpus():
     assert out["kept"] is True and out["name"] == "llm-engine"
     assert out["worker"] == [cpus[0]]
     assert out["other"] == out["main"] == out["late"] == cpus[1:]
+    assert out["own"] == cpus  # the stub's own threads (Triton's health thread) on every CPU, never one starved
 
 
 def test_keep_only_without_a_layout_or_a_thread_moves_nothing():

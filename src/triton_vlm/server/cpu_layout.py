@@ -82,6 +82,10 @@ def preexec(layout: Optional[CpuLayout], then: Optional[Callable[[], None]] = No
 
 
 _started_on: Optional[frozenset[int]] = None  # the llm stub's CPUs before `apply_llm_cpus` (the launcher's rest)
+# the stub's own threads when `apply_llm_cpus` ran (the python backend's health and IPC threads, our watchdog): they
+# must answer tritonserver within a second (a loading stub whose health flag misses one check is given up on,
+# `process.TritonServer.end_wedged_loads`), so they may run on every CPU of the layout, never on one starved CPU
+_own_threads: frozenset[int] = frozenset()
 
 
 def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
@@ -94,12 +98,14 @@ def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
     try:
         cpus = tuple(int(c) for c in value.split(","))
         started_on = frozenset(os.sched_getaffinity(0))
+        own = frozenset(t for t in _threads() if t != os.getpid())  # all but the main thread (the model's code)
         for tid in _threads():
-            os.sched_setaffinity(tid, cpus)
+            os.sched_setaffinity(tid, started_on | set(cpus) if tid in own else cpus)
     except (OSError, ValueError) as e:
         log.warning("llm: CPU layout %s=%r not applied (%s); running on every allowed CPU", LLM_CPUS_ENV, value, e)
         return None
-    _started_on = started_on
+    global _own_threads
+    _started_on, _own_threads = started_on, own
     log.info("llm: running on CPU %s (the other processes of the server on the rest)", _ranges(cpus))
     return cpus
 
@@ -119,7 +125,7 @@ def keep_only(compute: Optional[int], name: str = "llm-engine") -> bool:
         for tid in _threads():
             if tid != compute:
                 try:
-                    os.sched_setaffinity(tid, rest)
+                    os.sched_setaffinity(tid, set(_started_on) | llm if tid in _own_threads else rest)
                 except ProcessLookupError:
                     pass  # a thread that ended since the listing
     except OSError as e:
