@@ -240,13 +240,18 @@ def step_big(check: Check) -> dict:
 
     with _env(ENV, "sdpa"):
         out = run_big(check)
-    if check.left() < (20 if check.tiny else 90):
+    if "flex" in check.skip_rows:
+        check.note("flex attention rows: skipped (--skip-rows)")
+    elif check.left() < (20 if check.tiny else 90):
         check.note(f"flex attention rows: skipped, {check.left():.0f} s left")
+    else:
+        attempt(check, out, "flex", lambda: flex_rows(check))
+        for row in ("one_stream_tok_s", "greedy64_tok_s"):
+            if out.get(f"flex_{row}") and out.get(row):
+                out[f"flex_vs_sdpa_{row.removesuffix('_tok_s')}"] = round(out[f"flex_{row}"] / out[row], 2)
+    if "fp8" in check.skip_rows:
+        check.note("fp8 rows: skipped (--skip-rows)")
         return out
-    attempt(check, out, "flex", lambda: flex_rows(check))
-    for row in ("one_stream_tok_s", "greedy64_tok_s"):
-        if out.get(f"flex_{row}") and out.get(row):
-            out[f"flex_vs_sdpa_{row.removesuffix('_tok_s')}"] = round(out[f"flex_{row}"] / out[row], 2)
     if check.left() < (30 if check.tiny else 150):  # (the 7B: ~90 s to quantize on the host, ~30 s to load)
         check.note(f"fp8 rows: skipped, {check.left():.0f} s left")
         return out
@@ -331,8 +336,12 @@ def flex_rows(check: Check) -> dict:
 
 
 # the big step (the targets) before the gpu tests: these take what is left (a subprocess, killed at its budget)
-STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", step_big, 300),
+STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", step_big, 330),
          ("peers", step_peers, 150), ("gpu_tests", step_gpu_tests, 150), ("tensorrt", step_tensorrt, 60))
+
+
+# the big step's row groups `--skip-rows` may leave out (a short rerun on a lent device: the FP8 rows alone, say)
+SKIPPABLE_ROWS = ("flex", "fp8", "hf", "nographs", "profile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -343,6 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="results markdown (default $OUT/gpu_check.md, else bench/results/gpu_check.md)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="global time budget (the watchdog ends at +45 s)")
     ap.add_argument("--steps", default=",".join(s[0] for s in STEPS), help="comma-separated subset of the steps")
+    ap.add_argument("--skip-rows", default="", help=f"the big step's rows to leave out, comma-separated: {', '.join(SKIPPABLE_ROWS)}")
     ap.add_argument("--big-dtype", default=None, help="dtype of the big step (default float16 on cuda, float32 on cpu)")
     return ap.parse_args(argv)
 
@@ -360,10 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown steps {sorted(unknown)}; known: {[s[0] for s in STEPS]}", file=sys.stderr)
         return 2
+    bad_rows = set(filter(None, a.skip_rows.split(","))) - set(SKIPPABLE_ROWS)
+    if bad_rows:
+        print(f"unknown --skip-rows {sorted(bad_rows)}; known: {list(SKIPPABLE_ROWS)}", file=sys.stderr)
+        return 2
     if a.device == "cpu" and a.tiny:  # tiny shapes gain nothing from threads; on a shared CPU threads cost 8x
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         check = Check(device=torch.device(a.device), tiny=a.tiny, out=a.out, budget_s=a.budget_s, tmp=tmp,
+                      skip_rows=frozenset(filter(None, a.skip_rows.split(","))),
                       big_dtype=a.big_dtype or ("float16" if a.device.startswith("cuda") else "float32"),
                       command=" ".join([Path(sys.executable).name, "-m", "bench.gpu.check", *(argv or sys.argv[1:])]))
         check.start_watchdog(grace_s=45.0)

@@ -52,6 +52,7 @@ class Check:
     tmp: str
     big_dtype: str
     command: str
+    skip_rows: frozenset = frozenset()  # the big step's optional row groups left out (`--skip-rows flex,hf`: check.SKIPPABLE_ROWS)
     bandwidth_gb_s: float = 0.0
     children: list = field(default_factory=list)  # process groups of running subprocesses (the gpu tests)
     min_step_s: float = 10.0  # a step starts only with this much of the global budget left

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -38,7 +38,11 @@ GROUP = 128  # activation columns per scale; the weight's block is GROUP x GROUP
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TRIAL_TOLERANCE = 0.05
+ROW_ALIGN = 16  # activation rows padded to a multiple of this (zeros) for the product
 _chosen: dict[str, tuple[Optional[str], Optional[str]]] = {}  # device -> (scale layout or None, reason)
+
+
+LAYOUTS = ("p4", "p4c", "t", "tc", "n")  # tried in this order at load (`_decide`)
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,28 @@ class GpuFp8Weight:
 
     q: torch.Tensor
     scale: torch.Tensor
-    # how this torch's cuBLAS path reads the scales of mat_b = q^T (the trial at load finds which): "t" (mat_b's
-    # blocks, a [K/128, N/128] view), "tc" (the same, contiguous) or "n" (as stored, [N/128, K/128])
+    # how this torch's cuBLAS path reads the scales of mat_b = q^T (the trial at load finds which): "p4" (mat_b's
+    # blocks [K/128, N/128] with K's blocks padded to a multiple of 4, column-major: torch 2.9+'s check,
+    # L4 = round_up(K/128, 4), stride [1, L4]), "p4c" (the same, row-major), "t" (mat_b's blocks, a [K/128, N/128] view), "tc" (the same,
+    # contiguous) or "n" (as stored, [N/128, K/128])
     layout: str
+    b_scale: torch.Tensor = field(init=False, repr=False)  # the scales as the product reads them, made once
 
-    def scale_b(self) -> torch.Tensor:
-        if self.layout == "n":
-            return self.scale
-        s = self.scale.t()  # [K / 128, N / 128]: mat_b's blocks
-        return s.contiguous() if self.layout == "tc" else s
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b_scale", scale_b(self.scale, self.layout))
+
+
+def scale_b(scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """A weight's [N/128, K/128] decode scales laid out as `layout` says (GpuFp8Weight.layout)."""
+    if layout == "n":
+        return scale
+    if layout in ("p4", "p4c"):
+        nb, kb = scale.shape
+        padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=scale.device)  # [N/128, L4]
+        padded[:, :kb] = scale
+        return padded.t() if layout == "p4" else padded.t().contiguous()  # [L4, N/128], stride (1, L4) / (N/128, 1)
+    s = scale.t()  # [K / 128, N / 128]: mat_b's blocks
+    return s.contiguous() if layout == "tc" else s
 
 
 def usable(n: int, k: int, block: Optional[tuple[int, int]]) -> bool:
@@ -76,9 +93,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def product(x: torch.Tensor, w: GpuFp8Weight, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] -> [..., N] in `out_dtype`: x quantized per token and 128-column group, times the e4m3 weight."""
     rows = x.numel() // x.shape[-1]
-    xq, sa = quantize_rows(x.reshape(rows, x.shape[-1]))
-    y = F.scaled_mm(xq, w.q.t(), sa, F.ScalingType.BlockWise1x128, w.scale_b(), F.ScalingType.BlockWise128x128,
-                    output_dtype=out_dtype)
+    x2 = x.reshape(rows, x.shape[-1])
+    padded = -(-rows // ROW_ALIGN) * ROW_ALIGN
+    if padded != rows:  # cuBLAS's block-scaled heuristics refuse other row counts (CUBLAS_STATUS_NOT_SUPPORTED at 7)
+        x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[-1])])
+    xq, sa = quantize_rows(x2)
+    y = F.scaled_mm(xq, w.q.t(), sa, F.ScalingType.BlockWise1x128, w.b_scale, F.ScalingType.BlockWise128x128,
+                    output_dtype=out_dtype)[:rows]
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -119,14 +140,15 @@ def _decide(device: torch.device, dtype: torch.dtype) -> tuple[Optional[str], st
                                               for n in ("BlockWise1x128", "BlockWise128x128")):
         return None, f"torch {torch.__version__} has no block-scaled scaled_mm"
     failures = []
-    for layout in ("t", "tc", "n"):
+    for layout in LAYOUTS:
         try:
             err = _trial(device, dtype, layout)
         except Exception as e:  # noqa: BLE001 - any failure keeps the dequantized path
             failures.append(f"{layout}: {type(e).__name__}: {str(e)[:200]}")
             continue
         if err < TRIAL_TOLERANCE:
-            return layout, f"compute capability 9.0, torch {torch.__version__}, trial relative error {err:.4f}"
+            return layout, f"compute capability 9.0, torch {torch.__version__}, weight scales laid out {layout!r}, " \
+                           f"trial relative error {err:.4f}"
         failures.append(f"{layout}: relative error {err:.4f} >= {TRIAL_TOLERANCE}")
     return None, "the trial product failed (" + "; ".join(failures) + ")"
 
