@@ -7,10 +7,16 @@ from triton_vlm.triton import lifeline
 
 lifeline.exit_with_parent()  # first: a stub never outlives its server, even one that dies while we load
 
-import dataclasses
+from triton_vlm.server import cpu_layout  # noqa: E402
 
-from triton_vlm.triton import config
-from triton_vlm.triton.llm import LLMService
+# then onto the CPUs the launcher reserved for this stub (`cpu_layout`), before any import or thread pool: the
+# imports below would otherwise share the one CPU the server's other processes load on
+LLM_CPUS = cpu_layout.apply_llm_cpus()
+
+import dataclasses  # noqa: E402
+
+from triton_vlm.triton import config  # noqa: E402
+from triton_vlm.triton.llm import LLMService  # noqa: E402
 
 
 class TritonPythonModel:
@@ -20,9 +26,8 @@ class TritonPythonModel:
 
     def _load(self, args):
         config.setup_logging()
-        from triton_vlm.server.cpu_layout import apply_llm_cpus
-
-        llm_cpus = apply_llm_cpus()  # the CPUs the launcher reserved for this stub, before any thread pool starts
+        cpu_layout.announce()
+        llm_cpus = LLM_CPUS
         p = config.model_parameters(args)
         model_dir = config.resolve_model_path(p.get("model_path", ""))
         device = p.get("device") or "cpu"
@@ -74,9 +79,7 @@ class TritonPythonModel:
         self.service = LLMService(backend, tokenizer, image_token_id, context, adapters=adapters)
         self.service.start()
         if llm_cpus is not None and kind == "engine":  # the steps alone on the llm CPUs, the rest of us elsewhere
-            from triton_vlm.server.cpu_layout import keep_only
-
-            keep_only(backend.thread_id)
+            cpu_layout.keep_only(backend.thread_id)
         lifeline.settle_heap()  # loaded: no full collection walks the import-time heap again
 
     def execute(self, requests):

@@ -12,8 +12,10 @@ on the first core, everything else on the other, 1.37x the tokens/s of no layout
 - the llm gets the first `threads` allowed CPUs (its OpenMP threads, `install.server_env`), at most all but one; the
   other processes get the rest.
 The launcher starts tritonserver and the front end on `rest` (`preexec`), so Triton's stubs inherit it, and passes
-`llm` in `LLM_CPUS_ENV`; the llm stub moves every thread of its own process onto them at load (`apply_llm_cpus`),
-so that what it measures while loading (the kernels' races) runs where the steps will. Once the engine's thread
+`llm` in `LLM_CPUS_ENV`; the llm stub moves every thread of its own process onto them first thing, before its imports
+(`apply_llm_cpus`), so that what it measures while loading (the kernels' races) runs where the steps will, and its
+imports (torch, transformers, the engine: ~15 CPU-seconds) do not share the one CPU the other stubs import on (the
+demo server ready in 24.1 s when the stub moved after its first imports, 18.6-19.7 s now, on a 2-core machine). Once the engine's thread
 runs, `keep_only` leaves that thread alone on the llm CPUs (OpenMP workers it starts inherit them) and moves the
 stub's other threads (Triton's IPC thread, the responder, the cancel poller, the lifeline) back to the CPUs the stub
 started on, as vLLM's worker computes on its cores while its engine core and API server run on the reserved one:
@@ -86,6 +88,7 @@ _started_on: Optional[frozenset[int]] = None  # the llm stub's CPUs before `appl
 # must answer tritonserver within a second (a loading stub whose health flag misses one check is given up on,
 # `process.TritonServer.end_wedged_loads`), so they may run on every CPU of the layout, never on one starved CPU
 _own_threads: frozenset[int] = frozenset()
+_applied: Optional[tuple[int, ...]] = None  # the llm CPUs `apply_llm_cpus` moved the stub onto
 
 
 def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
@@ -104,10 +107,15 @@ def apply_llm_cpus(environ=os.environ) -> Optional[tuple[int, ...]]:
     except (OSError, ValueError) as e:
         log.warning("llm: CPU layout %s=%r not applied (%s); running on every allowed CPU", LLM_CPUS_ENV, value, e)
         return None
-    global _own_threads
-    _started_on, _own_threads = started_on, own
-    log.info("llm: running on CPU %s (the other processes of the server on the rest)", _ranges(cpus))
+    global _own_threads, _applied
+    _started_on, _own_threads, _applied = started_on, own, cpus
     return cpus
+
+
+def announce() -> None:
+    """Log where `apply_llm_cpus` put the stub (it runs first thing, before the stub's logging is set up)."""
+    if _applied is not None:
+        log.info("llm: running on CPU %s (the other processes of the server on the rest)", _ranges(_applied))
 
 
 def keep_only(compute: Optional[int], name: str = "llm-engine") -> bool:
