@@ -94,18 +94,10 @@ def ensemble(url: str, prompt: str, salt: str | None = None) -> grpcclient.Infer
     return stream_infer(url, "ensemble", inputs)
 
 
-@pytest.fixture(scope="module")
-def uncached_server(tmp_path_factory, demo_model):
-    """A server without an embedding cache: what any image answers with nothing cached."""
-    from conftest import _start_server, _stop_server
-
-    server = _start_server(tmp_path_factory, demo_model, {"vision": {"embedding_cache_mb": "0"}}, "uncached")
-    yield server
-    _stop_server(server)
-
-
 @pytest.mark.server
-def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_server, uncached_server):
+def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_server, hf_server):
+    """`hf_server`: a server never attacked, which never saw these images (the transformers baseline, the
+    session's: no server is started for this)."""
     victim, forged = png("triangle", "blue", 24301), png("circle", "red", 24302)  # images no other test sends
     other_blue = png("triangle", "blue", 24303)
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
@@ -123,12 +115,12 @@ def test_a_forged_image_key_sent_to_vision_never_reaches_another_tenant(triton_s
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
         got = c.generate(Q, [victim], max_tokens=4)
     assert got.text.strip() == "blue"
-    with VLMClient(uncached_server.grpc_url, protocol="grpc", timeout=120) as c:
+    with VLMClient(hf_server.grpc_url, protocol="grpc", timeout=120) as c:
         assert c.generate(Q, [victim], max_tokens=4).output_ids == got.output_ids  # as a fresh server answers
 
 
 @pytest.mark.server
-def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server, uncached_server):
+def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server, hf_server):
     victim, forged = png("square", "green", 24311), png("circle", "yellow", 24312)
     prompt = "USER: <image>\n" + "Look at this image closely. " * 4 + "What color is the shape? ASSISTANT:"
     with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
@@ -140,7 +132,7 @@ def test_forged_embeddings_sent_to_llm_never_fill_a_victims_prefix(triton_server
     assert first == 0 and again > 0
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
         got = c.generate(prompt, [victim], max_tokens=4, return_num_input_tokens=True)
-    with VLMClient(uncached_server.grpc_url, protocol="grpc", timeout=120) as c:  # a server never attacked
+    with VLMClient(hf_server.grpc_url, protocol="grpc", timeout=120) as c:  # a server never attacked
         clean = c.generate(prompt, [victim], max_tokens=4)
     with VLMClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
         forged_answer = c.generate(prompt, [forged], max_tokens=4)
