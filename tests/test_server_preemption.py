@@ -1,5 +1,5 @@
-"""On-demand KV through the server (llm parameter scheduler_policy max_utilization): 12 greedy requests of 400
-tokens on a cache of 2,048 KV tokens all start together (under guaranteed_no_evict 4 would), some are preempted
+"""On-demand KV through the server (llm parameter scheduler_policy max_utilization): 12 greedy requests of 250
+tokens on a cache of 1,280 KV tokens all start together (under guaranteed_no_evict 4 would), some are preempted
 (the counter says so), and each gets the tokens it gets alone. Stock tritonclient, one gRPC stream (live server)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.server
 
-N, TOKENS, KV_TOKENS = 12, 400, 2048
+N, TOKENS, KV_TOKENS = 12, 250, 1280
 
 
 @pytest.fixture(scope="module")
