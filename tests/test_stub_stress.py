@@ -26,7 +26,7 @@ import pytest
 
 PROMPT = [1, 50, 60, 70, 80, 90]
 STREAMS = 16
-LOAD_S = 20.0
+LOAD_S = 12.0
 SUBSETS = (("text_output",),) * 3 + (("text_output", "output_ids", "cum_log_probs"), None)  # None: all
 
 
