@@ -257,6 +257,18 @@ def hf_server(tmp_path_factory, demo_model, demo_adapters):
     _stop_server(server)
 
 
+@pytest.fixture(scope="session")
+def llava_next_server(tmp_path_factory):
+    """A LLaVA-NeXT checkpoint (Mistral text model, `llava_next_cases.py`) served once for test_llava_next_server
+    (through tritonclient) and test_llava_next_openai (through a front end on it): one start, not two."""
+    from llava_next_cases import build
+
+    model = build(tmp_path_factory.mktemp("next-mistral"), "mistral")
+    server = _start_server(tmp_path_factory, model, {}, "next-server")
+    yield server
+    _stop_server(server)
+
+
 @pytest.fixture(autouse=True)
 def _engine_kernels_wherever_checked(request, monkeypatch):
     """tests/engine checks the C kernels' results wherever they build and check (switch "1"); whether they are

@@ -6,10 +6,11 @@ streamed text equal to the unstreamed, and usage counting each image's own numbe
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from llava_next_cases import SIZES, Reference, build, png
+from llava_next_cases import SIZES, Reference, png
 
 pytestmark = pytest.mark.server
 
@@ -19,11 +20,17 @@ IMAGES = {name: png(size, seed=70 + i) for i, (name, size) in enumerate(SIZES.it
 
 
 @pytest.fixture(scope="module")
-def next_api(tmp_path_factory):
-    """(the front end, the server) on one NeXT checkpoint, shared by this module's tests."""
-    from test_openai import serve_api
+def next_api(llava_next_server):
+    """(the front end, the server) on one NeXT checkpoint (the session's, shared with test_llava_next_server)."""
+    from test_openai import Running
+    from triton_vlm.openai import FrontendConfig
 
-    yield from serve_api(tmp_path_factory, build(tmp_path_factory.mktemp("next-openai"), VARIANT), "next-openai-server")
+    assert VARIANT == "mistral"
+    server = llava_next_server
+    fe = Running(FrontendConfig(triton=server.grpc_url, model_dir=Path(server.model_path),
+                                triton_metrics_url=f"http://localhost:{server.metrics_port}/metrics"))
+    yield fe, server
+    fe.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from llava_next_cases import SIZES, Reference, build, png
+from llava_next_cases import SIZES, Reference, png
 from triton_vlm_client import VLMClient
 
 pytestmark = pytest.mark.server
@@ -26,13 +26,9 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def next_server(tmp_path_factory):
-    from conftest import _start_server, _stop_server
-
-    model = build(tmp_path_factory.mktemp("next-server"), VARIANT)
-    server = _start_server(tmp_path_factory, model, {}, "next-server")
-    yield server
-    _stop_server(server)
+def next_server(llava_next_server):
+    assert VARIANT == "mistral"  # the session's server (conftest) serves this variant
+    return llava_next_server
 
 
 @pytest.fixture(scope="module")
