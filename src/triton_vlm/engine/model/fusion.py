@@ -1,0 +1,257 @@
+"""The decode step with its pointwise work fused by `torch.compile` (issue 39 item 2), chosen by measurement.
+
+On an H200 the one-stream decode step of a 7B model under CUDA graphs spent ~39% of its device time in the cuBLAS
+gemv kernels and the rest in ~40 small kernels a layer (bench/gpu/runs/2026-11-28-h200.md): the RMSNorm's cast /
+square / mean / rsqrt / scale, the rotary embedding's mul / roll / add, the K/V writes, a gather of each row's
+keys and values into a contiguous copy for SDPA, SiLU and its product, the residual adds. gpt-fast-class decoders
+fuse those with inductor. Here three small functions are compiled (`torch.compile(dynamic=True)`: one compile
+serves every CUDA graph bucket's rows and keys; the products stay cuBLAS', outside them):
+- `add_rms_norm`, `silu_mul`: `model.py`'s own functions (the same formula), each one kernel;
+- `decode_attend` (below): one layer's attention core for a decode step (q_len 1): the rotary embedding on q and k,
+  the new K/V written to the pool (`index_copy_`, done in place by inductor), then attention over the row's own slots
+  written as a product + sum reductions that read the pool through the row's slot indices: inductor fuses that
+  gather into the reductions' loads, so no contiguous K/V copy is made (the eager path's `index_select` writes and
+  then SDPA reads one). Scores and softmax in fp32; GQA by viewing q as [kv_heads, group].
+The step runs these inside the captured decode graphs (`cuda_graph.py`); a prefill chunk, a ragged forward, M-RoPE's
+3-D positions and DeepStack keep the eager path; under `TRITON_VLM_ATTENTION=flex` the attention stays flex's.
+
+`TRITON_VLM_DECODE_FUSION` (`choose`, at load, logged with the reason, kept in `LlamaModel.fusion`):
+- `auto` (default): on CUDA, after a check (one decode step, fused vs eager logits within the dtype's tolerance),
+  one decode step of one row in the model's real shapes is timed both ways, each as a captured CUDA graph replayed
+  (CUDA events, the best of 2 rounds of `RACE_REPS` replays; uncaptured when the engine runs without graphs), and
+  the faster kept. On a CPU `auto` is off: no compile at CPU server start (and the C decode kernels stay);
+- `on`: fused wherever the check passes (also on a CPU, where it takes the place of the C decode kernels: tests);
+- `off`: the eager path.
+Any failure to compile, in the check or in the race keeps the eager path and logs why: an optional speed path never
+stops a model loading. A fused call that raises while serving (not a CUDA fault, not inside a graph capture, whose
+failure `cuda_graph.py` handles) is logged, the step recomputed eagerly and fusion turned off for the process.
+Not measured on a GPU yet: the GPU check's `fusion_*` rows (bench/gpu/check.py) do that.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .faults import is_device_fault
+
+log = logging.getLogger(__name__)
+
+ENV = "TRITON_VLM_DECODE_FUSION"
+MODES = ("auto", "on", "off")
+BACKEND = "inductor"  # torch.compile's backend; "none": the same functions uncompiled (CPU tests, the GPU check's
+# CPU rehearsal: inductor's C++ compiles take minutes on 2 cores)
+RECOMPILE_LIMIT = 16  # dynamo's per-function budget (default 8): rows 1 / more, with or without a residual, ...
+RACE_KEYS = 512  # keys of the raced row (its scratch cache: RACE_KEYS / block_size blocks)
+RACE_REPS = 20  # replays timed per round
+CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}  # |fused - eager| / |eager|, logits
+
+
+def mode() -> str:
+    """The value of TRITON_VLM_DECODE_FUSION; anything else is refused at load, naming the variable."""
+    wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if wanted not in MODES:
+        raise ValueError(f"{ENV}={wanted!r}: expected one of {', '.join(MODES)}")
+    return wanted
+
+
+def decode_attend(qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, write_slots: torch.Tensor,
+                  read_slots: torch.Tensor, mask: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                  heads: int, kv_heads: int) -> torch.Tensor:
+    """`attention.attend_torch` for q_len 1 without the gathered K/V copy: qkv [rows, 1, (heads + 2 kv) * hd];
+    cos, sin_rot [rows, 1, 1, hd]; write_slots [rows]; read_slots [rows, T]; mask [rows, 1, 1, T] (bool); kc, vc
+    [slots, kv_heads, hd] (the new K/V written) -> [rows, 1, heads * hd]."""
+    rows, hd = qkv.shape[0], kc.shape[-1]
+    group = heads // kv_heads
+    x = qkv.view(rows, heads + 2 * kv_heads, hd)
+    qk = x[:, :heads + kv_heads]  # `attention.apply_rotary`'s formula, in the model's dtype
+    qk = qk * cos.view(rows, 1, hd) + torch.roll(qk, hd // 2, dims=-1) * sin_rot.view(rows, 1, hd)
+    kc.index_copy_(0, write_slots, qk[:, heads:])
+    vc.index_copy_(0, write_slots, x[:, heads + kv_heads:])
+    q = qk[:, :heads].reshape(rows, 1, kv_heads, group, hd).float()
+    keys = kc[read_slots].float()[:, :, :, None]  # [rows, T, kv, 1, hd]: read in place by the reduction
+    scores = (q * keys).sum(-1) * hd ** -0.5  # [rows, T, kv, group]
+    scores = scores.masked_fill(~mask.view(rows, -1, 1, 1), float("-inf"))
+    p = torch.softmax(scores, dim=1)
+    out = (p[..., None] * vc[read_slots].float()[:, :, :, None]).sum(1)  # [rows, kv, group, hd]
+    return out.to(qkv.dtype).reshape(rows, 1, heads * hd)
+
+
+class Fused:
+    """One model's compiled decode functions (module doc); `add_rms_norm` / `silu_mul` as `model._layers` takes
+    them, `attend` as its `attend` callback's core."""
+
+    def __init__(self, add_rms_norm: Callable, silu_mul: Callable, heads: int, kv_heads: int,
+                 backend: Optional[str] = None):
+        self.backend = backend = backend or BACKEND
+        if backend != "none":
+            # past its recompile budget dynamo would run a function uncompiled: `decode_attend` then materialises
+            # [rows, T, kv_heads, group, hd] in fp32. Raise instead (`model._fused_layers` then turns fusion off);
+            # the budget as flex's (`flex_paged.RECOMPILE_LIMIT`, the same process-wide settings)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        compile = (lambda fn: fn) if backend == "none" else \
+            (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True, backend=backend))
+        self.add_rms_norm, self.silu_mul, self._attend = (compile(f) for f in (add_rms_norm, silu_mul, decode_attend))
+        self.heads, self.kv_heads = heads, kv_heads
+
+    def attend(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], write_slots: torch.Tensor,
+               read_slots: torch.Tensor, mask: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        return self._attend(qkv, *tables, write_slots, read_slots, mask, kc, vc, self.heads, self.kv_heads)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` decided: fused or not, why, and the race's times (None where it did not race)."""
+
+    on: bool
+    reason: str
+    eager_ms: Optional[float] = None
+    fused_ms: Optional[float] = None
+
+    def describe(self) -> str:
+        times = "" if self.eager_ms is None else f"; one decode step {self.fused_ms:.3f} ms fused vs " \
+                                                 f"{self.eager_ms:.3f} ms eager"
+        return f"{'fused' if self.on else 'eager'} ({self.reason}{times})"
+
+
+def choose(model, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
+           wanted: Optional[str] = None) -> Choice:
+    """Decide at load (module doc) and set `model.fused` (a `Fused`, or None) -> the choice, logged.
+    `model`: a `LlamaModel`; `keys`: the raced row's keys; `graphs`: the engine replays CUDA graphs (race them)."""
+    wanted = wanted or mode()
+    model.fused = None
+    dev = model.device
+    if wanted == "off":
+        return _logged(Choice(False, f"{ENV}=off"))
+    if wanted == "auto" and dev.type != "cuda":
+        return _logged(Choice(False, f"{ENV}=auto on {dev.type}: eager (no compile at start)"))
+    t0 = time.perf_counter()
+    try:
+        fns = Fused(_model_fn("add_rms_norm"), _model_fn("silu_mul"), model.config.num_heads,
+                    model.config.num_kv_heads)
+        err = check(model, fns, block_size, min(40, keys))
+        tol = CHECK_RTOL.get(model.dtype, 6e-2)
+        if not err <= tol:
+            return _logged(Choice(False, f"{ENV}={wanted} but the check failed: fused logits differ from eager by "
+                                         f"{err:.3g} (relative; allowed {tol:g})"))
+        if wanted == "on":
+            model.fused = fns
+            return _logged(Choice(True, f"{ENV}=on: check passed ({err:.2g} relative), compiled in "
+                                        f"{time.perf_counter() - t0:.1f} s"))
+        eager_ms, fused_ms = race(model, fns, block_size, keys, graphs)
+    except Exception as e:  # noqa: BLE001 - any failure keeps the eager path
+        if is_device_fault(e):
+            raise
+        model.fused = None
+        return _logged(Choice(False, f"{ENV}={wanted} but fusion failed: {type(e).__name__}: {e}"[:500]))
+    faster = fused_ms < eager_ms
+    model.fused = fns if faster else None
+    how = "CUDA graphs replayed" if graphs and dev.type == "cuda" else "uncaptured"
+    return _logged(Choice(faster, f"{ENV}={wanted}: raced one row of {keys} keys, {how}, "
+                                  f"{time.perf_counter() - t0:.1f} s with compiles", eager_ms, fused_ms))
+
+
+def _model_fn(name: str) -> Callable:
+    from . import model  # noqa: PLC0415 - model.py imports this module
+
+    return getattr(model, name)
+
+
+def _logged(choice: Choice) -> Choice:
+    log.info("decode fusion: %s", choice.describe())
+    return choice
+
+
+def _scratch_step(model, block_size: int, keys: int, fill: bool = False):
+    """A one-row decode step at position keys - 1 on a scratch cache -> step(), which returns its logits. `fill`:
+    random keys and values (the check; the race times zeros)."""
+    cache = model.new_cache(-(-keys // block_size) + 1, block_size)
+    row = cache.new_row()
+    cache.append(row, keys - 1)
+    batch = cache.plan([row], 1)  # writes slot keys - 1 at every call: the same values each time
+    with torch.inference_mode():  # as the engine's steps (a tensor made outside would be another compile's guard)
+        x = model.embed(torch.tensor([[1]]))  # [1, 1, hidden]
+    if fill:  # keys of unit size, not the empty pool's zeros
+        g = torch.Generator(device="cpu").manual_seed(0)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(cache.k.dtype))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(cache.v.dtype))
+    return lambda: model.forward(x, batch, cache)
+
+
+def check(model, fns: Fused, block_size: int, keys: int = 40) -> float:
+    """One decode step fused vs eager (logits [1, vocab]) on a scratch cache -> max |diff| / max |eager|."""
+    step = _scratch_step(model, block_size, keys, fill=True)
+    try:
+        model.fused = None
+        want = step()
+        model.fused = fns
+        got = step()
+    finally:
+        model.fused = None
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+def race(model, fns: Fused, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
+         rounds: int = 2) -> tuple[float, float]:
+    """(eager ms, fused ms) of one decode step of one row holding `keys` keys: each side captured as a CUDA graph
+    and replayed (CUDA events) on CUDA with `graphs`, else called (wall clock); the best of `rounds` rounds."""
+    step = _scratch_step(model, block_size, keys)
+    timers = {}
+    try:
+        for side, fused in (("eager", None), ("fused", fns)):
+            model.fused = fused
+            timers[side] = _graph_timer(step, model.device) if graphs and model.device.type == "cuda" \
+                else _wall_timer(step, model.device)
+        best = {side: min(t() for _ in range(rounds)) for side, t in timers.items()}
+    finally:
+        model.fused = None
+        timers.clear()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+            torch.cuda.empty_cache()
+    return best["eager"], best["fused"]
+
+
+def _graph_timer(step: Callable, device: torch.device) -> Callable[[], float]:
+    """`step` captured as a CUDA graph (two warm-up runs on a side stream first, as `cuda_graph.py`) -> a timer of
+    RACE_REPS replays (ms per replay)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def timed() -> float:
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(RACE_REPS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / RACE_REPS
+    return timed
+
+
+def _wall_timer(step: Callable, device: torch.device) -> Callable[[], float]:
+    step()  # compiles / warms
+
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 1e3 * (time.perf_counter() - t0) / 3
+    return timed
