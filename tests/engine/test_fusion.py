@@ -5,8 +5,8 @@ equals the gather + SDPA path and writes the same cache; an engine with fusion o
 inductor's C++ compiles take minutes on 2 cores) gives the eager engine's tokens through the padded CUDA graph path
 and the plain one, and really runs the fused attention; `auto` is off on a CPU without compiling anything; a bad value
 is refused; a failing compile, a failing check and a call that fails while serving each keep the eager path with
-the reason. On a GPU (`gpu`): inductor-compiled, under captured CUDA graphs, fp32 tokens equal eager's, fp16 /
-bf16 logits within the dtype's tolerance, and `auto` races and reports both times.
+the reason. On a GPU (`gpu`): inductor-compiled, under captured CUDA graphs, fp32 tokens equal eager's; fp16 /
+bf16 logits within the dtype's tolerance, and `auto` races (replayed graphs) and reports both times.
 """
 from __future__ import annotations
 
@@ -154,35 +154,45 @@ def test_a_fused_call_failing_while_serving_recomputes_the_step_eagerly(ckpt, mo
     assert "failed while serving: RuntimeError: recompile limit" in eng.model.fusion.reason
 
 
-def test_the_race_times_both_sides(ckpt, monkeypatch, uncompiled):
+def test_the_race_times_both_sides_and_keeps_the_faster(ckpt, monkeypatch, uncompiled):
     eng = engine(ckpt, "off", monkeypatch)
     m = eng.model
     fns = fusion.Fused(fusion._model_fn("add_rms_norm"), fusion._model_fn("silu_mul"), m.config.num_heads,
                        m.config.num_kv_heads)
     eager_ms, fused_ms = fusion.race(m, fns, block_size=4, keys=32, graphs=False)
     assert eager_ms > 0 and fused_ms > 0 and m.fused is None  # the model left as it was
-    choice = fusion.Choice(fused_ms < eager_ms, "raced", eager_ms, fused_ms)
-    assert f"{fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager" in choice.describe()
+    choice = fusion._decide(m, "auto", 4, 32, graphs=False)  # `auto` past its CUDA gate: check, race, keep
+    assert choice.eager_ms > 0 and choice.fused_ms > 0 and "raced one row of 32 keys, uncaptured" in choice.reason
+    assert choice.on == (choice.fused_ms < choice.eager_ms) == (m.fused is not None)
+    assert f"{choice.fused_ms:.3f} ms fused vs {choice.eager_ms:.3f} ms eager" in choice.describe()
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_compiled_under_cuda_graphs_agrees_with_eager(ckpt, monkeypatch, dtype):
-    """inductor on CUDA, every bucket captured: fp32 tokens equal eager's; fp16 / bf16 one decode step's logits
-    within the dtype's tolerance of eager's (`fusion.check`) and the race reports both times."""
-    kw = dict(device="cuda", dtype=dtype, cuda_graph_min_keys=16, block_size=16, kv_cache_tokens=2048)
-    off = engine(ckpt, "off", monkeypatch, **kw)
+def test_compiled_under_cuda_graphs_gives_the_eager_fp32_tokens(ckpt, monkeypatch):
+    """inductor on CUDA, every bucket captured, decode steps replayed: the eager engine's fp32 tokens."""
+    kw = dict(device="cuda", cuda_graph_min_keys=16, block_size=16, kv_cache_tokens=2048)
+    want = generate(engine(ckpt, "off", monkeypatch, **kw))
     on = engine(ckpt, "on", monkeypatch, **kw)
     assert on.model.fusion.on, on.model.fusion.reason
     assert on.decode_graphs is not None and on.decode_graphs.captured > 0
-    if dtype == "float32":
-        assert generate(on) == generate(off)
-        assert on.decode_graphs.replays > 0 and on.model.fusion.on
-    fns = on.model.fused
-    err = fusion.check(on.model, fns, 16)
-    assert err <= fusion.CHECK_RTOL[getattr(torch, dtype)], err
-    eager_ms, fused_ms = fusion.race(on.model, fns, 16, keys=64)
-    assert eager_ms > 0 and fused_ms > 0
-    auto = engine(ckpt, "auto", monkeypatch, **kw)
-    assert auto.model.fusion.eager_ms is not None, auto.model.fusion.reason
+    assert generate(on) == want
+    assert on.decode_graphs.replays > 0 and on.model.fusion.on  # replayed, and no fused call failed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compiled_16_bit_logits_agree_and_auto_races_under_graphs(ckpt, monkeypatch, dtype):
+    """One decode step's logits fused vs eager within the dtype's tolerance (`fusion.check`), and `auto` on CUDA
+    races one step both ways as replayed CUDA graphs and reports both times."""
+    from triton_vlm.engine.model.model import LlamaModel
+
+    model = LlamaModel.from_pretrained(ckpt, dtype, "cuda")
+    monkeypatch.setenv(fusion.ENV, "auto")
+    choice = model.choose_fusion(16, keys=64, graphs=True)
+    assert choice.eager_ms is not None and choice.eager_ms > 0 and choice.fused_ms > 0, choice.reason
+    assert (model.fused is not None) == choice.on == (choice.fused_ms < choice.eager_ms)
+    fns = model.fused or fusion.Fused(fusion._model_fn("add_rms_norm"), fusion._model_fn("silu_mul"),
+                                      model.config.num_heads, model.config.num_kv_heads)
+    err = fusion.check(model, fns, 16)
+    assert 0 < err <= fusion.CHECK_RTOL[getattr(torch, dtype)], err

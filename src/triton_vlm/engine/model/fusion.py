@@ -133,30 +133,40 @@ def choose(model, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
         return _logged(Choice(False, f"{ENV}=off"))
     if wanted == "auto" and dev.type != "cuda":
         return _logged(Choice(False, f"{ENV}=auto on {dev.type}: eager (no compile at start)"))
-    t0 = time.perf_counter()
     try:
-        fns = Fused(_model_fn("add_rms_norm"), _model_fn("silu_mul"), model.config.num_heads,
-                    model.config.num_kv_heads)
-        err = check(model, fns, block_size, min(40, keys))
-        tol = CHECK_RTOL.get(model.dtype, 6e-2)
-        if not err <= tol:
-            return _logged(Choice(False, f"{ENV}={wanted} but the check failed: fused logits differ from eager by "
-                                         f"{err:.3g} (relative; allowed {tol:g})"))
-        if wanted == "on":
-            model.fused = fns
-            return _logged(Choice(True, f"{ENV}=on: check passed ({err:.2g} relative), compiled in "
-                                        f"{time.perf_counter() - t0:.1f} s"))
-        eager_ms, fused_ms = race(model, fns, block_size, keys, graphs)
+        choice = _decide(model, wanted, block_size, keys, graphs)
     except Exception as e:  # noqa: BLE001 - any failure keeps the eager path
-        if is_device_fault(e):
+        from .cuda_graph import _capture_error  # noqa: PLC0415 - cuda_graph.py imports model.py, which imports this
+
+        if is_device_fault(e) and not _capture_error(e):  # a failed capture leaves the context intact
             raise
         model.fused = None
-        return _logged(Choice(False, f"{ENV}={wanted} but fusion failed: {type(e).__name__}: {e}"[:500]))
+        choice = Choice(False, f"{ENV}={wanted} but fusion failed: {type(e).__name__}: {e}"[:500])
+    if dev.type == "cuda":  # the scratch caches' blocks back before the KV cache is sized
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+    return _logged(choice)
+
+
+def _decide(model, wanted: str, block_size: int, keys: int, graphs: bool) -> Choice:
+    """`choose` past the switch: compile, check, and for `auto` race; raises where any of it fails."""
+    t0 = time.perf_counter()
+    fns = Fused(_model_fn("add_rms_norm"), _model_fn("silu_mul"), model.config.num_heads, model.config.num_kv_heads)
+    err = check(model, fns, block_size, min(40, keys))
+    tol = CHECK_RTOL.get(model.dtype, 6e-2)
+    if not err <= tol:
+        return Choice(False, f"{ENV}={wanted} but the check failed: fused logits differ from eager by {err:.3g} "
+                             f"(relative; allowed {tol:g})")
+    if wanted == "on":
+        model.fused = fns
+        return Choice(True, f"{ENV}=on: check passed ({err:.2g} relative), compiled in "
+                            f"{time.perf_counter() - t0:.1f} s")
+    eager_ms, fused_ms = race(model, fns, block_size, keys, graphs)
     faster = fused_ms < eager_ms
     model.fused = fns if faster else None
-    how = "CUDA graphs replayed" if graphs and dev.type == "cuda" else "uncaptured"
-    return _logged(Choice(faster, f"{ENV}={wanted}: raced one row of {keys} keys, {how}, "
-                                  f"{time.perf_counter() - t0:.1f} s with compiles", eager_ms, fused_ms))
+    how = "CUDA graphs replayed" if graphs and model.device.type == "cuda" else "uncaptured"
+    return Choice(faster, f"{ENV}={wanted}: check passed ({err:.2g} relative), raced one row of {keys} keys, {how}, "
+                          f"{time.perf_counter() - t0:.1f} s with compiles", eager_ms, fused_ms)
 
 
 def _model_fn(name: str) -> Callable:
