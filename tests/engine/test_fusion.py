@@ -75,11 +75,11 @@ def attention_case(rows: int, keys: int, heads: int = 4, kv_heads: int = 2, hd: 
 
 @torch.inference_mode()
 def test_the_traced_attention_core_equals_gather_and_sdpa_and_writes_the_same_cache():
-    fn = torch.compile(fusion.decode_attend, dynamic=True, fullgraph=True, backend="aot_eager")
+    fns = fusion.Fused(lambda *a: None, lambda *a: None, heads=4, kv_heads=2, backend="aot_eager")
     qkv, cos, sin, write, read, mask, kc, vc = attention_case(rows=3, keys=12)
     read[1, -1], mask[1, ..., -1] = read[1, 0], True  # row 1 reads its new token... and an old one last
     k2, v2 = kc.clone(), vc.clone()
-    got = fn(qkv, cos, sin, write, read, mask, kc, vc, 4, 2)  # writes kc, vc
+    got = fns.attend(qkv, (cos, sin), write, read, mask, kc, vc)  # writes kc, vc
     want = attention.attend_torch(qkv, cos, sin, write, read, mask, k2, v2, 4, 2)
     assert got.shape == want.shape == (3, 1, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -148,7 +148,7 @@ def test_a_fused_call_failing_while_serving_recomputes_the_step_eagerly(ckpt, mo
 
     def fails(*a, **kw):
         raise RuntimeError("recompile limit")
-    eng.model.fused._attend = fails
+    eng.model.fused._core = fails
     assert generate(eng, n=2) == want
     assert eng.model.fused is None and not eng.model.fusion.on
     assert "failed while serving: RuntimeError: recompile limit" in eng.model.fusion.reason

@@ -4,8 +4,9 @@ On an H200 the one-stream decode step of a 7B model under CUDA graphs spent ~39%
 gemv kernels and the rest in ~40 small kernels a layer (bench/gpu/runs/2026-11-28-h200.md): the RMSNorm's cast /
 square / mean / rsqrt / scale, the rotary embedding's mul / roll / add, the K/V writes, a gather of each row's
 keys and values into a contiguous copy for SDPA, SiLU and its product, the residual adds. gpt-fast-class decoders
-fuse those with inductor. Here three small functions are compiled (`torch.compile(dynamic=True)`: one compile
-serves every CUDA graph bucket's rows and keys; the products stay cuBLAS', outside them):
+fuse those with inductor. Here three small functions are compiled (`torch.compile`, the rows, keys and pool slots
+marked dynamic: one compile serves every CUDA graph bucket, rows 1 and rows > 1 apart; the model's dimensions static;
+the products stay cuBLAS', outside them):
 - `add_rms_norm`, `silu_mul`: `model.py`'s own functions (the same formula), each one kernel;
 - `decode_attend` (below): one layer's attention core for a decode step (q_len 1): the rotary embedding on q and k,
   the new K/V written to the pool (`index_copy_`, done in place by inductor), then attention over the row's own slots
@@ -86,7 +87,10 @@ def decode_attend(qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, w
 
 class Fused:
     """One model's compiled decode functions (module doc); `add_rms_norm` / `silu_mul` as `model._layers` takes
-    them, `attend` as its `attend` callback's core."""
+    them, `attend` as its `attend` callback's core. Compiled with the dimensions that vary between buckets and
+    caches marked dynamic before each call (rows; keys; the pool's slots) and the model's own (hidden, heads, head
+    dim, intermediate) static, so the kernels are specialised to them: one compile per shape class (rows 1 or more,
+    a residual or none), not per bucket."""
 
     def __init__(self, add_rms_norm: Callable, silu_mul: Callable, heads: int, kv_heads: int,
                  backend: Optional[str] = None):
@@ -94,17 +98,44 @@ class Fused:
         if backend != "none":
             # past its recompile budget dynamo would run a function uncompiled: `decode_attend` then materialises
             # [rows, T, kv_heads, group, hd] in fp32. Raise instead (`model._fused_layers` then turns fusion off);
-            # the budget as flex's (`flex_paged.RECOMPILE_LIMIT`, the same process-wide settings)
+            # the same process-wide settings as flex's (`flex_paged.RECOMPILE_LIMIT`)
             torch._dynamo.config.fail_on_recompile_limit_hit = True
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         compile = (lambda fn: fn) if backend == "none" else \
-            (lambda fn: torch.compile(fn, dynamic=True, fullgraph=True, backend=backend))
-        self.add_rms_norm, self.silu_mul, self._attend = (compile(f) for f in (add_rms_norm, silu_mul, decode_attend))
+            (lambda fn: torch.compile(fn, fullgraph=True, backend=backend))
+        self._norm, self._act = compile(add_rms_norm), compile(silu_mul)
+        self._core = compile(_core(heads, kv_heads))
         self.heads, self.kv_heads = heads, kv_heads
+
+    def add_rms_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        _dynamic(0, x, delta)
+        return self._norm(x, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        _dynamic(0, gate_up)
+        return self._act(gate_up)
 
     def attend(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], write_slots: torch.Tensor,
                read_slots: torch.Tensor, mask: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        return self._attend(qkv, *tables, write_slots, read_slots, mask, kc, vc, self.heads, self.kv_heads)
+        _dynamic(0, qkv, *tables, write_slots, read_slots, mask, kc, vc)  # rows; the pool's slots
+        _dynamic(1, read_slots)  # keys
+        _dynamic(3, mask)
+        return self._core(qkv, *tables, write_slots, read_slots, mask, kc, vc)
+
+
+def _core(heads: int, kv_heads: int) -> Callable:
+    """`decode_attend` with the model's head counts as constants (closed over: dynamo guards them, the kernels are
+    specialised to them)."""
+    def attend(qkv, cos, sin_rot, write_slots, read_slots, mask, kc, vc):
+        return decode_attend(qkv, cos, sin_rot, write_slots, read_slots, mask, kc, vc, heads, kv_heads)
+    return attend
+
+
+def _dynamic(dim: int, *tensors: Optional[torch.Tensor]) -> None:
+    """Mark dimension `dim` of each tensor dynamic for the next compile (size 0 or 1 still specialises)."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 @dataclass(frozen=True)
