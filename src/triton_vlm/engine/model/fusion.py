@@ -163,7 +163,7 @@ def choose(model, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
     if wanted == "off":
         return _logged(Choice(False, f"{ENV}=off"))
     if wanted == "auto" and dev.type != "cuda":
-        return _logged(Choice(False, f"{ENV}=auto on {dev.type}: eager (no compile at start)"))
+        return _logged(Choice(False, f"{ENV}=auto on {dev.type}: nothing compiled at start"))
     try:
         choice = _decide(model, wanted, block_size, keys, graphs)
     except Exception as e:  # noqa: BLE001 - any failure keeps the eager path
