@@ -64,7 +64,7 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
     # the decode step fused (uncompiled on a CPU) on a fresh engine: its rows, ratios against the eager rows, the race
     assert n["fusion_on"] is True and n["fusion_compiler"] == "none", n.get("fusion_error")
     for key in ("fusion_ttft_ms", "fusion_one_stream_tok_s", "fusion_greedy4_tok_s", "fusion_race_eager_ms",
-                "fusion_race_fused_ms", "fusion_one_stream_bw_fraction"):
+                "fusion_race_fused_ms", "fusion_race_pointwise_ms", "fusion_one_stream_bw_fraction"):
         assert n[key] > 0, key
     assert n["fusion_vs_eager_one_stream"] == round(n["fusion_one_stream_tok_s"] / n["one_stream_tok_s"], 2)
     assert n["fusion_after_rows"].startswith("fused (")  # no fused call failed while serving

@@ -19,7 +19,7 @@ if a step hangs past the global budget:
    (`TRITON_VLM_ATTENTION=flex`, a fresh engine): `flex_*` numbers and `flex_vs_sdpa_*` ratios. Before them the
    decode step fused by torch.compile (`TRITON_VLM_DECODE_FUSION=on`, a fresh engine; the big step's own rows run
    `off`): `fusion_*` numbers, `fusion_vs_eager_*` ratios, its bandwidth fraction, the kernel profiles of its
-   steps and its load-time race (`fusion_race_*_ms`).
+   steps and its load-time race (`fusion_race_{eager,fused,pointwise}_ms`).
 5. `peers`: the strongest baselines the image has, on the big step's model (`bench/gpu/peers.py`): transformers
    static cache + torch.compile (one stream) and continuous batching (`generate_batch`, greedy at 64 and 256).
 6. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
@@ -326,7 +326,8 @@ def _fresh_engine(check: Check, env: str, value: str, first_prompt: int):
 def fusion_rows(check: Check) -> dict:
     """The big model on a fresh engine with TRITON_VLM_DECODE_FUSION=on (`fusion.py`: compiled at load, inside the
     CUDA graphs): TTFT, one stream's decode tok/s, greedy at 64 concurrent (warmed first, as the big step's), the
-    kernel profiles of its steps, and the load-time race of one decode step eager vs fused -> fusion_* numbers.
+    kernel profiles of its steps, and the load-time race of one decode step eager / fused / only the norms and gate
+    fused (`fusion_race_{eager,fused,pointwise}_ms`) -> fusion_* numbers.
     On the CPU rehearsal the functions run uncompiled (`fusion.BACKEND` "none": inductor's C++ compiles take
     minutes on 2 cores), greedy runs at 4 and nothing is profiled."""
     from bench.gpu import big as gb  # noqa: PLC0415
@@ -355,9 +356,9 @@ def fusion_rows(check: Check) -> dict:
         elif "profile" not in check.skip_rows:
             gb.profile_rows(check, engine, prompts, s, "fusion_", out)
         if engine.model.fused is not None:  # one decode step, both ways, as `auto` times it at load
-            eager_ms, fused_ms = fusion.race(engine.model, engine.model.fused, engine.config.block_size,
-                                             graphs=engine.decode_graphs is not None)
-            out |= {"fusion_race_eager_ms": round(eager_ms, 3), "fusion_race_fused_ms": round(fused_ms, 3)}
+            times = fusion.race(engine.model, engine.model.fused, engine.config.block_size,
+                                graphs=engine.decode_graphs is not None)
+            out |= {f"fusion_race_{side}_ms": round(ms, 3) for side, ms in times.items()}
         out["fusion_after_rows"] = engine.model.fusion.describe()  # "failed while serving" if a call raised
         g = engine.decode_graphs
         if g is not None:

@@ -184,6 +184,7 @@ KEYS = ("gpu", "bandwidth_gb_s", "passed", "failures", "errors", "identical", "g
         "hf_beam_tok_s", "greedy64_speedup", "beam16_speedup", "agreement_prompts", "first_divergence_median",
         "fusion_one_stream_tok_s", "fusion_one_stream_bw_fraction", "fusion_vs_eager_one_stream",
         "fusion_greedy64_tok_s", "fusion_vs_eager_greedy64", "fusion_race_eager_ms", "fusion_race_fused_ms",
+        "fusion_race_pointwise_ms",
         "fusion_vs_static_one_stream",
         "flex_ttft_ms", "flex_one_stream_tok_s", "flex_greedy64_tok_s", "flex_vs_sdpa_greedy64", "tensorrt")
 

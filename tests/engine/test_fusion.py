@@ -159,12 +159,20 @@ def test_the_race_times_both_sides_and_keeps_the_faster(ckpt, monkeypatch, uncom
     m = eng.model
     fns = fusion.Fused(fusion._model_fn("add_rms_norm"), fusion._model_fn("silu_mul"), m.config.num_heads,
                        m.config.num_kv_heads)
-    eager_ms, fused_ms = fusion.race(m, fns, block_size=4, keys=32, graphs=False)
-    assert eager_ms > 0 and fused_ms > 0 and m.fused is None  # the model left as it was
+    times = fusion.race(m, fns, block_size=4, keys=32, graphs=False)
+    assert set(times) == {"eager", "fused", "pointwise"} and min(times.values()) > 0
+    assert m.fused is None and fns.core  # the model and the functions left as they were
     choice = fusion._decide(m, "auto", 4, 32, graphs=False)  # `auto` past its CUDA gate: check, race, keep
-    assert choice.eager_ms > 0 and choice.fused_ms > 0 and "raced one row of 32 keys, uncaptured" in choice.reason
-    assert choice.on == (choice.fused_ms < choice.eager_ms) == (m.fused is not None)
+    assert "raced one row of 32 keys, uncaptured" in choice.reason
+    best = min(("eager", choice.eager_ms), ("fused", choice.fused_ms), ("pointwise", choice.pointwise_ms),
+               key=lambda t: t[1])[0]
+    assert choice.on == (best != "eager") == (m.fused is not None) and choice.core == (best == "fused")
     assert f"{choice.fused_ms:.3f} ms fused vs {choice.eager_ms:.3f} ms eager" in choice.describe()
+    calls = []  # the pointwise-only choice: the norms fused, the attention core eager
+    monkeypatch.setattr(fusion, "decode_attend", lambda *a: calls.append(1))
+    want = generate(engine(ckpt, "off", monkeypatch), n=2)
+    m.fused, fns.core = fns, False
+    assert generate(eng, n=2) == want and not calls
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------------
@@ -190,8 +198,9 @@ def test_compiled_16_bit_logits_agree_and_auto_races_under_graphs(ckpt, monkeypa
     model = LlamaModel.from_pretrained(ckpt, dtype, "cuda")
     monkeypatch.setenv(fusion.ENV, "auto")
     choice = model.choose_fusion(16, keys=64, graphs=True)
-    assert choice.eager_ms is not None and choice.eager_ms > 0 and choice.fused_ms > 0, choice.reason
-    assert (model.fused is not None) == choice.on == (choice.fused_ms < choice.eager_ms)
+    assert choice.eager_ms is not None and min(choice.eager_ms, choice.fused_ms, choice.pointwise_ms) > 0, \
+        choice.reason
+    assert (model.fused is not None) == choice.on == (min(choice.fused_ms, choice.pointwise_ms) < choice.eager_ms)
     fns = model.fused or fusion.Fused(fusion._model_fn("add_rms_norm"), fusion._model_fn("silu_mul"),
                                       model.config.num_heads, model.config.num_kv_heads)
     err = fusion.check(model, fns, 16)

@@ -18,9 +18,10 @@ The step runs these inside the captured decode graphs (`cuda_graph.py`); a prefi
 
 `TRITON_VLM_DECODE_FUSION` (`choose`, at load, logged with the reason, kept in `LlamaModel.fusion`):
 - `auto` (default): on CUDA, after a check (one decode step, fused vs eager logits within the dtype's tolerance),
-  one decode step of one row in the model's real shapes is timed both ways, each as a captured CUDA graph replayed
-  (CUDA events, the best of 2 rounds of `RACE_REPS` replays; uncaptured when the engine runs without graphs), and
-  the faster kept. On a CPU `auto` is off: no compile at CPU server start (and the C decode kernels stay);
+  one decode step of one row in the model's real shapes is timed three ways, eager, fused, and with only the norms
+  and the gate fused (the attention core eager: gather + SDPA), each as a captured CUDA graph replayed (CUDA events,
+  the best of 2 rounds of `RACE_REPS` replays; uncaptured when the engine runs without graphs), and the fastest
+  kept. On a CPU `auto` is off: no compile at CPU server start (and the C decode kernels stay);
 - `on`: fused wherever the check passes (also on a CPU, where it takes the place of the C decode kernels: tests);
 - `off`: the eager path.
 Any failure to compile, in the check or in the race keeps the eager path and logs why: an optional speed path never
@@ -30,6 +31,7 @@ Not measured on a GPU yet: the GPU check's `fusion_*` rows (bench/gpu/check.py) 
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -106,6 +108,7 @@ class Fused:
         self._norm, self._act = compile(add_rms_norm), compile(silu_mul)
         self._core = compile(_core(heads, kv_heads))
         self.heads, self.kv_heads = heads, kv_heads
+        self.core = True  # the attention core fused too (`attend`); False: the eager one (`auto`'s race may pick it)
 
     def add_rms_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
         _dynamic(0, x, delta)
@@ -140,17 +143,22 @@ def _dynamic(dim: int, *tensors: Optional[torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class Choice:
-    """What `choose` decided: fused or not, why, and the race's times (None where it did not race)."""
+    """What `choose` decided: fused or not (and whether the attention core too, `core`), why, and the race's times
+    of one decode step (None where it did not race): eager, fused, and `pointwise_ms` with the norms and the gate
+    fused but the eager attention core (gather + SDPA)."""
 
     on: bool
     reason: str
     eager_ms: Optional[float] = None
     fused_ms: Optional[float] = None
+    pointwise_ms: Optional[float] = None
+    core: bool = True
 
     def describe(self) -> str:
+        what = ("fused" + ("" if self.core else " norms and gate, SDPA attention")) if self.on else "eager"
         times = "" if self.eager_ms is None else f"; one decode step {self.fused_ms:.3f} ms fused vs " \
-                                                 f"{self.eager_ms:.3f} ms eager"
-        return f"{'fused' if self.on else 'eager'} ({self.reason}{times})"
+            f"{self.eager_ms:.3f} ms eager, {self.pointwise_ms:.3f} ms with only the norms and gate fused"
+        return f"{what} ({self.reason}{times})"
 
 
 def choose(model, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
@@ -192,12 +200,14 @@ def _decide(model, wanted: str, block_size: int, keys: int, graphs: bool) -> Cho
         model.fused = fns
         return Choice(True, f"{ENV}=on: check passed ({err:.2g} relative), compiled in "
                             f"{time.perf_counter() - t0:.1f} s")
-    eager_ms, fused_ms = race(model, fns, block_size, keys, graphs)
-    faster = fused_ms < eager_ms
-    model.fused = fns if faster else None
+    times = race(model, fns, block_size, keys, graphs)
+    best = min(times, key=times.get)  # eager, fused or pointwise (the attention core eager)
+    fns.core = best == "fused"
+    model.fused = None if best == "eager" else fns
     how = "CUDA graphs replayed" if graphs and model.device.type == "cuda" else "uncaptured"
-    return Choice(faster, f"{ENV}={wanted}: check passed ({err:.2g} relative), raced one row of {keys} keys, {how}, "
-                          f"{time.perf_counter() - t0:.1f} s with compiles", eager_ms, fused_ms)
+    return Choice(best != "eager", f"{ENV}={wanted}: check passed ({err:.2g} relative), raced one row of {keys} keys, "
+                                   f"{how}, {time.perf_counter() - t0:.1f} s with compiles", times["eager"],
+                  times["fused"], times["pointwise"], fns.core)
 
 
 def _model_fn(name: str) -> Callable:
@@ -241,24 +251,32 @@ def check(model, fns: Fused, block_size: int, keys: int = 40) -> float:
 
 
 def race(model, fns: Fused, block_size: int, keys: int = RACE_KEYS, graphs: bool = True,
-         rounds: int = 2) -> tuple[float, float]:
-    """(eager ms, fused ms) of one decode step of one row holding `keys` keys: each side captured as a CUDA graph
-    and replayed (CUDA events) on CUDA with `graphs`, else called (wall clock); the best of `rounds` rounds."""
+         rounds: int = 2) -> dict[str, float]:
+    """ms of one decode step of one row holding `keys` keys, {"eager", "fused", "pointwise"} (the norms and the
+    gate fused, the attention core eager): each captured as a CUDA graph and replayed (CUDA events) on CUDA with
+    `graphs`, else called (wall clock); the best of `rounds` rounds, the sides alternating. `fns` left as given."""
     step = _scratch_step(model, block_size, keys)
+    pointwise = copy.copy(fns)
+    pointwise.core = False
     timers = {}
     try:
-        for side, fused in (("eager", None), ("fused", fns)):
+        for side, fused in (("eager", None), ("fused", copy.copy(fns)), ("pointwise", pointwise)):
+            if fused is not None:
+                fused.core = side == "fused"
             model.fused = fused
             timers[side] = _graph_timer(step, model.device) if graphs and model.device.type == "cuda" \
                 else _wall_timer(step, model.device)
-        best = {side: min(t() for _ in range(rounds)) for side, t in timers.items()}
+        best = {side: float("inf") for side in timers}
+        for _ in range(rounds):
+            for side, timer in timers.items():
+                best[side] = min(best[side], timer())
     finally:
         model.fused = None
         timers.clear()
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
             torch.cuda.empty_cache()
-    return best["eager"], best["fused"]
+    return best
 
 
 def _graph_timer(step: Callable, device: torch.device) -> Callable[[], float]:

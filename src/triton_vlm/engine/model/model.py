@@ -530,14 +530,15 @@ class LlamaModel:
     def _fused_layers(self, fused: fusion.Fused, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
                       adapters: Optional[AdapterBatch], masks: dict[int, torch.Tensor], rope: Optional[torch.Tensor],
                       last) -> Optional[torch.Tensor]:
-        """A decode step's layers on the compiled functions (`fusion.py`; under flex the attention stays flex's) ->
+        """A decode step's layers on the compiled functions (`fusion.py`; under flex, or where the race found the
+        fused attention core slower, the attention is `Attention.attend`'s) ->
         logits, or None where a call raised (no CUDA fault, not while a CUDA graph is captured): logged, fusion off
         for this process, the caller recomputes the step eagerly (the K/V it wrote are written again the same)."""
         tables = self._tables(batch, rope)  # cos, sin_rot [rows, 1, 1, head_dim]
         flex = self.attention.backend == "flex"
 
         def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, 1, heads * hd]
-            if flex:
+            if flex or not fused.core:
                 return self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
             return fused.attend(qkv, tables, batch.write_slots, batch.read_slots, masks[layer.window], cache.k[i],
                                 cache.v[i])
