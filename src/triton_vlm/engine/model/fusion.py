@@ -25,8 +25,9 @@ The step runs these inside the captured decode graphs (`cuda_graph.py`); a prefi
 - `on`: fused wherever the check passes (also on a CPU, where it takes the place of the C decode kernels: tests);
 - `off`: the eager path.
 Any failure to compile, in the check or in the race keeps the eager path and logs why: an optional speed path never
-stops a model loading. A fused call that raises while serving (not a CUDA fault, not inside a graph capture, whose
-failure `cuda_graph.py` handles) is logged, the step recomputed eagerly and fusion turned off for the process.
+stops a model loading. A compiled call that raises while serving (`FusedCallFailed`: not a CUDA fault nor out of
+memory, which propagate as anywhere; not inside a graph capture, whose failure `cuda_graph.py` handles) is logged,
+the step recomputed eagerly and fusion turned off for the process.
 Not measured on a GPU yet: the GPU check's `fusion_*` rows (bench/gpu/check.py) do that.
 """
 from __future__ import annotations
@@ -112,18 +113,32 @@ class Fused:
 
     def add_rms_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
         _dynamic(0, x, delta)
-        return self._norm(x, delta, weight, eps)
+        return _call(self._norm, x, delta, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         _dynamic(0, gate_up)
-        return self._act(gate_up)
+        return _call(self._act, gate_up)
 
     def attend(self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], write_slots: torch.Tensor,
                read_slots: torch.Tensor, mask: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         _dynamic(0, qkv, *tables, write_slots, read_slots, mask, kc, vc)  # rows; the pool's slots
         _dynamic(1, read_slots)  # keys
         _dynamic(3, mask)
-        return self._core(qkv, *tables, write_slots, read_slots, mask, kc, vc)
+        return _call(self._core, qkv, *tables, write_slots, read_slots, mask, kc, vc)
+
+
+class FusedCallFailed(RuntimeError):
+    """A compiled function raised (a compile, a guard past the recompile budget, a kernel): `model._fused_layers`
+    then recomputes the step eagerly. Not for CUDA faults or out-of-memory, which propagate as they are."""
+
+
+def _call(fn: Callable, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        if is_device_fault(e) or isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise FusedCallFailed(f"{type(e).__name__}: {e}"[:500]) from e
 
 
 def _core(heads: int, kv_heads: int) -> Callable:

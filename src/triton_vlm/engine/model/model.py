@@ -40,7 +40,6 @@ from ..cpu import cbuild, cpu_forward, gemm, gemv, gemv_bf16, gemv_fp8
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from ..kv.kv_cache import AttentionBatch, KVCache
 from ..lora.lora import LoraBatch
-from .faults import is_device_fault
 from .weights import ModelConfig, load_config, load_weights
 from ...quant import fp8_gpu
 from ...quant.fp8_weight import Fp8Weight
@@ -532,8 +531,9 @@ class LlamaModel:
                       last) -> Optional[torch.Tensor]:
         """A decode step's layers on the compiled functions (`fusion.py`; under flex, or where the race found the
         fused attention core slower, the attention is `Attention.attend`'s) ->
-        logits, or None where a call raised (no CUDA fault, not while a CUDA graph is captured): logged, fusion off
-        for this process, the caller recomputes the step eagerly (the K/V it wrote are written again the same)."""
+        logits, or None where a compiled call raised (`fusion.FusedCallFailed`: no CUDA fault, no out-of-memory; not
+        while a CUDA graph is captured): logged, fusion off for this process, the caller recomputes the step eagerly
+        (the K/V it wrote are written again)."""
         tables = self._tables(batch, rope)  # cos, sin_rot [rows, 1, 1, head_dim]
         flex = self.attention.backend == "flex"
 
@@ -544,10 +544,10 @@ class LlamaModel:
                                 cache.v[i])
         try:
             return self._layers(x, attend, adapters, fused.add_rms_norm, fused.silu_mul, last)
-        except Exception as e:  # noqa: BLE001 - an optional speed path: the eager step instead
-            if is_device_fault(e) or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                raise
-            why = f"{type(e).__name__}: {e}"[:500]
+        except fusion.FusedCallFailed as e:  # an optional speed path: the eager step instead
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise  # the capture fails (`cuda_graph.py` retries it); its warm-up runs already went eager
+            why = str(e)
             log.error("decode fusion failed while serving (%s); this step is recomputed eagerly and every later one "
                       "runs eager", why, exc_info=e)
             self.fused = None
