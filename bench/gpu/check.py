@@ -355,7 +355,7 @@ def fusion_rows(check: Check) -> dict:
             check.note("decode fusion: greedy at 4 and no kernel profile on a CPU (the functions uncompiled)")
         elif "profile" not in check.skip_rows:
             gb.profile_rows(check, engine, prompts, s, "fusion_", out)
-        if engine.model.fused is not None:  # one decode step, both ways, as `auto` times it at load
+        if engine.model.fused is not None:  # one decode step three ways, as `auto` times it at load
             times = fusion.race(engine.model, engine.model.fused, engine.config.block_size,
                                 graphs=engine.decode_graphs is not None)
             out |= {f"fusion_race_{side}_ms": round(ms, 3) for side, ms in times.items()}
