@@ -61,6 +61,13 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
         prof = n[key]
         assert prof["wall_ms_per_token"] > 0 and 0 < prof["busy_ms_per_token"] and len(prof["top"]) >= 5, key
         assert all("% aten::" in line and "/token)" in line for line in prof["top"]), prof["top"]
+    # the decode step fused (uncompiled on a CPU) on a fresh engine: its rows, ratios against the eager rows, the race
+    assert n["fusion_on"] is True and n["fusion_compiler"] == "none", n.get("fusion_error")
+    for key in ("fusion_ttft_ms", "fusion_one_stream_tok_s", "fusion_greedy4_tok_s", "fusion_race_eager_ms",
+                "fusion_race_fused_ms", "fusion_race_pointwise_ms", "fusion_one_stream_bw_fraction"):
+        assert n[key] > 0, key
+    assert n["fusion_vs_eager_one_stream"] == round(n["fusion_one_stream_tok_s"] / n["one_stream_tok_s"], 2)
+    assert n["fusion_after_rows"].startswith("fused (")  # no fused call failed while serving
     peers = steps["peers"]  # transformers static cache (not compiled on a CPU) and continuous batching, same model
     assert peers["status"] == "ok", peers["error"] + peers["traceback"]
     p = peers["numbers"]
@@ -71,6 +78,7 @@ def test_cpu_tiny_check_writes_every_step_with_numbers(tmp_path):
     assert steps["tensorrt"]["status"] in ("skipped", "ok")
     targets = {t["target"]: t for t in res["targets"]}
     assert targets["fp32 tokens identical to transformers"]["met"] is True
+    assert "eager's" in targets["one stream with decode fusion on at >= 70% of the measured bandwidth"]["value"]
     md = out.read_text()
     for name in steps:
         assert f"| {name} |" in md

@@ -16,7 +16,10 @@ if a step hangs past the global budget:
    the pixels, greedy and beam 4, prompts with and without an image: tokens identical.
 4. `big`: the llava-1.5-7b-shaped random model in fp16 (`bench/gpu/big.py`): ours vs transformers in-process, the
    attention on torch SDPA; then one stream and greedy at 64 again with the paged FlexAttention backend
-   (`TRITON_VLM_ATTENTION=flex`, a fresh engine): `flex_*` numbers and `flex_vs_sdpa_*` ratios.
+   (`TRITON_VLM_ATTENTION=flex`, a fresh engine): `flex_*` numbers and `flex_vs_sdpa_*` ratios. Before them the
+   decode step fused by torch.compile (`TRITON_VLM_DECODE_FUSION=on`, a fresh engine; the big step's own rows run
+   `off`): `fusion_*` numbers, `fusion_vs_eager_*` ratios, its bandwidth fraction, the kernel profiles of its
+   steps and its load-time race (`fusion_race_{eager,fused,pointwise}_ms`).
 5. `peers`: the strongest baselines the image has, on the big step's model (`bench/gpu/peers.py`): transformers
    static cache + torch.compile (one stream) and continuous batching (`generate_batch`, greedy at 64 and 256).
 6. `tensorrt`: the TensorRT vision plan vs torch fp16, where `import tensorrt` works.
@@ -45,6 +48,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every step on torch SDPA unless it names its attention (the big step's flex rows do): the self-check and race
 # that `auto` runs at load compile FlexAttention, tens of seconds a step's budget does not hold
 os.environ.setdefault("TRITON_VLM_ATTENTION", "sdpa")
+# and the decode step eager unless it names its fusion (the big step's fusion rows do): `auto` compiles and races
+# at load on CUDA, which the other steps (and the gpu tests' engines) would pay
+os.environ.setdefault("TRITON_VLM_DECODE_FUSION", "off")
 
 import torch  # noqa: E402
 
@@ -236,10 +242,19 @@ def step_big(check: Check) -> dict:
     at 64 concurrent again on a fresh engine with FlexAttention (=flex): `flex_*` numbers and their ratios; then the
     model quantized to block-wise FP8 on a fresh engine (bench/gpu/fp8.py): `fp8_*` numbers."""
     from bench.gpu.big import attempt, run_big  # noqa: PLC0415
+    from triton_vlm.engine.model import fusion  # noqa: PLC0415
     from triton_vlm.engine.model.attention import ENV  # noqa: PLC0415
 
-    with _env(ENV, "sdpa"):
+    with _env(ENV, "sdpa"), _env(fusion.ENV, "off"):
         out = run_big(check)
+    if "fusion" in check.skip_rows:
+        check.note("decode fusion rows: skipped (--skip-rows)")
+    elif check.left() < (20 if check.tiny else 100):  # (the 7B: load + compiles ~40 s, the rows ~30 s)
+        check.note(f"decode fusion rows: skipped, {check.left():.0f} s left")
+    else:
+        with _env(ENV, "sdpa"):
+            attempt(check, out, "fusion", lambda: fusion_rows(check))
+        fusion_ratios(check, out)
     if "flex" in check.skip_rows:
         check.note("flex attention rows: skipped (--skip-rows)")
     elif check.left() < (20 if check.tiny else 90):
@@ -285,30 +300,98 @@ def _env(name: str, value: str):
             os.environ[name] = old
 
 
-def flex_rows(check: Check) -> dict:
-    """The big model (saved by the big step) on a fresh engine with TRITON_VLM_ATTENTION=flex, configured as the
-    big step's (CUDA graphs on): TTFT, one stream's decode tok/s, greedy at 64 concurrent -> flex_* numbers."""
+def _fresh_engine(check: Check, env: str, value: str, first_prompt: int):
+    """The big model (saved by the big step) on a fresh engine configured as the big step's (CUDA graphs on), loaded
+    with os.environ[env] = value -> (engine, prompts from number `first_prompt` on, shapes, load seconds)."""
     import json  # noqa: PLC0415
 
     from bench.gpu import big as gb  # noqa: PLC0415
     from triton_vlm.engine.engine import Engine, EngineConfig  # noqa: PLC0415
-    from triton_vlm.engine.model import attention  # noqa: PLC0415
 
     s, model_dir = (gb.TINY if check.tiny else gb.LLAVA_7B), check.big_dir
     feats, _ = gb.image_features(check, model_dir, s, check.big_dtype)
     prompts = gb.Prompts(feats, json.loads((model_dir / "config.json").read_text())["image_token_index"], s.vocab)
-    prompts.n = 1 << 20  # other prompts than the big step's
+    prompts.n = first_prompt  # other prompts than the big step's
     context = 1 << (prompts.length + max(s.new_tokens, s.stream_tokens, s.agreement_tokens)).bit_length()
     rows = max(s.greedy_concurrency, s.beam_concurrency * s.beams)  # as gpu_big.ours
     cfg = EngineConfig(device=str(check.device), dtype=check.big_dtype, max_rows=rows,
                        context_length=min(context, s.max_pos),
                        kv_cache_tokens=rows * (prompts.length + 2 * s.stream_tokens + 64))
     t0 = time.perf_counter()
-    with _env(attention.ENV, "flex"):
+    with _env(env, value):
         engine = Engine(model_dir, cfg, tokenizer=gb.IdsTokenizer())
+    return engine, prompts, s, time.perf_counter() - t0
+
+
+def fusion_rows(check: Check) -> dict:
+    """The big model on a fresh engine with TRITON_VLM_DECODE_FUSION=on (`fusion.py`: compiled at load, inside the
+    CUDA graphs): TTFT, one stream's decode tok/s, greedy at 64 concurrent (warmed first, as the big step's), the
+    kernel profiles of its steps, and the load-time race of one decode step eager / fused / only the norms and gate
+    fused (`fusion_race_{eager,fused,pointwise}_ms`) -> fusion_* numbers.
+    On the CPU rehearsal the functions run uncompiled (`fusion.BACKEND` "none": inductor's C++ compiles take
+    minutes on 2 cores), greedy runs at 4 and nothing is profiled."""
+    from bench.gpu import big as gb  # noqa: PLC0415
+    from triton_vlm.engine.model import fusion  # noqa: PLC0415
+
+    rehearsal = check.device.type == "cpu"
+    if rehearsal:
+        fusion.BACKEND = "none"
+    engine, prompts, s, load_s = _fresh_engine(check, fusion.ENV, "on", 2 << 20)
+    choice = engine.model.fusion
+    out = {"fusion_engine_load_s": round(load_s, 1), "fusion_on": choice.on, "fusion_choice": choice.describe(),
+           "fusion_compiler": fusion.BACKEND}
+    try:
+        if not choice.on:
+            raise RuntimeError(f"decode fusion refused at load: {choice.describe()}")
+        gb.engine_batch(check, engine, [gb._request(prompts, "fusion-warm", 4)])
+        run_one = lambda r: gb.engine_batch(check, engine, [r])[0]  # noqa: E731
+        out |= {f"fusion_{k}": v for k, v in gb.latency_rows(check, run_one, prompts, s, "fusion").items()}
+        n = 4 if rehearsal else s.greedy_concurrency
+        gb.engine_batch(check, engine, [gb._request(prompts, f"fusion-gw{i}", 2) for i in range(n)])  # untimed
+        wall, _ = gb.engine_batch(check, engine, [gb._request(prompts, f"fusion-g{i}", s.new_tokens)
+                                                  for i in range(n)])
+        out[f"fusion_greedy{n}_tok_s"] = round(n * s.new_tokens / wall, 1)
+        if rehearsal:
+            check.note("decode fusion: greedy at 4 and no kernel profile on a CPU (the functions uncompiled)")
+        elif "profile" not in check.skip_rows:
+            gb.profile_rows(check, engine, prompts, s, "fusion_", out)
+        if engine.model.fused is not None:  # one decode step three ways, as `auto` times it at load
+            times = fusion.race(engine.model, engine.model.fused, engine.config.block_size,
+                                graphs=engine.decode_graphs is not None)
+            out |= {f"fusion_race_{side}_ms": round(ms, 3) for side, ms in times.items()}
+        out["fusion_after_rows"] = engine.model.fusion.describe()  # "failed while serving" if a call raised
+        g = engine.decode_graphs
+        if g is not None:
+            out["fusion_graphs"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks,
+                                    "capture_failures": g.capture_failures, "replay_errors": g.replay_errors}
+    finally:
+        engine.shutdown()
+        del engine
+        gb._free(check)
+    check.note(f"decode fusion: { {k: v for k, v in out.items() if 'profile' not in k} }")
+    return out
+
+
+def fusion_ratios(check: Check, out: dict) -> None:
+    """fusion_vs_eager_* (fused / the big step's eager rows) and the fused one stream's bandwidth fraction."""
+    for row in ("one_stream_tok_s", "greedy64_tok_s"):
+        if out.get(f"fusion_{row}") and out.get(row):
+            out[f"fusion_vs_eager_{row.removesuffix('_tok_s')}"] = round(out[f"fusion_{row}"] / out[row], 2)
+    if out.get("fusion_one_stream_tok_s") and out.get("bytes_per_token_mb") and check.bandwidth_gb_s:
+        used = out["fusion_one_stream_tok_s"] * out["bytes_per_token_mb"] / 1e3  # GB/s
+        out["fusion_one_stream_gb_s"] = round(used, 1)
+        out["fusion_one_stream_bw_fraction"] = round(used / check.bandwidth_gb_s, 3)
+
+
+def flex_rows(check: Check) -> dict:
+    """The big model (saved by the big step) on a fresh engine with TRITON_VLM_ATTENTION=flex, configured as the
+    big step's (CUDA graphs on): TTFT, one stream's decode tok/s, greedy at 64 concurrent -> flex_* numbers."""
+    from bench.gpu import big as gb  # noqa: PLC0415
+    from triton_vlm.engine.model import attention  # noqa: PLC0415
+
+    engine, prompts, s, load_s = _fresh_engine(check, attention.ENV, "flex", 1 << 20)
     att = engine.model.attention
-    out = {"flex_engine_load_s": round(time.perf_counter() - t0, 1), "flex_backend": att.backend,
-           "flex_reason": att.reason}
+    out = {"flex_engine_load_s": round(load_s, 1), "flex_backend": att.backend, "flex_reason": att.reason}
     try:
         gb.engine_batch(check, engine, [gb._request(prompts, "flex-warm", 4)])
         run_one = lambda r: gb.engine_batch(check, engine, [r])[0]  # noqa: E731
@@ -341,7 +424,7 @@ STEPS = (("env", step_env, 30), ("fp32_exact", step_fp32_exact, 45), ("big", ste
 
 
 # the big step's row groups `--skip-rows` may leave out (a short rerun on a lent device: the FP8 rows alone, say)
-SKIPPABLE_ROWS = ("flex", "fp8", "hf", "nographs", "profile")
+SKIPPABLE_ROWS = ("flex", "fp8", "fusion", "hf", "nographs", "profile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

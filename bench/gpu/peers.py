@@ -122,6 +122,9 @@ def run_peers(check: Check, big: dict) -> dict:
         gb._free(check)
     if big.get("one_stream_tok_s") and out.get("peer_static_one_stream_tok_s"):
         out["ours_vs_static_one_stream"] = round(big["one_stream_tok_s"] / out["peer_static_one_stream_tok_s"], 2)
+    if big.get("fusion_one_stream_tok_s") and out.get("peer_static_one_stream_tok_s"):  # the fused decode step's
+        out["fusion_vs_static_one_stream"] = round(big["fusion_one_stream_tok_s"]
+                                                   / out["peer_static_one_stream_tok_s"], 2)
     ours, theirs = big.get(f"greedy{s.greedy_concurrency}_tok_s"), out.get(f"peer_cb_greedy{counts[0]}_tok_s")
     if ours and theirs and counts[0] == s.greedy_concurrency:  # the same concurrency on both sides
         out["ours_vs_cb_greedy64"] = round(ours / theirs, 2)

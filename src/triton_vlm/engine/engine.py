@@ -63,6 +63,7 @@ from .lora.adapter_slots import DeviceAdapters
 from .lora import graph_slots
 from .lora.graph_slots import GraphAdapters
 from .model.cuda_graph import DecodeGraphs, static_bytes
+from .model.fusion import RACE_KEYS
 from .search.decoder import Decoder
 from .model.faults import Backoff, as_error, is_device_fault
 from .search.guide_compiler import GuideCompiler
@@ -233,6 +234,8 @@ class Engine:
                                   eos_ids=tuple(self.eos_ids))
         worst = worst_case(self.max_context, max_image_tokens(model_dir), config.max_rows)
         graphed = config.cuda_graphs and self.model.device.type == "cuda" and not (mc.sparse_layers or mc.layer_kinds)
+        if hasattr(self.model, "choose_fusion"):  # compiled decode functions, chosen by measurement (`fusion.py`)
+            self.model.choose_fusion(config.block_size, min(RACE_KEYS, self.max_context), graphs=graphed)
         self.memory = plan_kv_cache(self.model, config, probe, worst,  # refuses a cache short of one request
                                     self._graph_buffer_bytes() if graphed else None)
         config.kv_cache_tokens = self.memory.kv_tokens

@@ -35,7 +35,7 @@ from typing import Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import attention, mrope
+from . import attention, fusion, mrope
 from ..cpu import cbuild, cpu_forward, gemm, gemv, gemv_bf16, gemv_fp8
 from .attention import apply_rotary  # noqa: F401 - part of this module's API (tests, families)
 from ..kv.kv_cache import AttentionBatch, KVCache
@@ -432,6 +432,8 @@ class LlamaModel:
         self.deepstack_levels = 0  # DeepStack (Qwen3-VL): features per media token besides its embedding
         self._c_forward: Optional[cpu_forward.Forward] | bool = False  # False: not built yet (`c_forward`)
         self._c_forward_use: Optional[bool] = None  # whether decode steps take it, decided once (`c_forward`)
+        self.fused: Optional[fusion.Fused] = None  # decode steps on compiled functions (`fusion.py`), None: eager
+        self.fusion: Optional[fusion.Choice] = None  # what `choose_fusion` decided, and why
         if packed:  # built and checked at load, not inside the first request's step
             self.c_forward()
 
@@ -492,7 +494,8 @@ class LlamaModel:
         # `deepstack`: [levels, rows, q_len, hidden] added after the first `levels` layers (DeepStack: the vision
         # features at the media positions, zeros elsewhere); prefill only (never the C kernels)
         rows, q_len, _ = x.shape
-        kernel = None if (rope is not None and rope.dim() == 3) or deepstack is not None \
+        fused = self.fused if q_len == 1 and deepstack is None and (rope is None or rope.dim() < 3) else None
+        kernel = None if (rope is not None and rope.dim() == 3) or deepstack is not None or fused is not None \
             else self.attention.kernel_for(q_len)
         masks = window_masks(batch, {layer.window for layer in self.layers})  # each [rows, 1, q_len, T]
         one_call = (kernel is not None and whole and not all_logits and rows <= gemv.MAX_ROWS
@@ -508,17 +511,54 @@ class LlamaModel:
         if kernel is not None and not kernel.chosen:
             kernel = None  # the step fell back from the one call (adapters it cannot read): torch ops
         last = (lambda t: t) if all_logits else None if q_len == 1 else (lambda t: t[:, -1:])
+        logits = None
         if kernel is not None:
             def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, 1, heads * hd]
                 return step.attend(qkv.reshape(rows, -1), layer.window, cache.k[i], cache.v[i]).view(rows, 1, -1)
             logits = self._layers(x, attend, adapters, kernel.add_rms_norm, kernel.silu_mul, last)
-        else:
+        elif fused is not None:
+            logits = self._fused_layers(fused, x, batch, cache, adapters, masks, rope, last)  # None: it failed
+        if logits is None:
             tables = self._tables(batch, rope)  # cos, sin_rot [rows, q_len, 1, head_dim]
 
             def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, q_len, heads * hd]
                 return self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
             logits = self._layers(x, attend, adapters, add_rms_norm, silu_mul, last, deepstack)
         return logits if all_logits else logits[:, 0]  # from [rows, q_len or 1, vocab]
+
+    def _fused_layers(self, fused: fusion.Fused, x: torch.Tensor, batch: AttentionBatch, cache: KVCache,
+                      adapters: Optional[AdapterBatch], masks: dict[int, torch.Tensor], rope: Optional[torch.Tensor],
+                      last) -> Optional[torch.Tensor]:
+        """A decode step's layers on the compiled functions (`fusion.py`; under flex, or where the race found the
+        fused attention core slower, the attention is `Attention.attend`'s) ->
+        logits, or None where a compiled call raised (`fusion.FusedCallFailed`: no CUDA fault, no out-of-memory; not
+        while a CUDA graph is captured): logged, fusion off for this process, the caller recomputes the step eagerly
+        (the K/V it wrote are written again)."""
+        tables = self._tables(batch, rope)  # cos, sin_rot [rows, 1, 1, head_dim]
+        flex = self.attention.backend == "flex"
+
+        def attend(i: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:  # -> [rows, 1, heads * hd]
+            if flex or not fused.core:
+                return self.attention.attend(qkv, batch, cache, i, tables, masks[layer.window], layer.window)
+            return fused.attend(qkv, tables, batch.write_slots, batch.read_slots, masks[layer.window], cache.k[i],
+                                cache.v[i])
+        try:
+            return self._layers(x, attend, adapters, fused.add_rms_norm, fused.silu_mul, last)
+        except fusion.FusedCallFailed as e:  # an optional speed path: the eager step instead
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise  # the capture fails (`cuda_graph.py` retries it); its warm-up runs already went eager
+            why = str(e)
+            log.error("decode fusion failed while serving (%s); this step is recomputed eagerly and every later one "
+                      "runs eager", why, exc_info=e)
+            self.fused = None
+            self.fusion = fusion.Choice(False, f"failed while serving: {why}")
+            return None
+
+    def choose_fusion(self, block_size: int, keys: int = fusion.RACE_KEYS, graphs: bool = True) -> fusion.Choice:
+        """Whether decode steps run the compiled functions (`fusion.choose`: TRITON_VLM_DECODE_FUSION, a check, and
+        on CUDA a race), decided at load -> the choice (also `self.fusion`)."""
+        self.fusion = fusion.choose(self, block_size, keys, graphs)
+        return self.fusion
 
     @torch.inference_mode()
     def forward_ragged(self, x: torch.Tensor, segments: list[Segment], cache: KVCache,
