@@ -205,3 +205,8 @@ def test_compiled_16_bit_logits_agree_and_auto_races_under_graphs(ckpt, monkeypa
                                       model.config.num_heads, model.config.num_kv_heads)
     err = fusion.check(model, fns, 16)
     assert 0 < err <= fusion.CHECK_RTOL[getattr(torch, dtype)], err
+
+
+def test_the_default_is_off_until_a_gpu_has_measured_it(monkeypatch):
+    monkeypatch.delenv(fusion.ENV, raising=False)
+    assert fusion.mode() == "off" == fusion.DEFAULT

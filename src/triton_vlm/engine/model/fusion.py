@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 ENV = "TRITON_VLM_DECODE_FUSION"
 MODES = ("auto", "on", "off")
+# off until a GPU check has measured the fused step (it has never run on a device; its compiles at load, inductor's
+# worker processes inside a Triton stub and its race at one row are unmeasured there): `auto` races it at load
+DEFAULT = "off"
 BACKEND = "inductor"  # torch.compile's backend; "none": the same functions uncompiled (CPU tests, the GPU check's
 # CPU rehearsal: inductor's C++ compiles take minutes on 2 cores)
 # dynamo's budget of compiles per function (default 8), process-wide: a function's compiles are kept per code object,
@@ -59,8 +62,8 @@ CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 6e-2}  #
 
 
 def mode() -> str:
-    """The value of TRITON_VLM_DECODE_FUSION; anything else is refused at load, naming the variable."""
-    wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    """The value of TRITON_VLM_DECODE_FUSION (`DEFAULT` where unset); anything else is refused at load, naming the variable."""
+    wanted = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
     if wanted not in MODES:
         raise ValueError(f"{ENV}={wanted!r}: expected one of {', '.join(MODES)}")
     return wanted
