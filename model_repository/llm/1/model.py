@@ -49,7 +49,7 @@ class TritonPythonModel:
                                gpu_memory_utilization=float(p.get("gpu_memory_utilization") or 0.9),
                                cpu_memory_utilization=float(p.get("cpu_memory_utilization") or 0.5),
                                instances=_instances(args), context_length=config.parse_int(p, "context_length", 0),
-                               prefill_chunk=config.parse_int(p, "prefill_chunk", 512),
+                               prefill_chunk=config.parse_int(p, "prefill_chunk", 0),
                                max_queue=config.parse_int(p, "max_queue", 1024),
                                max_loras=config.parse_int(p, "max_loras", 16),
                                lora_cache_device_mb=config.parse_int(p, "lora_cache_device_mb", 256),

@@ -63,6 +63,7 @@ from .lora.adapter_slots import DeviceAdapters
 from .lora import graph_slots
 from .lora.graph_slots import GraphAdapters
 from .model.cuda_graph import DecodeGraphs, static_bytes
+from .policy import default_prefill_chunk
 from .model.fusion import RACE_KEYS
 from .search.decoder import Decoder
 from .model.faults import Backoff, as_error, is_device_fault
@@ -97,7 +98,7 @@ class EngineConfig:
     instances: int = 1  # instances of the model sharing that memory (Triton's instance count)
     context_length: int = 0  # > 0: a shorter context than the checkpoint's (bounds KV per request)
     block_size: int = 16
-    prefill_chunk: int = 512  # max prompt tokens prefilled per step
+    prefill_chunk: int = 0  # max prompt tokens prefilled per step; 0: by device (`policy.default_prefill_chunk`)
     max_queue: int = 1024  # waiting requests beyond this: submit() raises errors.Unavailable
     # LoRA device level: distinct adapters resident at once (vLLM's max_loras) and their bytes
     max_loras: int = 16
@@ -136,15 +137,16 @@ class EngineConfig:
         if self.scheduler_policy not in POLICIES:
             raise InvalidArgument(f"scheduler_policy must be one of {', '.join(POLICIES)}, "
                                   f"got {self.scheduler_policy!r}")
-        for name in ("max_rows", "block_size", "prefill_chunk", "max_queue", "max_loras", "lora_cache_device_mb",
+        for name in ("max_rows", "block_size", "max_queue", "max_loras", "lora_cache_device_mb",
                      "instances", "cuda_graph_max_rows", "cuda_graph_min_keys"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cuda_graph_lora_rank < 0:
             raise InvalidArgument("cuda_graph_lora_rank must be >= 0 (0: LoRA steps run eager), got "
                                   f"{self.cuda_graph_lora_rank}")
-        if self.kv_cache_tokens < 0 or self.kv_cache_mb < 0 or self.context_length < 0:
-            raise InvalidArgument("kv_cache_tokens, kv_cache_mb and context_length must be >= 0 (0: automatic)")
+        if self.kv_cache_tokens < 0 or self.kv_cache_mb < 0 or self.context_length < 0 or self.prefill_chunk < 0:
+            raise InvalidArgument("kv_cache_tokens, kv_cache_mb, context_length and prefill_chunk must be >= 0 "
+                                  "(0: automatic)")
         for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise InvalidArgument(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -232,6 +234,8 @@ class Engine:
         self.max_context = min(mc.max_position_embeddings, config.context_length or mc.max_position_embeddings)
         self.limits = ModelLimits(vocab_size=mc.vocab_size, context_length=self.max_context,
                                   eos_ids=tuple(self.eos_ids))
+        if not config.prefill_chunk:  # before the profile, which prefills its worst case in these chunks
+            config.prefill_chunk = default_prefill_chunk(self.model.device)
         worst = worst_case(self.max_context, max_image_tokens(model_dir), config.max_rows)
         graphed = config.cuda_graphs and self.model.device.type == "cuda" and not (mc.sparse_layers or mc.layer_kinds)
         if hasattr(self.model, "choose_fusion"):  # compiled decode functions, chosen by measurement (`fusion.py`)
