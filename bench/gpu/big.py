@@ -336,12 +336,9 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
         for graphs in (True, False):
             if not graphs:
                 if engine.decode_graphs is not None:
-                    g = engine.decode_graphs
-                    out["graphs_counters"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks,
-                                              "capture_failures": g.capture_failures,
-                                              "replay_errors": g.replay_errors,
-                                              "pool_mib_measured": round(g.pool_bytes / 2**20, 1),
-                                              "pool_mib_estimate": round(engine.memory.graph_pool_bytes / 2**20, 1)}
+                    out["graphs_counters"] = graph_counters(engine) | {
+                        "pool_mib_measured": round(engine.decode_graphs.pool_bytes / 2**20, 1),
+                        "pool_mib_estimate": round(engine.memory.graph_pool_bytes / 2**20, 1)}
                 engine.decode_graphs = engine.scheduler.runner.graphs = None
                 if "nographs" in check.skip_rows:
                     check.note("graphs off: skipped (--skip-rows nographs)")
@@ -360,6 +357,13 @@ def ours(check: Check, model_dir: Path, prompts: Prompts, s: Shapes, dtype: str,
         engine.shutdown()
         del engine
         _free(check)
+
+
+def graph_counters(engine) -> dict:
+    """The engine's CUDA graph counters (`DecodeGraphs`); {} without graphs."""
+    g = engine.decode_graphs
+    return {} if g is None else {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks,
+                                 "capture_failures": g.capture_failures, "replay_errors": g.replay_errors}
 
 
 def ours_rows(check: Check, engine, prompts: Prompts, s: Shapes, ref: list, tag: str, out: dict) -> None:

@@ -360,10 +360,8 @@ def fusion_rows(check: Check) -> dict:
                                 graphs=engine.decode_graphs is not None)
             out |= {f"fusion_race_{side}_ms": round(ms, 3) for side, ms in times.items()}
         out["fusion_after_rows"] = engine.model.fusion.describe()  # "failed while serving" if a call raised
-        g = engine.decode_graphs
-        if g is not None:
-            out["fusion_graphs"] = {"captured": g.captured, "replays": g.replays, "fallbacks": g.fallbacks,
-                                    "capture_failures": g.capture_failures, "replay_errors": g.replay_errors}
+        if engine.decode_graphs is not None:
+            out["fusion_graphs"] = gb.graph_counters(engine)
     finally:
         engine.shutdown()
         del engine
