@@ -46,6 +46,7 @@ from ..errors import InvalidArgument
 from .cpu import gemm
 from .kv.kv_cache import KVCache, blocks_needed
 from .model.merge import merge_image_embeds
+from .policy import default_prefill_chunk
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +308,8 @@ def plan_kv_cache(model, config, probe: MemoryProbe, worst: WorstCase, graphs: O
     decode steps will run as graphs (None: they will not); their pool is estimated here (module doc)."""
     per_token, bs = token_bytes(model), config.block_size
     weights = model_bytes(model)
-    activations, pool = measure_activations(model, probe, worst, block_size=bs, prefill_chunk=config.prefill_chunk,
+    chunk = config.prefill_chunk or default_prefill_chunk(model.device)  # 0: by device (the engine resolves it too)
+    activations, pool = measure_activations(model, probe, worst, block_size=bs, prefill_chunk=chunk,
                                             decode_apart=graphs is not None)
     pool = 0 if graphs is None else pool + GRAPH_POOL_SLACK
     graph_bytes = 0 if graphs is None else pool + graphs
