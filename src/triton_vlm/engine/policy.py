@@ -49,8 +49,9 @@ def default_prefill_chunk(device: torch.device) -> int:
     """`prefill_chunk` where the deployment sets none (0): 512 on a CPU; on a GPU vLLM's default token budget of a
     step for its OpenAI server by the device's memory (`EngineArgs`, its PR #17885 measured a larger budget slower
     on an A100): >= 160 GiB 16384, >= 70 GiB and not an A100 (H100, H200) 8192, else 2048. On the GPU a step with a
-    prefill runs its decode rows outside the CUDA graphs (~60 ms a step for a 7B on an H200: 16.6 tok/s without graphs): 64 prompts of 587
-    tokens took 74 such steps at 512 (2026-11-28 GPU check). Not yet measured on a GPU at these values."""
+    prefill runs its decode rows outside the CUDA graphs (~60 ms a step for a 7B on an H200: 16.6 tok/s without
+    graphs): 64 prompts of 587 tokens took 74 such steps at 512 (2026-11-28 GPU check). Not yet measured on a GPU
+    at these values."""
     if device.type != "cuda":
         return CPU_PREFILL_CHUNK
     props = torch.cuda.get_device_properties(device)
