@@ -53,8 +53,8 @@ class GpuFp8Weight:
     scale: torch.Tensor
     # how this torch's cuBLAS path reads the scales of mat_b = q^T (the trial at load finds which): "p4" (mat_b's
     # blocks [K/128, N/128] with K's blocks padded to a multiple of 4, column-major: torch 2.9+'s check,
-    # L4 = round_up(K/128, 4), stride [1, L4]), "p4c" (the same, row-major), "t" (mat_b's blocks, a [K/128, N/128] view), "tc" (the same,
-    # contiguous) or "n" (as stored, [N/128, K/128])
+    # L4 = round_up(K/128, 4), stride [1, L4]), "p4c" (the same, row-major), "t" (mat_b's blocks, a [K/128, N/128]
+    # view), "tc" (the same, contiguous) or "n" (as stored, [N/128, K/128])
     layout: str
     b_scale: torch.Tensor = field(init=False, repr=False)  # the scales as the product reads them, made once
 
