@@ -17,12 +17,12 @@ imports (`apply_llm_cpus`), so that what it measures while loading (the kernels'
 and its imports (torch, transformers, the engine: ~15 CPU-seconds) do not share the one CPU the other stubs import
 on (the demo server ready in 24.1 s when the stub moved after its first imports, 18.6-19.7 s now, on a 2-core
 machine). Once the engine's thread runs, `keep_only` leaves that thread alone on the llm CPUs (OpenMP workers it
-starts inherit them) and moves the stub's other threads (Triton's IPC thread, the responder, the cancel poller,
-the lifeline) back to the CPUs the stub started on, as vLLM's worker computes on its cores while its engine core and API server run on the reserved one:
-with several OpenMP threads, a responder preempting one of them stalls the whole parallel region. On a 2-core
-machine, one server alternating (`vllm bench serve`, 3 rounds each, the machine otherwise quiet) it is neutral within
-the noise: concurrency 16 440-476 vs 424-471 tokens/s, TPOT 26-29 vs 30-31 ms, TTFT at concurrency 1 35-37 vs
-36-39 ms (docs/performance.md).
+starts inherit them) and moves the stub's other threads (Triton's IPC thread, the responder, the cancel poller, the
+lifeline) back to the CPUs the stub started on, as vLLM's worker computes on its cores while its engine core and API
+server run on the reserved one: with several OpenMP threads, a responder preempting one of them stalls the whole
+parallel region. On a 2-core machine, one server alternating (`vllm bench serve`, 3 rounds each, the machine
+otherwise quiet) it is neutral within the noise: concurrency 16 440-476 vs 424-471 tokens/s, TPOT 26-29 vs 30-31 ms,
+TTFT at concurrency 1 35-37 vs 36-39 ms (docs/performance.md).
 The engine borrows the rest CPUs for its steps' extra OpenMP threads while few requests are in flight and they are
 idle (`spare_cpus`, `engine/cpu/spare.py`).
 A CPU the system refuses leaves that process as it was (logged): a layout never stops the server from starting.
